@@ -1,0 +1,46 @@
+"""Foil ("flatten the experts, untie the attention"): looped-block shapes (E, D, L).
+
+    python scripts/describe.py --config=configs/foil.py:foil1
+    python scripts/describe.py --config=configs/foil.py:shape=8x4x2,smoke --init
+
+d_model 1024, 16 heads of 64 (MHA), SwiGLU experts of width 1536, top-2, vocabulary 49152,
+untied embeddings, RMSNorm without gain, no biases; a prelude and a coda of one MoE layer
+with 8 experts. Variants: `base` (8,8,2), `foil3` (16,4,4), `foil2` (32,2,8), `foil1`
+(64,1,16), each with per-pass attention; the tied controls `base_tied`, `protofoil3/2/1`;
+and `shape=ExDxL` (untied; add `tied`). Base and every Foil have 553.7M parameters,
+Base-tied 520.2M, proto-Foil-1 490.8M. `smoke` shrinks the widths to CPU size.
+"""
+from loopmoe_jax.config import flatten, model_config_dict, parse_arg
+import ml_collections
+
+VARIANTS = ('base', 'foil3', 'foil2', 'foil1', 'base_tied', 'protofoil3', 'protofoil2',
+            'protofoil1', 'shape=8x4x2', 'shape=8x8x8,tied', 'foil1,smoke', 'base_tied,smoke')
+BASE = (8, 8, 2)
+FLATTEN = {'base': 1, 'foil3': 2, 'foil2': 4, 'foil1': 8}
+TIED = {'base_tied': 'base', 'protofoil3': 'foil3', 'protofoil2': 'foil2', 'protofoil1': 'foil1'}
+
+
+def core_shape(opts):
+  """(E, D, L, tied) of the looped block named by the parsed argument."""
+  if opts['shape']:
+    try:
+      e, d, l = (int(v) for v in opts['shape'].lower().split('x'))
+    except ValueError:
+      raise ValueError(f"config argument shape={opts['shape']!r}: expected ExDxL") from None
+    return e, d, l, opts['tied']
+  name = TIED.get(opts['variant'], opts['variant'])
+  if name not in FLATTEN:
+    raise ValueError(f"foil variant {opts['variant']!r}: known {sorted(FLATTEN) + sorted(TIED)}")
+  return (*flatten(*BASE, FLATTEN[name]), opts['variant'] in TIED or opts['tied'])
+
+
+def get_config(arg=None):
+  opts = parse_arg(arg, {'variant': 'base', 'shape': '', 'tied': False, 'smoke': False})
+  e, d, l, tied = core_shape(opts)
+  cfg = ml_collections.ConfigDict()
+  cfg.model = model_config_dict(
+      smoke=opts['smoke'], vocab_size=49152, d_model=1024, num_heads=16, head_dim=64,
+      expert_width=1536, top_k=2, renormalize=True, tie_embeddings=False, norm_gain=False,
+      prelude_layers=1, prelude_experts=8, coda_layers=1, coda_experts=8,
+      core_layers=d, core_experts=e, num_loops=l, tie_attention=tied)
+  return cfg

@@ -1,0 +1,48 @@
+"""SMELT (compute-matched looping): a 12-layer MoE baseline and its looped twin.
+
+    python scripts/describe.py --config=configs/smelt.py:200m,baseline
+    python scripts/describe.py --config=configs/smelt.py:200m,looped
+
+The twin loops the middle 50% of the stack (layers 3..8) r = 2 times with every write inside
+the loop scaled by 1/r, and pays for the extra 6 executed layers by narrowing the width
+(1280 -> 1056) and widening the expert pool (192 -> 288 per layer), with head size and KV
+heads chosen to hold the KV cache; describe prints its FLOPs, params and KV per token
+(1.003x, 1.001x and 1.031x of the baseline; the twin routes to 7 of 288 experts, the
+baseline to 6 of 192). `smoke` shrinks both to CPU size.
+"""
+from loopmoe_jax.config import middle_span, model_config_dict, parse_arg
+import ml_collections
+
+VARIANTS = ('200m,baseline', '200m,looped', 'smoke,baseline', 'smoke,looped')
+SIZES = {
+    # name: (baseline fields, looped-twin fields)
+    '200m': (dict(d_model=1280, num_heads=10, head_dim=128, num_kv_heads=10,
+                  core_experts=192, expert_width=448, top_k=6),
+             dict(d_model=1056, num_heads=10, head_dim=88, num_kv_heads=10,
+                  core_experts=288, expert_width=368, top_k=7)),
+    'smoke': (dict(d_model=64, num_heads=4, head_dim=16, num_kv_heads=4, core_experts=16,
+                   expert_width=32, top_k=2),
+              dict(d_model=48, num_heads=4, head_dim=12, num_kv_heads=2, core_experts=24,
+                   expert_width=28, top_k=2)),
+}
+
+
+def get_config(arg=None):
+  opts = parse_arg(arg, {'variant': 'looped', 'size': '200m', 'smoke': False, 'layers': 12,
+                         'span': 0.5, 'loops': 2})
+  size = 'smoke' if opts['smoke'] else opts['size']
+  if size not in SIZES or opts['variant'] not in ('baseline', 'looped'):
+    raise ValueError(f"smelt argument {arg!r}: size in {sorted(SIZES)}, variant in "
+                     "('baseline', 'looped')")
+  fields = dict(SIZES[size][opts['variant'] == 'looped'])
+  experts = fields['core_experts']
+  if opts['variant'] == 'looped':
+    layout = middle_span(opts['layers'], opts['span'], opts['loops'])
+  else:
+    layout = dict(prelude_layers=0, core_layers=opts['layers'], coda_layers=0, num_loops=1)
+  cfg = ml_collections.ConfigDict()
+  cfg.model = model_config_dict(
+      vocab_size=256 if size == 'smoke' else 65536,
+      prelude_experts=experts, coda_experts=experts, tie_attention=True,
+      residual_scale='inverse_loops', tie_embeddings=False, **layout, **fields)
+  return cfg

@@ -1,0 +1,93 @@
+"""Parameter, FLOP and KV-cache accounting straight from a ModelConfig (no init).
+
+Conventions:
+- `params_total`: every stored parameter (equals the real Flax param count; tested).
+- `params_active`: parameters used per token, counting every executed use: each executed
+  layer's attention, router, k routed experts, shared experts / dense MLP, the injection map
+  on every pass, and the output head (also when tied); the input embedding lookup is free.
+  Forward matmul FLOPs per token are exactly 2 * params_active.
+- `flops_per_token`: forward FLOPs per token at `context` tokens: 2 * params_active plus
+  4 * context * H * K per executed layer (QK^T and AV over the full context, the Chinchilla
+  convention without a causal discount). Training is about 3x this.
+- `kv_per_token`: cached entries per token: executed layers * 2 * kv_heads * head_dim (one
+  slot per executed (pass, layer)).
+- SMELT sparsity S = 1 - active / total over non-embedding parameters.
+- Foil counts over the core: E_real = E*D, E_comp = D*L*k, E_eq = E*D*L.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+
+from loopmoe_jax.config import ModelConfig
+
+
+def _attn(c: ModelConfig) -> int:
+  return c.d_model * c.head_size * (2 * c.num_heads + 2 * c.kv_heads)
+
+
+def _ffn(c: ModelConfig, experts: int) -> dict[str, int]:
+  """Stored and per-use parameters of one feed-forward layer, by kind."""
+  dense = 3 * c.d_model * c.expert_width
+  if not experts:
+    return dict(experts=0, dense_mlp=dense, routers=0, active=dense)
+  shared = 3 * c.d_model * c.num_shared_experts * c.shared_width
+  return dict(experts=experts * dense, dense_mlp=shared, routers=c.d_model * experts,
+              active=c.top_k * dense + shared + c.d_model * experts)
+
+
+def count(c: ModelConfig, context: int = 2048) -> dict[str, Any]:
+  """The accounting of `c` at a context length of `context` tokens."""
+  d, attn = c.d_model, _attn(c)
+  norm = d if c.norm_gain else 0
+  inject = 2 * d * d if c.injection == 'concat' else 0
+  br = dict(embeddings=c.vocab_size * d * (1 if c.tie_embeddings else 2), attention=0,
+            experts=0, dense_mlp=0, routers=0, norms=norm, injection=0)
+  active = c.vocab_size * d  # the output head
+  for seg, layers, experts, passes in c.segments:
+    ffn = _ffn(c, experts)
+    attn_sets = layers * (passes if seg == 'core' and not c.tie_attention else 1)
+    br['attention'] += attn_sets * attn
+    for kind in ('experts', 'dense_mlp', 'routers'):
+      br[kind] += layers * ffn[kind]
+    br['norms'] += layers * 2 * norm
+    if seg == 'core':
+      br['injection'] += inject
+    active += passes * (layers * (attn + ffn['active']) + (inject if seg == 'core' else 0))
+  total = sum(br.values())
+  embed_stored = br['embeddings']
+  nonembed_total = total - embed_stored
+  nonembed_active = active - c.vocab_size * d
+  attn_flops = 4 * context * c.num_heads * c.head_size * c.executed_layers
+  e, dl = c.core_experts, c.core_layers
+  return {
+      'params_total': total,
+      'params_active': active,
+      'params_nonembedding': nonembed_total,
+      'params_active_nonembedding': nonembed_active,
+      'breakdown': br,
+      'flops_per_token': 2 * active + attn_flops,
+      'context': context,
+      'kv_per_token': c.executed_layers * 2 * c.kv_heads * c.head_size,
+      'executed_layers': c.executed_layers,
+      'E_real': e * dl,
+      'E_comp': dl * c.num_loops * c.top_k if e else 0,
+      'E_eq': e * dl * c.num_loops,
+      'sparsity': 1.0 - nonembed_active / nonembed_total if nonembed_total else 0.0,
+  }
+
+
+def param_count(params) -> int:
+  """Real number of parameters in a (possibly boxed or abstract) param tree."""
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+
+
+def init_param_count(c: ModelConfig) -> int:
+  """Counts the real model's parameters via jax.eval_shape of init (no memory used)."""
+  import jax.numpy as jnp
+  from loopmoe_jax.model import LoopedMoE
+  tokens = jax.ShapeDtypeStruct((1, 4), jnp.int32)
+  shapes = jax.eval_shape(lambda t: LoopedMoE(c).init(jax.random.key(0), t), tokens)
+  return param_count(shapes['params'])

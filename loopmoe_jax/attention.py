@@ -1,0 +1,86 @@
+"""Causal multi-head / grouped-query attention with RoPE and a KV cache.
+
+Weights and computation are separate modules so a looped core can either own one set of
+weights per physical layer (tied across passes) or receive per-pass weights that the core
+stacks along a leading `loops` axis (untied, "Foil").
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from loopmoe_jax.config import ModelConfig
+from loopmoe_jax.layers import DTYPES, fan_in_init, param, rope
+
+
+class AttentionWeights(nn.Module):
+  """q, k, v, o projections; with `stack` > 0 each gets a leading per-pass axis of that size,
+  drawn independently per pass."""
+  cfg: ModelConfig
+  stack: int = 0
+
+  @nn.compact
+  def __call__(self):
+    c, dt = self.cfg, DTYPES[self.cfg.param_dtype]
+    d, h, g, k = c.d_model, c.num_heads, c.kv_heads, c.head_size
+    lead, lead_axes = ((self.stack,), ('loops',)) if self.stack else ((), ())
+    b = len(lead)
+    batch = tuple(range(b))
+    w = {}
+    for name, heads, axes in (('q', h, 'heads'), ('k', g, 'kv_heads'), ('v', g, 'kv_heads')):
+      w[name] = param(self, name, lead + (d, heads, k), lead_axes + ('embed', axes, 'head_dim'),
+                      fan_in_init([b], [b + 1, b + 2], batch), dt)
+    w['o'] = param(self, 'o', lead + (h, k, d), lead_axes + ('heads', 'head_dim', 'embed'),
+                   fan_in_init([b, b + 1], [b + 2], batch), dt)
+    return w
+
+
+class Attention(nn.Module):
+  """Causal attention given its weights; in decode mode keeps a KV cache of `max_len` slots.
+
+  positions_BT are absolute positions; in decode mode the chunk is written to the cache at
+  positions_BT[0, 0] (the same for every row) and attends to every filled slot before it.
+  """
+  cfg: ModelConfig
+  decode: bool = False
+
+  @nn.compact
+  def __call__(self, x_BTD, positions_BT, w):
+    c = self.cfg
+    dt = x_BTD.dtype
+    q_BTHK = jnp.einsum('btd,dhk->bthk', x_BTD, w['q'].astype(dt))
+    k_BSGK = jnp.einsum('btd,dgk->btgk', x_BTD, w['k'].astype(dt))
+    v_BSGK = jnp.einsum('btd,dgk->btgk', x_BTD, w['v'].astype(dt))
+    q_BTHK = rope(q_BTHK, positions_BT, c.rope_theta)
+    k_BSGK = rope(k_BSGK, positions_BT, c.rope_theta)
+    k_pos_BS = positions_BT
+    if self.decode:
+      initialized = self.has_variable('cache', 'k')
+      cache_k = self.variable('cache', 'k', jnp.zeros, k_BSGK.shape, k_BSGK.dtype)
+      cache_v = self.variable('cache', 'v', jnp.zeros, v_BSGK.shape, v_BSGK.dtype)
+      if initialized:
+        start = positions_BT[0, 0]
+        cache_k.value = jax.lax.dynamic_update_slice_in_dim(cache_k.value, k_BSGK, start, 1)
+        cache_v.value = jax.lax.dynamic_update_slice_in_dim(cache_v.value, v_BSGK, start, 1)
+        k_BSGK, v_BSGK = cache_k.value, cache_v.value
+        # Slots past the last written position are masked by causality (their position is
+        # larger than every query's).
+        k_pos_BS = jnp.broadcast_to(jnp.arange(k_BSGK.shape[1]), (x_BTD.shape[0],
+                                                                   k_BSGK.shape[1]))
+    out_BTHK = attend(q_BTHK, k_BSGK, v_BSGK, positions_BT, k_pos_BS)
+    return jnp.einsum('bthk,hkd->btd', out_BTHK, w['o'].astype(dt))
+
+
+def attend(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS):
+  """Softmax attention in float32 with a causal mask by position; GQA by head groups."""
+  b, t, h, k = q_BTHK.shape
+  g = k_BSGK.shape[2]
+  q = q_BTHK.reshape(b, t, g, h // g, k)
+  scores = jnp.einsum('btgqk,bsgk->bgqts', q, k_BSGK,
+                      preferred_element_type=jnp.float32) / jnp.sqrt(k).astype(jnp.float32)
+  mask = q_pos_BT[:, None, None, :, None] >= k_pos_BS[:, None, None, None, :]
+  scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_BSGK.dtype)
+  out = jnp.einsum('bgqts,bsgk->btgqk', probs, v_BSGK)
+  return out.reshape(b, t, h, k)

@@ -1,0 +1,228 @@
+"""Model configuration: one frozen dataclass, built once from an ml_collections ConfigDict.
+
+The model is a prelude of ordinary layers, a core block of `core_layers` layers applied
+`num_loops` times over shared weights, and a coda. Every layer is attention + a SwiGLU
+feed-forward that is a routed MoE (`*_experts >= 1`) or dense (`*_experts == 0`).
+
+Layout helpers turn paper recipes into these fields: `middle_span` (SMELT: loop the middle
+X% of an N-layer stack r times), `loop_span` (any contiguous span) and `flatten` (Foil:
+(E, D, L) -> (aE, D/a, aL)).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any, Mapping
+
+RESIDUAL_SCALES = ('none', 'inverse_loops')
+INJECTIONS = ('none', 'add', 'concat')
+REMAT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch')
+LOOP_IMPLS = ('scan', 'unroll')
+DTYPES = ('float32', 'bfloat16', 'float16')
+DISPATCHES = ('reference', 'sorted', 'xla')
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Every field the model and the accounting read. Field names are the config keys."""
+  vocab_size: int = 256
+  d_model: int = 64
+  num_heads: int = 4
+  num_kv_heads: int = 0          # 0: same as num_heads (MHA)
+  head_dim: int = 0              # 0: d_model // num_heads (must divide)
+  # Feed-forward / MoE.
+  expert_width: int = 128        # F, hidden width of one SwiGLU expert (or the dense MLP)
+  top_k: int = 2
+  renormalize: bool = True       # Mixtral: softmax over all experts, renormalise over top-k
+  num_shared_experts: int = 0
+  shared_expert_width: int = 0   # 0: expert_width
+  dispatch: str = 'sorted'
+  dispatch_tile: int = 64
+  # Layout: prelude -> core x num_loops -> coda. experts == 0 means a dense SwiGLU layer.
+  prelude_layers: int = 1
+  prelude_experts: int = 4
+  core_layers: int = 2
+  core_experts: int = 4
+  num_loops: int = 2
+  coda_layers: int = 1
+  coda_experts: int = 4
+  # Loop options.
+  tie_attention: bool = True     # False: each pass has its own attention ("Foil")
+  residual_scale: str = 'none'   # 'inverse_loops': every write inside the core scaled by 1/L
+  injection: str = 'none'        # prelude output injected into each pass: none | add | concat
+  remat: str = 'none'
+  loop_impl: str = 'scan'        # 'unroll': Python loop over the same shared params
+  # Embeddings, norms, positions.
+  tie_embeddings: bool = False
+  norm_gain: bool = True
+  norm_eps: float = 1e-6
+  rope_theta: float = 10000.0
+  dtype: str = 'float32'         # compute dtype; params stay param_dtype
+  param_dtype: str = 'float32'
+
+  def __post_init__(self):
+    _validate(self)
+
+  # Derived shapes -------------------------------------------------------------------------
+  @property
+  def kv_heads(self) -> int:
+    return self.num_kv_heads or self.num_heads
+
+  @property
+  def head_size(self) -> int:
+    return self.head_dim or self.d_model // self.num_heads
+
+  @property
+  def shared_width(self) -> int:
+    return self.shared_expert_width or self.expert_width
+
+  @property
+  def segments(self) -> tuple[tuple[str, int, int, int], ...]:
+    """(name, layers, experts, passes) for prelude, core and coda, skipping empty ones."""
+    segs = (('prelude', self.prelude_layers, self.prelude_experts, 1),
+            ('core', self.core_layers, self.core_experts, self.num_loops),
+            ('coda', self.coda_layers, self.coda_experts, 1))
+    return tuple(s for s in segs if s[1] > 0)
+
+  @property
+  def executed_layers(self) -> int:
+    return self.prelude_layers + self.core_layers * self.num_loops + self.coda_layers
+
+  def replace(self, **kw) -> 'ModelConfig':
+    return dataclasses.replace(self, **kw)
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any], where: str = 'model') -> 'ModelConfig':
+    return from_mapping(cls, d, where)
+
+
+def from_mapping(cls, d: Mapping[str, Any], where: str):
+  """Builds dataclass `cls` from a mapping, rejecting unknown keys with near names."""
+  d = dict(d.to_dict() if hasattr(d, 'to_dict') else d)
+  names = [f.name for f in dataclasses.fields(cls)]
+  for key in d:
+    if key not in names:
+      near = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
+      hint = f'; did you mean {", ".join(f"{where}.{n}" for n in near)}?' if near else ''
+      raise ValueError(f'unknown config field {where}.{key}{hint}')
+  return cls(**d)
+
+
+def _err(field: str, value: Any, why: str):
+  raise ValueError(f'model.{field}={value!r}: {why}')
+
+
+def _validate(c: ModelConfig):
+  for name in ('vocab_size', 'd_model', 'num_heads', 'expert_width', 'top_k', 'num_loops',
+               'dispatch_tile'):
+    if getattr(c, name) < 1:
+      _err(name, getattr(c, name), 'must be >= 1')
+  for name in ('num_kv_heads', 'head_dim', 'prelude_layers', 'core_layers', 'coda_layers',
+               'prelude_experts', 'core_experts', 'coda_experts', 'num_shared_experts',
+               'shared_expert_width'):
+    if getattr(c, name) < 0:
+      _err(name, getattr(c, name), 'must be >= 0')
+  if not c.head_dim and c.d_model % c.num_heads:
+    _err('num_heads', c.num_heads, f'does not divide model.d_model={c.d_model} '
+         '(set model.head_dim to use another head size)')
+  if c.head_size % 2:
+    _err('head_dim', c.head_size, 'RoPE needs an even head size')
+  if c.num_heads % c.kv_heads:
+    _err('num_kv_heads', c.num_kv_heads, f'GQA groups: must divide model.num_heads={c.num_heads}')
+  for seg, layers, experts, _ in c.segments:
+    if experts and c.top_k > experts:
+      _err('top_k', c.top_k, f'exceeds model.{seg}_experts={experts}')
+  if c.executed_layers < 1:
+    _err('core_layers', c.core_layers, 'the model has no layers')
+  choices = dict(residual_scale=RESIDUAL_SCALES, injection=INJECTIONS, remat=REMAT_POLICIES,
+                 loop_impl=LOOP_IMPLS, dtype=DTYPES, param_dtype=DTYPES, dispatch=DISPATCHES)
+  for name, allowed in choices.items():
+    if getattr(c, name) not in allowed:
+      _err(name, getattr(c, name), f'must be one of {allowed}')
+  if c.injection != 'none' and not c.core_layers:
+    _err('injection', c.injection, 'needs a looped core (model.core_layers >= 1)')
+
+
+# Layout helpers ---------------------------------------------------------------------------
+
+def loop_span(num_layers: int, start: int, stop: int, loops: int) -> dict[str, int]:
+  """Loops layers [start, stop) of a `num_layers` stack `loops` times."""
+  if num_layers < 1:
+    raise ValueError(f'num_layers={num_layers}: must be >= 1')
+  if not 0 <= start < stop <= num_layers:
+    raise ValueError(f'span=[{start}, {stop}) lies outside the stack of num_layers={num_layers}')
+  if loops < 1:
+    raise ValueError(f'loops={loops}: must be >= 1')
+  return dict(prelude_layers=start, core_layers=stop - start, coda_layers=num_layers - stop,
+              num_loops=loops)
+
+
+def middle_span(num_layers: int, fraction: float, loops: int) -> dict[str, int]:
+  """SMELT: loop the contiguous middle `fraction` of the stack (0.5 of 12 -> layers 3..8)."""
+  if not 0.0 < fraction <= 1.0:
+    raise ValueError(f'span fraction={fraction}: must lie in (0, 1] (span outside the stack)')
+  span = max(1, round(num_layers * fraction))
+  start = (num_layers - span) // 2
+  return loop_span(num_layers, start, start + span, loops)
+
+
+def flatten(experts: int, layers: int, loops: int, factor: int) -> tuple[int, int, int]:
+  """Foil: (E, D, L) -> (aE, D/a, aL), which keeps E*D, D*L and k*D*L."""
+  if factor < 1 or layers % factor:
+    raise ValueError(f'flatten factor={factor} does not divide core_layers D={layers}')
+  return experts * factor, layers // factor, loops * factor
+
+
+def parse_arg(arg: str | None, defaults: Mapping[str, Any]) -> dict[str, Any]:
+  """Parses a config-file argument 'name,key=value,flag' against typed `defaults`.
+
+  A bare word sets a bool default to True, or sets the 'variant' key when it is not a bool
+  field. Unknown keys raise with near names.
+  """
+  out = dict(defaults)
+  for tok in filter(None, (t.strip() for t in (arg or '').split(','))):
+    key, eq, val = tok.partition('=')
+    if not eq:
+      if isinstance(defaults.get(key), bool):
+        out[key] = True
+        continue
+      if 'variant' not in defaults:
+        raise ValueError(f'config argument {tok!r}: not a flag; known {sorted(defaults)}')
+      key, val = 'variant', tok
+    if key not in defaults:
+      near = difflib.get_close_matches(key, list(defaults), n=3, cutoff=0.5)
+      raise ValueError(f'config argument {key!r} is unknown' +
+                       (f'; did you mean {near}?' if near else f'; known {sorted(defaults)}'))
+    typ = type(defaults[key])
+    if typ is bool:
+      out[key] = val.lower() in ('1', 'true', 'yes')
+    else:
+      try:
+        out[key] = typ(val)
+      except ValueError:
+        raise ValueError(f'config argument {key}={val!r}: expected {typ.__name__}') from None
+  return out
+
+
+# Config files ---------------------------------------------------------------------------------
+
+SMOKE_MODEL = dict(vocab_size=256, d_model=64, num_heads=4, head_dim=16, expert_width=64,
+                   shared_expert_width=0)
+
+
+def model_config_dict(smoke: bool = False, **fields):
+  """A ConfigDict holding every ModelConfig field (so a typo in --config.model.X fails),
+  the given fields applied, and with `smoke` the widths shrunk to CPU size (layers, experts,
+  passes and top-k kept). GQA keeps its group count where it still divides the heads."""
+  import ml_collections
+  base = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+  for key in fields:
+    if key not in base:
+      raise ValueError(f'unknown config field model.{key}')
+  base.update(fields)
+  if smoke:
+    groups = base['num_heads'] // (base['num_kv_heads'] or base['num_heads'])
+    base.update(SMOKE_MODEL)
+    base['num_kv_heads'] = base['num_heads'] // groups if base['num_heads'] % groups == 0 else 0
+  ModelConfig(**base)  # validate now, naming the field
+  return ml_collections.ConfigDict(base)

@@ -1,0 +1,76 @@
+"""Small building blocks: parameter helper with logical axes, RMSNorm, RoPE, SwiGLU MLP.
+
+Logical axis names used on parameters (a rules table in the sharding code maps them to mesh
+axes): vocab, embed, heads, kv_heads, head_dim, mlp, experts, loops, layers.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
+
+
+def fan_in_init(in_axes: Sequence[int], out_axes: Sequence[int], batch_axes: Sequence[int] = ()):
+  """Truncated-normal variance scaling over the fan-in; batch axes get independent draws."""
+  return nn.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal',
+                                          in_axis=tuple(in_axes), out_axis=tuple(out_axes),
+                                          batch_axis=tuple(batch_axes))
+
+
+def param(module: nn.Module, name: str, shape, axes: Sequence[str], init, dtype):
+  """Creates a parameter annotated with logical axis names (one per dimension)."""
+  if len(axes) != len(shape):
+    raise ValueError(f'{name}: {len(axes)} axis names for shape {shape}')
+  return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape), dtype)
+
+
+class RMSNorm(nn.Module):
+  """RMSNorm in float32; a learned gain only when `use_gain` (Foil uses none)."""
+  use_gain: bool = True
+  eps: float = 1e-6
+  param_dtype: str = 'float32'
+
+  @nn.compact
+  def __call__(self, x):
+    dtype = x.dtype
+    x = x.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+    if self.use_gain:
+      gain = param(self, 'scale', (x.shape[-1],), ('embed',), nn.initializers.ones,
+                   DTYPES[self.param_dtype])
+      x = x * gain.astype(jnp.float32)
+    return x.astype(dtype)
+
+
+def rope(x_BTHK, positions_BT, theta: float):
+  """Rotary embedding (rotate-half form) at integer positions."""
+  k = x_BTHK.shape[-1]
+  freq = theta ** (-jnp.arange(0, k, 2, dtype=jnp.float32) / k)
+  angle = positions_BT[:, :, None, None].astype(jnp.float32) * freq
+  sin, cos = jnp.sin(angle), jnp.cos(angle)
+  x1, x2 = jnp.split(x_BTHK.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BTHK.dtype)
+
+
+def swiglu(x, gate_DF, up_DF, down_FD):
+  return (jax.nn.silu(x @ gate_DF) * (x @ up_DF)) @ down_FD
+
+
+class DenseMLP(nn.Module):
+  """A dense SwiGLU feed-forward layer (also the shared experts of an MoE layer)."""
+  width: int
+  param_dtype: str = 'float32'
+
+  @nn.compact
+  def __call__(self, x_BTD):
+    d, dt = x_BTD.shape[-1], DTYPES[self.param_dtype]
+    gate = param(self, 'gate', (d, self.width), ('embed', 'mlp'), fan_in_init([0], [1]), dt)
+    up = param(self, 'up', (d, self.width), ('embed', 'mlp'), fan_in_init([0], [1]), dt)
+    down = param(self, 'down', (self.width, d), ('mlp', 'embed'), fan_in_init([0], [1]), dt)
+    c = x_BTD.dtype
+    return swiglu(x_BTD, gate.astype(c), up.astype(c), down.astype(c))

@@ -1,0 +1,193 @@
+"""The looped MoE language model: embed -> prelude -> core x L -> coda -> norm -> head.
+
+The core's D layers run L times through `nn.scan` with `variable_broadcast='params'`, so its
+shared weights appear once in the param tree. With untied attention ("Foil") the core owns
+one attention set per pass, stacked along a leading `loops` axis, and feeds pass l its slice
+as the scanned input; experts and routers stay shared. The KV cache is scanned per pass, so
+there is one slot per executed (pass, layer).
+
+`apply` returns (logits_BTV, extras): extras holds the aux losses averaged over every MoE
+visit of the unrolled depth ('load_balance', 'z_loss'), the per-visit values under
+'per_visit' ({segment: {name: array}}; core arrays are [L, D]), and with
+`return_routing=True` the routing records under 'routing' ({segment: {'experts', 'logits'}}).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from loopmoe_jax.attention import Attention, AttentionWeights
+from loopmoe_jax.config import ModelConfig
+from loopmoe_jax.layers import DTYPES, DenseMLP, RMSNorm, fan_in_init, param
+from loopmoe_jax.moe import MoE
+
+REMAT = {
+    'full': None,
+    'dots': jax.checkpoint_policies.checkpoint_dots,
+    'dots_no_batch': jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+class Layer(nn.Module):
+  """Pre-norm attention + feed-forward; each write scaled by `scale` (1/r inside SMELT loops)."""
+  cfg: ModelConfig
+  num_experts: int
+  scale: float = 1.0
+  decode: bool = False
+  record: bool = False
+
+  @nn.compact
+  def __call__(self, x_BTD, positions_BT, attn_w=None):
+    c = self.cfg
+    if attn_w is None:
+      attn_w = AttentionWeights(c, name='attn')()
+    norm = lambda name: RMSNorm(c.norm_gain, c.norm_eps, c.param_dtype, name=name)
+    h = Attention(c, self.decode, name='attention')(norm('attn_norm')(x_BTD), positions_BT, attn_w)
+    x_BTD = x_BTD + self.scale * h
+    u = norm('mlp_norm')(x_BTD)
+    if self.num_experts:
+      h, stats = MoE(c, self.num_experts, self.record, name='moe')(u)
+    else:
+      h, stats = DenseMLP(c.expert_width, c.param_dtype, name='mlp')(u), {}
+    return x_BTD + self.scale * h, stats
+
+
+class Stack(nn.Module):
+  """One pass over `num_layers` layers. Attention weights come from the layers themselves, or,
+  when `pass_attn` is given (untied core), from it: one weight dict per layer."""
+  cfg: ModelConfig
+  num_layers: int
+  num_experts: int
+  scale: float = 1.0
+  injection: str = 'none'
+  decode: bool = False
+  record: bool = False
+
+  @nn.compact
+  def __call__(self, x_BTD, pass_attn, e_BTD, positions_BT):
+    c = self.cfg
+    if self.injection == 'add':
+      x_BTD = x_BTD + e_BTD
+    elif self.injection == 'concat':
+      w = param(self, 'inject', (2, c.d_model, c.d_model), (None, 'embed', 'embed'),
+                fan_in_init([0, 1], [2]), DTYPES[c.param_dtype]).astype(x_BTD.dtype)
+      x_BTD = x_BTD @ w[0] + e_BTD @ w[1]
+    stats = []
+    for i in range(self.num_layers):
+      layer = Layer(c, self.num_experts, self.scale, self.decode, self.record, name=f'layer_{i}')
+      x_BTD, s = layer(x_BTD, positions_BT, None if pass_attn is None else pass_attn[i])
+      stats.append(s)
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *stats) if stats[0] else {}
+    return x_BTD, stacked
+
+
+class Core(nn.Module):
+  """D shared layers applied `num_loops` times (default: the trained count)."""
+  cfg: ModelConfig
+  decode: bool = False
+  record: bool = False
+
+  @nn.compact
+  def __call__(self, x_BTD, positions_BT, num_loops: int):
+    c = self.cfg
+    scale = 1.0 / c.num_loops if c.residual_scale == 'inverse_loops' else 1.0
+    pass_attn = None
+    if not c.tie_attention:
+      stacked = [AttentionWeights(c, stack=c.num_loops, name=f'pass_attn_{i}')()
+                 for i in range(c.core_layers)]
+      pass_attn = jax.tree.map(lambda w: w[:num_loops], stacked)
+    body = Stack
+    if c.remat != 'none':
+      body = nn.remat(Stack, policy=REMAT[c.remat], prevent_cse=False)
+    kw = dict(cfg=c, num_layers=c.core_layers, num_experts=c.core_experts, scale=scale,
+              injection=c.injection, decode=self.decode, record=self.record)
+    e_BTD = x_BTD if c.injection != 'none' else None
+    if c.loop_impl == 'scan' or self.decode:
+      scanned = nn.scan(body, variable_broadcast='params', variable_axes={'cache': 0},
+                        split_rngs={'params': False}, in_axes=(0, nn.broadcast, nn.broadcast),
+                        length=num_loops)
+      return scanned(**kw, name='body')(x_BTD, pass_attn, e_BTD, positions_BT)
+    stack = body(**kw, name='body')
+    stats = []
+    for l in range(num_loops):
+      per_pass = None if pass_attn is None else jax.tree.map(lambda w: w[l], pass_attn)
+      x_BTD, s = stack(x_BTD, per_pass, e_BTD, positions_BT)
+      stats.append(s)
+    return x_BTD, jax.tree.map(lambda *a: jnp.stack(a), *stats)
+
+
+class LoopedMoE(nn.Module):
+  """The language model. Call with int tokens [B, T] (or `x_BTD` embeddings instead)."""
+  cfg: ModelConfig
+  decode: bool = False
+
+  @nn.compact
+  def __call__(self, tokens_BT=None, *, num_loops: int | None = None,
+               return_routing: bool = False, x_BTD=None):
+    c = self.cfg
+    dt = DTYPES[c.dtype]
+    num_loops = self._check_loops(num_loops)
+    embed_VD = param(self, 'embed', (c.vocab_size, c.d_model), ('vocab', 'embed'),
+                     nn.initializers.normal(1.0), DTYPES[c.param_dtype])
+    if x_BTD is None:
+      x_BTD = jnp.take(embed_VD, tokens_BT, axis=0)
+    x_BTD = x_BTD.astype(dt)
+    positions_BT = self._positions(x_BTD.shape[0], x_BTD.shape[1])
+
+    per_visit: dict[str, Any] = {}
+    seg_kw = dict(decode=self.decode, record=return_routing)
+    if c.prelude_layers:
+      x_BTD, per_visit['prelude'] = Stack(c, c.prelude_layers, c.prelude_experts, **seg_kw,
+                                          name='prelude')(x_BTD, None, None, positions_BT)
+    if c.core_layers:
+      x_BTD, per_visit['core'] = Core(c, **seg_kw, name='core')(x_BTD, positions_BT, num_loops)
+    if c.coda_layers:
+      x_BTD, per_visit['coda'] = Stack(c, c.coda_layers, c.coda_experts, **seg_kw,
+                                       name='coda')(x_BTD, None, None, positions_BT)
+    x_BTD = RMSNorm(c.norm_gain, c.norm_eps, c.param_dtype, name='final_norm')(x_BTD)
+    if c.tie_embeddings:
+      logits_BTV = x_BTD @ embed_VD.T.astype(dt) / jnp.sqrt(c.d_model).astype(dt)
+    else:
+      head_DV = param(self, 'head', (c.d_model, c.vocab_size), ('embed', 'vocab'),
+                      fan_in_init([0], [1]), DTYPES[c.param_dtype])
+      logits_BTV = x_BTD @ head_DV.astype(dt)
+    return logits_BTV.astype(jnp.float32), _extras(per_visit, return_routing)
+
+  def _check_loops(self, num_loops):
+    c = self.cfg
+    if num_loops is None:
+      return c.num_loops
+    if num_loops < 1:
+      raise ValueError(f'num_loops={num_loops}: must be >= 1')
+    if not c.tie_attention and num_loops > c.num_loops:
+      raise ValueError(f'num_loops={num_loops} exceeds the trained model.num_loops='
+                       f'{c.num_loops}: untied attention has weights for {c.num_loops} passes '
+                       'only (test-time recurrence needs model.tie_attention=True)')
+    return num_loops
+
+  def _positions(self, batch, length):
+    base = jnp.arange(length, dtype=jnp.int32)
+    if self.decode:
+      initialized = self.has_variable('cache', 'position')
+      pos = self.variable('cache', 'position', lambda: jnp.zeros((), jnp.int32))
+      base = base + pos.value
+      if initialized:
+        pos.value = pos.value + length
+    return jnp.broadcast_to(base, (batch, length))
+
+
+def _extras(per_visit, return_routing):
+  flat = {name: jnp.concatenate([s[name].reshape(-1) for s in per_visit.values() if s])
+          for name in ('load_balance', 'z_loss') if any(per_visit.values())}
+  extras = {name: jnp.mean(v) for name, v in flat.items()}
+  if not flat:
+    extras = {'load_balance': jnp.zeros(()), 'z_loss': jnp.zeros(())}
+  extras['per_visit'] = {seg: {n: s[n] for n in ('load_balance', 'z_loss')}
+                         for seg, s in per_visit.items() if s}
+  if return_routing:
+    extras['routing'] = {seg: {n: s[n] for n in ('experts', 'logits')}
+                         for seg, s in per_visit.items() if s}
+  return extras

@@ -1,0 +1,75 @@
+"""The MoE feed-forward layer: route (float32) -> dispatch (see dispatch.py) -> combine.
+
+Aux losses per call (one MoE layer on one pass): the Switch load-balance loss
+E * sum_i f_i P_i (f_i: share of the T*k choices that went to expert i; P_i: mean router
+probability) and the router z-loss mean_t logsumexp(z_t)^2. They are returned, never added
+to anything here.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from loopmoe_jax.config import ModelConfig
+from loopmoe_jax.dispatch import dispatch
+from loopmoe_jax.layers import DTYPES, DenseMLP, fan_in_init, param
+
+
+def route(logits_TE, top_k: int, renormalize: bool):
+  """Top-k of softmax over all experts; weights renormalised over the k chosen (Mixtral) or not."""
+  probs_TE = jax.nn.softmax(logits_TE.astype(jnp.float32), axis=-1)
+  weights_Tk, experts_Tk = jax.lax.top_k(probs_TE, top_k)
+  if renormalize:
+    weights_Tk = weights_Tk / jnp.sum(weights_Tk, axis=-1, keepdims=True)
+  return experts_Tk, weights_Tk, probs_TE
+
+
+def load_balance_loss(experts_Tk, probs_TE):
+  num_experts = probs_TE.shape[-1]
+  counts_E = jnp.zeros((num_experts,), jnp.float32).at[experts_Tk.reshape(-1)].add(1.0)
+  f_E = counts_E / experts_Tk.size
+  p_E = jnp.mean(probs_TE, axis=0)
+  return num_experts * jnp.sum(f_E * p_E)
+
+
+def z_loss(logits_TE):
+  return jnp.mean(jax.nn.logsumexp(logits_TE.astype(jnp.float32), axis=-1) ** 2)
+
+
+class MoE(nn.Module):
+  """Routed SwiGLU experts (plus optional always-on shared experts); dropless."""
+  cfg: ModelConfig
+  num_experts: int
+  record: bool = False
+
+  @nn.compact
+  def __call__(self, x_BTD):
+    c, dt = self.cfg, DTYPES[self.cfg.param_dtype]
+    b, t, d = x_BTD.shape
+    e, f = self.num_experts, c.expert_width
+    router_DE = param(self, 'router', (d, e), ('embed', 'experts'), fan_in_init([0], [1]), dt)
+    experts = {
+        'gate': param(self, 'gate', (e, d, f), ('experts', 'embed', 'mlp'),
+                      fan_in_init([1], [2], [0]), dt),
+        'up': param(self, 'up', (e, d, f), ('experts', 'embed', 'mlp'),
+                    fan_in_init([1], [2], [0]), dt),
+        'down': param(self, 'down', (e, f, d), ('experts', 'mlp', 'embed'),
+                      fan_in_init([1], [2], [0]), dt),
+    }
+    x_TD = x_BTD.reshape(b * t, d)
+    with jax.named_scope('route'):
+      logits_TE = jnp.dot(x_TD.astype(jnp.float32), router_DE.astype(jnp.float32))
+      experts_Tk, weights_Tk, probs_TE = route(logits_TE, c.top_k, c.renormalize)
+    stats = {'load_balance': load_balance_loss(experts_Tk, probs_TE), 'z_loss': z_loss(logits_TE)}
+    if self.record:
+      stats['experts'] = experts_Tk.reshape(b, t, -1)
+      stats['logits'] = logits_TE.reshape(b, t, -1)
+    params = {k: v.astype(x_BTD.dtype) for k, v in experts.items()}
+    y_TD = dispatch(x_TD, experts_Tk, weights_Tk.astype(x_BTD.dtype), params, c.dispatch,
+                    c.dispatch_tile)
+    y_BTD = y_TD.reshape(b, t, d)
+    if c.num_shared_experts:
+      y_BTD = y_BTD + DenseMLP(c.num_shared_experts * c.shared_width, c.param_dtype,
+                               name='shared')(x_BTD)
+    return y_BTD, stats
