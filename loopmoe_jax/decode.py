@@ -1,0 +1,61 @@
+"""Autoregressive decoding with a KV cache of one slot per executed (pass, layer).
+
+    cache = init_cache(cfg, batch=2, max_len=64)
+    logits, cache = decode_step(cfg, params, cache, prompt_BT)     # prefill
+    logits, cache = decode_step(cfg, params, cache, next_B1)       # one token
+    tokens = generate(cfg, params, prompt_BT, steps=32, key=key, temperature=0.8)
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from loopmoe_jax.config import ModelConfig
+from loopmoe_jax.model import LoopedMoE
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, num_loops: int | None = None):
+  """A zeroed cache for `batch` rows of up to `max_len` tokens."""
+  model = LoopedMoE(cfg, decode=True)
+  dummy = jax.ShapeDtypeStruct((batch, max_len), jnp.int32)
+  shapes = jax.eval_shape(lambda t: model.init(jax.random.key(0), t, num_loops=num_loops), dummy)
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes['cache'])
+
+
+def decode_step(cfg: ModelConfig, params, cache, tokens_BT, num_loops: int | None = None):
+  """Feeds a chunk of tokens (a prompt, or one token) and returns (logits_BTV, new cache)."""
+  (logits, _), mutated = LoopedMoE(cfg, decode=True).apply(
+      {'params': params, 'cache': cache}, tokens_BT, num_loops=num_loops, mutable=['cache'])
+  return logits, mutated['cache']
+
+
+def sample(logits_BV, key, temperature: float):
+  if temperature <= 0.0:
+    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  return jax.random.categorical(key, logits_BV / temperature, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=('cfg', 'steps', 'temperature', 'num_loops'))
+def generate(cfg: ModelConfig, params, prompt_BT, steps: int, key, temperature: float = 0.0,
+             num_loops: int | None = None):
+  """Greedy (temperature 0) or sampled continuation; returns [B, P + steps] tokens."""
+  if steps < 1:
+    raise ValueError(f'steps={steps}: must be >= 1')
+  if jnp.issubdtype(prompt_BT.dtype, jnp.floating):
+    raise ValueError('prompt tokens must be integer ids')
+  batch, plen = prompt_BT.shape
+  cache = init_cache(cfg, batch, plen + steps, num_loops)
+  logits, cache = decode_step(cfg, params, cache, prompt_BT, num_loops)
+  first = sample(logits[:, -1], jax.random.fold_in(key, 0), temperature)
+
+  def body(carry, i):
+    cache, tok = carry
+    logits, cache = decode_step(cfg, params, cache, tok[:, None], num_loops)
+    nxt = sample(logits[:, -1], jax.random.fold_in(key, i), temperature)
+    return (cache, nxt), tok
+
+  (_, last), toks = jax.lax.scan(body, (cache, first), jnp.arange(1, steps))
+  new = jnp.concatenate([toks.T, last[:, None]], axis=1) if steps > 1 else first[:, None]
+  return jnp.concatenate([prompt_BT.astype(jnp.int32), new], axis=1)
