@@ -7,18 +7,18 @@ layers (8 experts, top-2) looped 3 times with tied attention; 1.41M parameters.
 Expect the validation loss to fall from ~5.5 nats towards ~2 within the default run.
 """
 from loopmoe_jax.config import model_config_dict, parse_arg
-import ml_collections
+from loopmoe_jax.experiment import experiment_config
 
 VARIANTS = ('', 'smoke')
 
 
 def get_config(arg=None):
   opts = parse_arg(arg, {'smoke': False})
-  cfg = ml_collections.ConfigDict()
-  cfg.model = model_config_dict(
+  model = model_config_dict(
       vocab_size=256, d_model=128, num_heads=4, num_kv_heads=2, expert_width=128, top_k=2,
       prelude_layers=1, prelude_experts=4, core_layers=2, core_experts=8, num_loops=3,
       coda_layers=1, coda_experts=4, tie_attention=True, tie_embeddings=True)
   if opts['smoke']:
-    cfg.model.d_model, cfg.model.expert_width = 64, 64
-  return cfg
+    model.d_model, model.expert_width = 64, 64
+  return experiment_config(model, train=dict(steps=60 if opts['smoke'] else 400),
+                           data=dict(seq_len=128, batch_size=16))

@@ -11,7 +11,7 @@ and `shape=ExDxL` (untied; add `tied`). Base and every Foil have 553.7M paramete
 Base-tied 520.2M, proto-Foil-1 490.8M. `smoke` shrinks the widths to CPU size.
 """
 from loopmoe_jax.config import flatten, model_config_dict, parse_arg
-import ml_collections
+from loopmoe_jax.experiment import experiment_config
 
 VARIANTS = ('base', 'foil3', 'foil2', 'foil1', 'base_tied', 'protofoil3', 'protofoil2',
             'protofoil1', 'shape=8x4x2', 'shape=8x8x8,tied', 'foil1,smoke', 'base_tied,smoke')
@@ -37,10 +37,18 @@ def core_shape(opts):
 def get_config(arg=None):
   opts = parse_arg(arg, {'variant': 'base', 'shape': '', 'tied': False, 'smoke': False})
   e, d, l, tied = core_shape(opts)
-  cfg = ml_collections.ConfigDict()
-  cfg.model = model_config_dict(
+  model = model_config_dict(
       smoke=opts['smoke'], vocab_size=49152, d_model=1024, num_heads=16, head_dim=64,
       expert_width=1536, top_k=2, renormalize=True, tie_embeddings=False, norm_gain=False,
       prelude_layers=1, prelude_experts=8, coda_layers=1, coda_experts=8,
       core_layers=d, core_experts=e, num_loops=l, tie_attention=tied)
-  return cfg
+  if opts['smoke']:
+    return experiment_config(model, train=dict(steps=200, warmup=20, lr=3e-3, final_window=50),
+                             data=dict(seq_len=128, batch_size=8))
+  # Foil's recipe: 50k steps of 96 x 4096 tokens (19.66B); continue to 100B with
+  # --config.train.steps=254313 --config.train.init_from=RUN --config.train.init_step=45000.
+  return experiment_config(model, train=dict(
+      steps=50_000, lr=3e-4, warmup=1000, schedule='wsd', decay_fraction=0.1,
+      decay_shape='1-sqrt', final_lr_fraction=0.05, b1=0.9, b2=0.95, weight_decay=0.1, clip=1.0,
+      lb_coef=0.01, z_coef=0.001, final_window=2000, seed=42, log_every=50, eval_every=1000,
+      save_every=1000), data=dict(seq_len=4096, batch_size=96, source='tokens'))

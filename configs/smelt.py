@@ -11,7 +11,7 @@ heads chosen to hold the KV cache; describe prints its FLOPs, params and KV per 
 baseline to 6 of 192). `smoke` shrinks both to CPU size.
 """
 from loopmoe_jax.config import middle_span, model_config_dict, parse_arg
-import ml_collections
+from loopmoe_jax.experiment import experiment_config
 
 VARIANTS = ('200m,baseline', '200m,looped', 'smoke,baseline', 'smoke,looped')
 SIZES = {
@@ -40,9 +40,12 @@ def get_config(arg=None):
     layout = middle_span(opts['layers'], opts['span'], opts['loops'])
   else:
     layout = dict(prelude_layers=0, core_layers=opts['layers'], coda_layers=0, num_loops=1)
-  cfg = ml_collections.ConfigDict()
-  cfg.model = model_config_dict(
+  model = model_config_dict(
       vocab_size=256 if size == 'smoke' else 65536,
       prelude_experts=experts, coda_experts=experts, tie_attention=True,
       residual_scale='inverse_loops', tie_embeddings=False, **layout, **fields)
-  return cfg
+  if size == 'smoke':
+    return experiment_config(model, train=dict(steps=200, warmup=20, lr=3e-3),
+                             data=dict(seq_len=128, batch_size=8))
+  return experiment_config(model, train=dict(steps=20_000, lr=3e-4, warmup=1000),
+                           data=dict(seq_len=4096, batch_size=256, source='tokens'))

@@ -8,7 +8,8 @@ there is one slot per executed (pass, layer).
 
 `apply` returns (logits_BTV, extras): extras holds the aux losses averaged over every MoE
 visit of the unrolled depth ('load_balance', 'z_loss'), the per-visit values under
-'per_visit' ({segment: {name: array}}; core arrays are [L, D]), and with
+'per_visit' ({segment: {'load_balance', 'z_loss', 'load'}}; core arrays are [L, D] and
+the expert loads [L, D, E]), and with
 `return_routing=True` the routing records under 'routing' ({segment: {'experts', 'logits'}}).
 """
 from __future__ import annotations
@@ -185,7 +186,7 @@ def _extras(per_visit, return_routing):
   extras = {name: jnp.mean(v) for name, v in flat.items()}
   if not flat:
     extras = {'load_balance': jnp.zeros(()), 'z_loss': jnp.zeros(())}
-  extras['per_visit'] = {seg: {n: s[n] for n in ('load_balance', 'z_loss')}
+  extras['per_visit'] = {seg: {n: s[n] for n in ('load_balance', 'z_loss', 'load')}
                          for seg, s in per_visit.items() if s}
   if return_routing:
     extras['routing'] = {seg: {n: s[n] for n in ('experts', 'logits')}

@@ -25,10 +25,14 @@ def route(logits_TE, top_k: int, renormalize: bool):
   return experts_Tk, weights_Tk, probs_TE
 
 
+def expert_load(experts_Tk, num_experts: int):
+  """Number of the T*k choices that went to each expert, [E] float32."""
+  return jnp.zeros((num_experts,), jnp.float32).at[experts_Tk.reshape(-1)].add(1.0)
+
+
 def load_balance_loss(experts_Tk, probs_TE):
   num_experts = probs_TE.shape[-1]
-  counts_E = jnp.zeros((num_experts,), jnp.float32).at[experts_Tk.reshape(-1)].add(1.0)
-  f_E = counts_E / experts_Tk.size
+  f_E = expert_load(experts_Tk, num_experts) / experts_Tk.size
   p_E = jnp.mean(probs_TE, axis=0)
   return num_experts * jnp.sum(f_E * p_E)
 
@@ -61,7 +65,8 @@ class MoE(nn.Module):
     with jax.named_scope('route'):
       logits_TE = jnp.dot(x_TD.astype(jnp.float32), router_DE.astype(jnp.float32))
       experts_Tk, weights_Tk, probs_TE = route(logits_TE, c.top_k, c.renormalize)
-    stats = {'load_balance': load_balance_loss(experts_Tk, probs_TE), 'z_loss': z_loss(logits_TE)}
+    stats = {'load_balance': load_balance_loss(experts_Tk, probs_TE), 'z_loss': z_loss(logits_TE),
+             'load': expert_load(experts_Tk, e)}
     if self.record:
       stats['experts'] = experts_Tk.reshape(b, t, -1)
       stats['logits'] = logits_TE.reshape(b, t, -1)

@@ -1,0 +1,47 @@
+"""Shared pieces of the thin CLIs: the --config flag and a runner with clear errors."""
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+
+from absl import app
+from ml_collections import config_flags
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              'configs', 'default.py')
+
+
+def config_flag(default: str = DEFAULT_CONFIG):
+  """Defines --config (a file[:arg]); a --config.X override naming no field exits with the
+  near names."""
+  try:
+    _check_overrides(sys.argv[1:], default)
+  except SystemExit:
+    raise
+  except Exception:  # a broken config file: absl reports it when it loads the file
+    pass
+  return config_flags.DEFINE_config_file('config', default, 'Config file[:arg].')
+
+
+def _check_overrides(argv, default):
+  """Names near keys for a --config.X.Y=... that does not exist (before absl parses it)."""
+  overrides = [a[2:].split('=')[0] for a in argv if a.startswith('--config.')]
+  if not overrides:
+    return
+  path = next((a.split('=', 1)[1] for a in argv if a.startswith('--config=')), default)
+  cfg = config_flags.config_flags.ConfigFileFlagParser('config').parse(path)
+  for key in overrides:
+    node, parts = cfg, key.split('.')[1:]
+    for i, part in enumerate(parts):
+      if not hasattr(node, 'keys') or part not in node.keys():
+        where = '.'.join(parts[:i]) or '(top)'
+        known = list(node.keys()) if hasattr(node, 'keys') else []
+        near = difflib.get_close_matches(part, known, n=3, cutoff=0.5)
+        hint = f"; did you mean {', '.join(near)}?" if near else f'; known: {sorted(known)}'
+        sys.exit(f'error: --{key}: {where} has no field {part!r}{hint}')
+      node = node[part]
+
+
+def run(main):
+  app.run(main)

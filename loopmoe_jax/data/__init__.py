@@ -1,0 +1,1 @@
+"""Data: the embedded corpus, tokenizers, token sources, synthetic tasks, Grain pipelines."""

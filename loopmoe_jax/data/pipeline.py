@@ -1,0 +1,176 @@
+"""Grain pipelines: fixed-length windows, seeded shuffling, process sharding, resumable state.
+
+The batch of step s holds global examples s*B .. s*B+B-1; example g reads window
+perm_e[g mod N] of epoch e = g div N, where perm_e is a permutation drawn from (seed, e).
+The order therefore depends only on (seed, seq_len, batch size, data), never on the model,
+so different architectures see the same batches; each process takes its contiguous rows of
+every global batch. The iterator's state is the next step, saved with each checkpoint.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+
+import grain
+import numpy as np
+
+from loopmoe_jax.config import from_mapping
+from loopmoe_jax.data import corpus, sources, synthetic
+from loopmoe_jax.data.tokenizers import load_tokenizer
+
+SOURCES = ('embedded', 'tokens', 'zarr', 'synthetic')
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  source: str = 'embedded'   # embedded | tokens (flat file) | zarr (tensorstore) | synthetic
+  path: str = ''             # token file, or zarr path / kvstore JSON spec
+  val_path: str = ''         # validation source of the same kind ('' : embedded split only)
+  tokenizer: str = 'byte'    # 'byte' or a tokenizers JSON file (embedded source)
+  val_fraction: float = 0.02
+  seq_len: int = 128
+  batch_size: int = 16       # global batch, split over processes
+  seed: int = 0
+  val_batches: int = 4
+  task: str = 'dyck'         # synthetic task
+  num_threads: int = 2
+  prefetch: int = 4
+
+  def __post_init__(self):
+    if self.source not in SOURCES:
+      raise ValueError(f'data.source={self.source!r}: must be one of {SOURCES}')
+    for name in ('seq_len', 'batch_size', 'val_batches'):
+      if getattr(self, name) < 1:
+        raise ValueError(f'data.{name}={getattr(self, name)}: must be >= 1')
+    if self.source in ('tokens', 'zarr') and not self.path:
+      raise ValueError(f'data.path is empty: data.source={self.source!r} needs a path')
+
+  @classmethod
+  def from_dict(cls, d):
+    return from_mapping(cls, d, 'data')
+
+
+@functools.lru_cache(maxsize=4)
+def _embedded(tokenizer: str, fraction: float):
+  tok = load_tokenizer(tokenizer)
+  out = {}
+  for split, docs in corpus.split(fraction).items():
+    pieces = []
+    for _, text in docs:
+      pieces += [tok.encode(text), np.asarray([tok.eos_id], np.int32)]
+    out[split] = sources.ArrayTokens(np.concatenate(pieces), tok.vocab_size, tok.name,
+                                     f'embedded corpus ({split})')
+  return out
+
+
+def open_source(cfg: DataConfig, split: str):
+  """The token source of a split ('train' or 'validation'); None if there is none."""
+  if cfg.source == 'embedded':
+    return _embedded(cfg.tokenizer, cfg.val_fraction)[split]
+  path = cfg.path if split == 'train' else cfg.val_path
+  if not path:
+    return None
+  return sources.TokenFile(path) if cfg.source == 'tokens' else sources.ZarrTokens(path)
+
+
+class Windows:
+  """Random access to examples: (inputs, targets, mask) of seq_len tokens."""
+
+  def __init__(self, cfg: DataConfig, split: str, model_vocab: int):
+    self.cfg = cfg
+    if cfg.source == 'synthetic':
+      self.num, self.src, self.vocab_size = 1 << 30, None, 256
+      self.name = f'synthetic {cfg.task}'
+      synthetic.example(cfg.task, cfg.seed, 0, cfg.seq_len)  # fail early on a bad task
+    else:
+      self.src = open_source(cfg, split)
+      if self.src is None:
+        raise ValueError(f'no {split} data: set data.val_path')
+      self.name, self.vocab_size = self.src.name, self.src.vocab_size
+      self.num = (len(self.src) - 1) // cfg.seq_len
+      if self.num < 1:
+        raise ValueError(f'{self.name}: {len(self.src)} tokens is too short for one sequence of '
+                         f'data.seq_len={cfg.seq_len} (+1 target)')
+    if self.vocab_size > model_vocab:
+      raise ValueError(f'{self.name}: data vocabulary {self.vocab_size} exceeds '
+                       f'model.vocab_size={model_vocab}')
+
+  def __call__(self, index: int):
+    s = self.cfg.seq_len
+    if self.src is None:
+      tokens, mask = synthetic.example(self.cfg.task, self.cfg.seed, index, s)
+    else:
+      tokens = self.src.read(index * s, index * s + s + 1)
+      mask = np.ones(s, np.float32)
+    return tokens[:-1], tokens[1:], mask
+
+
+class StepBatches:
+  """Maps a step to this process's rows of the global batch (thread-safe)."""
+
+  def __init__(self, windows: Windows, batch_size: int, seed: int, process_index: int = 0,
+               process_count: int = 1):
+    if batch_size % process_count:
+      raise ValueError(f'data.batch_size={batch_size} does not split over {process_count} '
+                       'processes')
+    self.windows, self.batch, self.seed = windows, batch_size, seed
+    self.local = batch_size // process_count
+    self.offset = process_index * self.local
+    self._perms, self._lock = {}, threading.Lock()
+
+  def _perm(self, epoch: int):
+    with self._lock:
+      if epoch not in self._perms:
+        if len(self._perms) > 2:
+          self._perms.pop(min(self._perms))
+        n = self.windows.num
+        self._perms[epoch] = (np.random.default_rng([self.seed, epoch]).permutation(n)
+                              if n < 1 << 30 else None)
+      return self._perms[epoch]
+
+  def example_ids(self, step: int) -> np.ndarray:
+    g = step * self.batch + self.offset + np.arange(self.local)
+    n = self.windows.num
+    out = np.empty_like(g)
+    for i, gi in enumerate(g):
+      perm = self._perm(int(gi // n))
+      out[i] = perm[gi % n] if perm is not None else gi
+    return out
+
+  def __call__(self, step: int):
+    return _stack([self.windows(int(i)) for i in self.example_ids(step)])
+
+
+def _stack(rows):
+  return {'inputs': np.stack([r[0] for r in rows]).astype(np.int32),
+          'targets': np.stack([r[1] for r in rows]).astype(np.int32),
+          'mask': np.stack([r[2] for r in rows]).astype(np.float32)}
+
+
+def train_iterator(cfg: DataConfig, model_vocab: int, max_steps: int, process_index: int = 0,
+                   process_count: int = 1, state=None):
+  """A Grain iterator over steps 0..max_steps-1 (its state: {'next_index': step})."""
+  batches = StepBatches(Windows(cfg, 'train', model_vocab), cfg.batch_size, cfg.seed,
+                        process_index, process_count)
+  ds = grain.MapDataset.range(max_steps).map(batches)
+  it = iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=cfg.num_threads,
+                                                 prefetch_buffer_size=cfg.prefetch)))
+  if state is not None:
+    it.set_state(state)
+  return it
+
+
+def validation_batches(cfg: DataConfig, model_vocab: int, process_index: int = 0,
+                       process_count: int = 1):
+  """A fixed list of validation batches (in order, no shuffling); [] if there is no split."""
+  if cfg.source != 'synthetic' and open_source(cfg, 'validation') is None:
+    return []
+  windows = Windows(cfg, 'validation', model_vocab)
+  local = cfg.batch_size // process_count
+  n = min(cfg.val_batches, windows.num // cfg.batch_size) or 1
+  out = []
+  for b in range(n):
+    ids = [(b * cfg.batch_size + process_index * local + i) % windows.num for i in range(local)]
+    out.append(_stack([windows(i) for i in ids]))
+  return out

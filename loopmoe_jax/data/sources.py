@@ -1,0 +1,165 @@
+"""Token sources: a flat token file (numpy memmap), a tensorstore zarr array, an in-memory array.
+
+Every source is a 1-D sequence of token ids with `vocab_size`, `tokenizer` and `name`, read
+by `read(start, stop)`. Ids are checked against the vocabulary when a source is opened, so a
+bad id is reported with its file and offset before training starts.
+
+Token file layout: b'LOOPMOE1', a little-endian uint64 header length, a JSON header
+{"dtype", "vocab_size", "tokenizer", "num_tokens"}, zero padding to a multiple of 64 bytes,
+then the raw tokens.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Any
+
+import numpy as np
+
+MAGIC = b'LOOPMOE1'
+CHECK_CHUNK = 1 << 22
+
+
+def token_dtype(vocab_size: int):
+  return np.uint16 if vocab_size <= 1 << 16 else np.uint32
+
+
+def check_ids(tokens, vocab_size: int, name: str):
+  """Raises naming `name` and the first offset whose id is outside [0, vocab_size)."""
+  for start in range(0, len(tokens), CHECK_CHUNK):
+    chunk = np.asarray(tokens[start:start + CHECK_CHUNK])
+    bad = np.flatnonzero((chunk >= vocab_size) | (chunk < 0))
+    if bad.size:
+      off = start + int(bad[0])
+      raise ValueError(f'{name}: token id {int(chunk[bad[0]])} at offset {off} is outside the '
+                       f'vocabulary of {vocab_size}')
+
+
+class ArrayTokens:
+  """Tokens held in memory (the embedded corpus, synthetic data)."""
+
+  def __init__(self, tokens, vocab_size: int, tokenizer: str, name: str):
+    self.tokens = np.asarray(tokens)
+    self.vocab_size, self.tokenizer, self.name = vocab_size, tokenizer, name
+    check_ids(self.tokens, vocab_size, name)
+
+  def __len__(self):
+    return len(self.tokens)
+
+  def read(self, start: int, stop: int) -> np.ndarray:
+    return np.asarray(self.tokens[start:stop], np.int32)
+
+
+def write_token_file(path: str, tokens, vocab_size: int, tokenizer: str):
+  tokens = np.asarray(tokens)
+  check_ids(tokens, vocab_size, path)
+  dtype = token_dtype(vocab_size)
+  header = json.dumps({'dtype': np.dtype(dtype).name, 'vocab_size': int(vocab_size),
+                       'tokenizer': tokenizer, 'num_tokens': int(tokens.size)}).encode()
+  head = MAGIC + struct.pack('<Q', len(header)) + header
+  head += b'\0' * (-len(head) % 64)
+  tmp = path + '.tmp'
+  with open(tmp, 'wb') as f:
+    f.write(head)
+    f.write(tokens.astype(dtype).tobytes())
+  os.replace(tmp, path)
+
+
+def read_header(path: str) -> tuple[dict[str, Any], int]:
+  """(header, byte offset of the tokens) of a token file, with clear errors."""
+  if not os.path.exists(path):
+    raise FileNotFoundError(f'token file {path!r} does not exist')
+  with open(path, 'rb') as f:
+    magic = f.read(8)
+    if magic != MAGIC:
+      raise ValueError(f'token file {path!r}: not a loopmoe token file (bad magic {magic!r})')
+    (n,) = struct.unpack('<Q', f.read(8))
+    try:
+      header = json.loads(f.read(n))
+    except ValueError as e:
+      raise ValueError(f'token file {path!r}: corrupt JSON header ({e})') from None
+  offset = 16 + n + (-(16 + n) % 64)
+  expected = offset + header['num_tokens'] * np.dtype(header['dtype']).itemsize
+  size = os.path.getsize(path)
+  if size != expected:
+    raise ValueError(f'token file {path!r}: {size} bytes, header implies {expected} (truncated?)')
+  return header, offset
+
+
+class TokenFile:
+  """A flat token file read through numpy memmap."""
+
+  def __init__(self, path: str, check: bool = True):
+    header, offset = read_header(path)
+    self.name, self.vocab_size, self.tokenizer = path, header['vocab_size'], header['tokenizer']
+    self.tokens = np.memmap(path, dtype=header['dtype'], mode='r', offset=offset,
+                            shape=(header['num_tokens'],))
+    if check:
+      check_ids(self.tokens, self.vocab_size, path)
+
+  def __len__(self):
+    return len(self.tokens)
+
+  def read(self, start: int, stop: int) -> np.ndarray:
+    return np.asarray(self.tokens[start:stop], np.int32)
+
+
+def zarr_spec(path_or_spec: str) -> dict:
+  """A local path, or a JSON kvstore spec (e.g. {"driver": "gcs", "bucket": ..., "path": ...})."""
+  if path_or_spec.lstrip().startswith('{'):
+    kv = json.loads(path_or_spec)
+  elif '://' in path_or_spec:
+    kv = path_or_spec
+  else:
+    kv = {'driver': 'file', 'path': os.path.abspath(path_or_spec)}
+  return {'driver': 'zarr3', 'kvstore': kv}
+
+
+def write_zarr(path_or_spec: str, tokens, vocab_size: int, tokenizer: str, chunk: int = 1 << 20):
+  import tensorstore as ts
+  tokens = np.asarray(tokens)
+  check_ids(tokens, vocab_size, path_or_spec)
+  dtype = np.dtype(token_dtype(vocab_size)).name
+  spec = dict(zarr_spec(path_or_spec), create=True, delete_existing=True, metadata={
+      'shape': [int(tokens.size)], 'data_type': dtype,
+      'chunk_grid': {'name': 'regular', 'configuration': {'chunk_shape': [chunk]}},
+      'attributes': {'vocab_size': int(vocab_size), 'tokenizer': tokenizer}})
+  arr = ts.open(spec).result()
+  arr[:].write(tokens.astype(dtype)).result()
+
+
+class ZarrTokens:
+  """A 1-D zarr3 token array through tensorstore: a local path or any kvstore spec, so many
+  hosts can read the same array (e.g. from a cloud bucket)."""
+
+  def __init__(self, path_or_spec: str, check: bool = True):
+    import tensorstore as ts
+    try:
+      self.arr = ts.open(zarr_spec(path_or_spec), read=True).result()
+    except Exception as e:
+      raise ValueError(f'zarr token array {path_or_spec!r} cannot be opened: {e}') from e
+    attrs = self.arr.spec(retain_context=False).to_json().get('metadata', {}).get('attributes', {})
+    if 'vocab_size' not in attrs:
+      raise ValueError(f'zarr token array {path_or_spec!r}: no vocab_size attribute')
+    self.name, self.vocab_size = path_or_spec, int(attrs['vocab_size'])
+    self.tokenizer = attrs.get('tokenizer', '')
+    if check:
+      check_ids(_Sliceable(self), self.vocab_size, path_or_spec)
+
+  def __len__(self):
+    return self.arr.shape[0]
+
+  def read(self, start: int, stop: int) -> np.ndarray:
+    return np.asarray(self.arr[start:stop].read().result(), np.int32)
+
+
+class _Sliceable:
+  def __init__(self, src):
+    self.src = src
+
+  def __len__(self):
+    return len(self.src)
+
+  def __getitem__(self, s):
+    return self.src.read(s.start, min(s.stop, len(self.src)))

@@ -1,0 +1,43 @@
+"""An experiment's ConfigDict (model, train, data) and its frozen dataclasses, built once."""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import ml_collections
+
+from loopmoe_jax.config import ModelConfig
+from loopmoe_jax.data.pipeline import DataConfig
+from loopmoe_jax.train.config import TrainConfig
+
+SECTIONS = {'model': ModelConfig, 'train': TrainConfig, 'data': DataConfig}
+
+
+class Experiment(NamedTuple):
+  model: ModelConfig
+  train: TrainConfig
+  data: DataConfig
+
+
+def experiment_config(model: ml_collections.ConfigDict, train=None, data=None):
+  """A ConfigDict with every field of every section (so --config.X.typo fails), the given
+  train/data fields applied."""
+  cfg = ml_collections.ConfigDict()
+  cfg.model = model
+  for name, given in (('train', train or {}), ('data', data or {})):
+    fields = {f.name: f.default for f in dataclasses.fields(SECTIONS[name])}
+    for key in given:
+      if key not in fields:
+        raise ValueError(f'unknown config field {name}.{key}')
+    fields.update(given)
+    SECTIONS[name](**fields)  # validate
+    cfg[name] = ml_collections.ConfigDict(fields)
+  return cfg
+
+
+def build(cfg: ml_collections.ConfigDict) -> Experiment:
+  """Validates every section (unknown keys name near matches) and returns the dataclasses."""
+  for key in cfg.keys():
+    if key not in SECTIONS:
+      raise ValueError(f'unknown config section {key!r}; sections are {sorted(SECTIONS)}')
+  return Experiment(*(SECTIONS[n].from_dict(cfg.get(n, {}) or {}) for n in SECTIONS))

@@ -1,0 +1,1 @@
+"""Training: optimizer and schedules, the train step, Orbax checkpoints, metrics, the loop."""

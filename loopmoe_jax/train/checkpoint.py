@@ -1,0 +1,78 @@
+"""Orbax checkpoints: train state, data-iterator state and the resolved config per step.
+
+Saves are asynchronous with keep-N and Orbax's atomic commit (a step directory appears only
+once it is complete). Restore takes the latest step that reads back; a corrupt or partial
+step is reported and skipped for the previous good one. `load_params` reads a checkpoint
+without the trainer (evaluation, generation, export).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import jax
+import orbax.checkpoint as ocp
+
+from loopmoe_jax.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+def manager(directory: str, keep: int = 3, async_save: bool = True, read_only: bool = False):
+  opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
+                                      enable_async_checkpointing=async_save, read_only=read_only)
+  return ocp.CheckpointManager(os.path.abspath(directory), options=opts,
+                               item_names=('state', 'data', 'config'))
+
+
+def save(mngr, step: int, state, data_state, config_json: str, force: bool = False):
+  mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                          data=ocp.args.JsonSave(data_state or {}),
+                                          config=ocp.args.JsonSave(json.loads(config_json))),
+            force=force)
+
+
+def restore_latest(mngr, abstract_state, step: int | None = None):
+  """(step, state, data_state, config dict) of the newest readable step, or None if none.
+
+  With `step`, only that step is tried. Unreadable steps are logged and skipped."""
+  steps = sorted(mngr.all_steps(), reverse=True) if step is None else [step]
+  for s in steps:
+    try:
+      out = mngr.restore(s, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
+          config=ocp.args.JsonRestore()))
+    except Exception as e:  # orbax raises many kinds for a damaged step
+      log.warning('checkpoint step %d in %s is unreadable (%s: %s); trying the previous one',
+                  s, mngr.directory, type(e).__name__, str(e)[:200])
+      print(f'WARNING: checkpoint step {s} in {mngr.directory} is unreadable '
+            f'({type(e).__name__}); skipping it')
+      continue
+    return s, out['state'], out['data'], out['config']
+  return None
+
+
+def load_params(directory: str, step: int | None = None):
+  """(ModelConfig, params, step) from a checkpoint directory, without the trainer."""
+  ckpt_dir = directory
+  if os.path.isdir(os.path.join(directory, 'checkpoints')):
+    ckpt_dir = os.path.join(directory, 'checkpoints')
+  if not os.path.isdir(ckpt_dir):
+    raise FileNotFoundError(f'no checkpoint directory at {directory!r}')
+  mngr = manager(ckpt_dir, read_only=True, async_save=False)
+  steps = sorted(mngr.all_steps(), reverse=True) if step is None else [step]
+  if not steps:
+    raise FileNotFoundError(f'no complete checkpoint step in {ckpt_dir!r}')
+  for s in steps:
+    try:
+      config = mngr.restore(s, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
+      state = mngr.restore(s, args=ocp.args.Composite(state=ocp.args.StandardRestore()))['state']
+    except Exception as e:
+      print(f'WARNING: checkpoint step {s} in {ckpt_dir} is unreadable ({type(e).__name__}); '
+            'skipping it')
+      continue
+    cfg = ModelConfig.from_dict(config['model'])
+    params = jax.tree.map(jax.numpy.asarray, state['params'])
+    return cfg, params, s, config
+  raise ValueError(f'no readable checkpoint step in {ckpt_dir!r} (tried {steps})')

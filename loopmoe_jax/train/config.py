@@ -1,0 +1,66 @@
+"""TrainConfig: optimisation, schedule, logging and checkpoint settings (config key `train`)."""
+from __future__ import annotations
+
+import dataclasses
+
+from loopmoe_jax.config import from_mapping
+
+SCHEDULES = ('wsd', 'cosine', 'constant')
+DECAY_SHAPES = ('1-sqrt', 'linear', 'cosine')
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 300
+  schedule_steps: int = 0        # length of the LR schedule; 0: `steps`
+  seed: int = 0                  # init seed (the data order has its own, data.seed)
+  lr: float = 3e-3               # peak learning rate
+  schedule: str = 'wsd'
+  warmup: int = 30
+  decay_fraction: float = 0.1    # WSD: the decay occupies the last fraction of the schedule
+  decay_shape: str = '1-sqrt'
+  final_lr_fraction: float = 0.05
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.1      # not applied to norms and other 1-D params
+  clip: float = 1.0              # global-norm clip; 0 disables
+  lb_coef: float = 0.01
+  z_coef: float = 0.001
+  log_every: int = 10
+  eval_every: int = 100
+  save_every: int = 100
+  keep: int = 3
+  async_save: bool = True
+  routing_every: int = 50        # per-layer-per-pass routing statistics
+  final_window: int = 50         # summary: mean LM loss over the last W steps
+  peak_flops: float = 0.0        # per device, for MFU; 0: known accelerators only
+  sample_tokens: int = 200       # text sample printed at the end (0: none)
+  sample_prompt: str = 'def '
+  init_from: str = ''            # start from another run's checkpoint (a continuation)
+  init_step: int = -1            # its step; -1: latest
+
+  def __post_init__(self):
+    if self.steps < 1:
+      raise ValueError(f'train.steps={self.steps}: must be >= 1')
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f'train.schedule={self.schedule!r}: must be one of {SCHEDULES}')
+    if self.decay_shape not in DECAY_SHAPES:
+      raise ValueError(f'train.decay_shape={self.decay_shape!r}: must be one of {DECAY_SHAPES}')
+    if not 0.0 <= self.decay_fraction <= 1.0:
+      raise ValueError(f'train.decay_fraction={self.decay_fraction}: must lie in [0, 1]')
+    for name in ('log_every', 'eval_every', 'save_every', 'keep', 'routing_every',
+                 'final_window'):
+      if getattr(self, name) < 1:
+        raise ValueError(f'train.{name}={getattr(self, name)}: must be >= 1')
+    if self.schedule_steps and self.schedule_steps < self.steps:
+      raise ValueError(f'train.schedule_steps={self.schedule_steps} is shorter than '
+                       f'train.steps={self.steps}')
+
+  @property
+  def total_steps(self) -> int:
+    return self.schedule_steps or self.steps
+
+  @classmethod
+  def from_dict(cls, d):
+    return from_mapping(cls, d, 'train')

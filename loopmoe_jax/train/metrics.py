@@ -1,0 +1,49 @@
+"""Metric writers: a progress line, JSONL and TensorBoard event files."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+class Writer:
+  def __init__(self, workdir: str, total_steps: int, tensorboard: bool = True, enabled=True):
+    self.enabled, self.total = enabled, total_steps
+    self.t0 = time.time()
+    self._jsonl = self._tb = None
+    if enabled:
+      os.makedirs(workdir, exist_ok=True)
+      self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a')
+      if tensorboard:
+        from tensorboardX import SummaryWriter
+        self._tb = SummaryWriter(os.path.join(workdir, 'tb'))
+
+  def write(self, step: int, scalars: dict, prefix: str = ''):
+    if not self.enabled:
+      return
+    row = {'step': step, **{prefix + k: float(v) for k, v in scalars.items()}}
+    self._jsonl.write(json.dumps(row) + '\n')
+    self._jsonl.flush()
+    if self._tb is not None:
+      for k, v in row.items():
+        if k != 'step':
+          self._tb.add_scalar(k, v, step)
+
+  def progress(self, step: int, m: dict):
+    if not self.enabled:
+      return
+    frac = step / self.total
+    bar = '#' * int(20 * frac) + '.' * (20 - int(20 * frac))
+    parts = [f'[{bar}] step {step}/{self.total}', f"loss {m['loss']:.4f}"]
+    for key, fmt in (('val_loss', '{:.4f}'), ('tokens_per_s', '{:,.0f} tok/s'),
+                     ('mfu', '{:.1%} MFU'), ('lr', 'lr {:.2e}')):
+      if key in m:
+        parts.append((key.split('_')[0] + ' ' if key == 'val_loss' else '') + fmt.format(m[key]))
+    print('  '.join(parts), file=sys.stdout, flush=True)
+
+  def close(self):
+    if self._jsonl:
+      self._jsonl.close()
+    if self._tb is not None:
+      self._tb.close()

@@ -1,0 +1,211 @@
+"""The training loop: owns the data iterator, the Orbax manager and the metric writers.
+
+    summary = train(config_dict, workdir)
+
+Resumes from the newest readable checkpoint in `workdir` (batches and losses continue exactly
+as an uninterrupted run), or starts from `train.init_from` (a continuation with a longer
+schedule), or from scratch. SIGTERM/SIGINT save a checkpoint and return cleanly. A
+non-finite loss stops the run with TrainingDiverged and never writes a checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import threading
+import time
+
+import jax
+import numpy as np
+
+from loopmoe_jax import accounting
+from loopmoe_jax.data import pipeline
+from loopmoe_jax.experiment import build
+from loopmoe_jax.model import LoopedMoE
+from loopmoe_jax.train import checkpoint, step as steps
+from loopmoe_jax.train.metrics import Writer
+from loopmoe_jax.train.optimizer import make_optimizer
+
+PEAK_FLOPS = {'TPU v4': 275e12, 'TPU v5 lite': 197e12, 'TPU v5p': 459e12, 'TPU v6 lite': 918e12,
+              'H100': 989e12, 'H200': 989e12, 'A100': 312e12, 'B200': 2250e12}
+
+
+class TrainingDiverged(RuntimeError):
+  pass
+
+
+class _StopFlag:
+  """Set by SIGTERM/SIGINT; the loop saves and returns at the next step boundary."""
+
+  def __init__(self):
+    self.signal = None
+    self._old = {}
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self._old[sig] = signal.signal(sig, self._set)
+    return self
+
+  def _set(self, signum, frame):
+    self.signal = signal.Signals(signum).name
+
+  def __exit__(self, *exc):
+    for sig, old in self._old.items():
+      signal.signal(sig, old)
+
+
+def peak_flops(cfg_peak: float) -> float:
+  if cfg_peak:
+    return cfg_peak
+  kind = jax.devices()[0].device_kind
+  return next((v for k, v in PEAK_FLOPS.items() if k in kind), 0.0)
+
+
+def train(cfg, workdir: str) -> dict:
+  exp = build(cfg)
+  mc, tc, dc = exp.model, exp.train, exp.data
+  model = LoopedMoE(mc)
+  tx, schedule = make_optimizer(tc)
+  n_dev, proc, n_proc = jax.device_count(), jax.process_index(), jax.process_count()
+  if dc.batch_size % n_dev:
+    raise ValueError(f'data.batch_size={dc.batch_size} does not split over {n_dev} devices')
+  mesh = steps.make_mesh()
+  shapes = steps.abstract_state(model, tx, dc.seq_len)
+  state_sh, batch_sh = steps.shardings(mesh, shapes)
+  target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        shapes, state_sh)
+  mngr = checkpoint.manager(os.path.join(workdir, 'checkpoints'), tc.keep, tc.async_save)
+  state, data_state, start = _initial_state(mngr, target, model, tx, tc, dc, state_sh)
+
+  it = pipeline.train_iterator(dc, mc.vocab_size, max(tc.steps, tc.total_steps) + 1, proc,
+                               n_proc, data_state)
+  val = pipeline.validation_batches(dc, mc.vocab_size, proc, n_proc)
+  train_step = steps.make_train_step(model, tx, schedule, tc.lb_coef, tc.z_coef, state_sh,
+                                     batch_sh)
+  eval_step, routing_step = steps.make_eval_step(model), steps.make_routing_step(model)
+  acct = accounting.count(mc, dc.seq_len)
+  writer = Writer(workdir, tc.steps, enabled=proc == 0)
+  flops_tok, peak = 3 * acct['flops_per_token'], peak_flops(tc.peak_flops) * n_dev
+  config_json = cfg.to_json()
+  if proc == 0:
+    print(f"model: {acct['params_total']:,} params ({acct['params_active']:,} active/token), "
+          f"{mc.executed_layers} executed layers; data: {dc.source}, batch {dc.batch_size} x "
+          f"{dc.seq_len}; steps {start} -> {tc.steps} on {n_dev} device(s)", flush=True)
+
+  losses, pending, val_loss = [], None, None
+  t_log, tok_log, t0 = time.time(), 0, time.time()
+  last_saved = start
+
+  def finish(pending):
+    """Fetches a step's metrics (one step late) and stops on a non-finite loss."""
+    s, m = pending
+    m = {k: float(v) for k, v in jax.device_get(m).items()}
+    if not (math.isfinite(m['loss']) and math.isfinite(m['objective'])):
+      raise TrainingDiverged(
+          f"non-finite loss at step {s} (loss {m['loss']}, objective {m['objective']}); "
+          f'stopped without saving: the last good checkpoint (step {last_saved}) is kept. '
+          'Lower train.lr or check the data.')
+    losses.append(m['loss'])
+    return s, m
+
+  def handle(pending):
+    nonlocal t_log, tok_log, val_loss
+    s, m = finish(pending)
+    if s % tc.log_every and s != tc.steps:
+      return
+    m['tokens_per_s'] = tok_log / max(time.time() - t_log, 1e-9)
+    if peak:
+      m['mfu'] = flops_tok * m['tokens_per_s'] / peak
+    if val and (s % tc.eval_every == 0 or s == tc.steps):
+      m['val_loss'] = val_loss = steps.evaluate(eval_step, state['params'], val, batch_sh)
+    writer.write(s, m)
+    writer.progress(s, m)
+    t_log, tok_log = time.time(), 0
+
+  try:
+    with _StopFlag() as stop:
+      for step in range(start, tc.steps):
+        batch = steps.put_batch(next(it), batch_sh)
+        state, metrics = train_step(state, batch)
+        tok_log += dc.batch_size * dc.seq_len
+        if pending:
+          handle(pending)
+        pending = (step + 1, metrics)
+        if (step + 1) % tc.routing_every == 0:
+          _write_routing(workdir, step + 1, routing_step(state['params'], batch), proc)
+        if (step + 1) % tc.save_every == 0 or stop.signal or step + 1 == tc.steps:
+          handle(pending)
+          pending = None
+          checkpoint.save(mngr, step + 1, state, it.get_state(), config_json)
+          last_saved = step + 1
+        if stop.signal:
+          print(f'{stop.signal}: saved step {step + 1} and stopped', flush=True)
+          break
+      final = int(jax.device_get(state['step']))
+  finally:
+    mngr.wait_until_finished()
+    writer.close()
+
+  wall = time.time() - t0
+  window = losses[-tc.final_window:]
+  summary = {'steps': final, 'final_window_loss': float(np.mean(window)) if window else None,
+             'final_window': len(window), 'final_loss': losses[-1] if losses else None,
+             'val_loss': val_loss, 'tokens_per_s': (final - start) * dc.batch_size * dc.seq_len /
+             wall, 'wall_s': wall, 'params_total': acct['params_total'],
+             'params_active': acct['params_active'], 'stopped_by': stop.signal}
+  if proc == 0:
+    with open(os.path.join(workdir, 'summary.json'), 'w') as f:
+      json.dump(summary, f, indent=1)
+    print('summary: ' + json.dumps({k: summary[k] for k in
+                                    ('steps', 'final_window_loss', 'val_loss', 'tokens_per_s')}))
+    if tc.sample_tokens and not stop.signal:
+      _print_sample(mc, state['params'], dc, tc)
+  return summary
+
+
+def _initial_state(mngr, target, model, tx, tc, dc, state_sh):
+  restored = checkpoint.restore_latest(mngr, target)
+  if restored is None and tc.init_from:
+    src = checkpoint.manager(os.path.join(tc.init_from, 'checkpoints'), read_only=True,
+                             async_save=False)
+    restored = checkpoint.restore_latest(src, target, None if tc.init_step < 0 else tc.init_step)
+    if restored is None:
+      raise FileNotFoundError(f'train.init_from={tc.init_from!r}: no readable checkpoint')
+  if restored is not None:
+    s, state, data_state, _ = restored
+    print(f'resuming from step {s}', flush=True)
+    return state, data_state or None, s
+  init = jax.jit(lambda rng: steps.init_state(model, tx, rng, dc.seq_len), out_shardings=state_sh)
+  return init(jax.random.key(tc.seed)), None, 0
+
+
+def _write_routing(workdir, step, stats, proc):
+  if proc:
+    return
+  stats = jax.device_get(stats)
+  with open(os.path.join(workdir, 'routing.jsonl'), 'a') as f:
+    for seg, s in stats.items():
+      lb = np.asarray(s['load_balance'])
+      grid = lb.reshape(-1, lb.shape[-1]) if lb.ndim == 2 else lb.reshape(1, -1)
+      for p in range(grid.shape[0]):
+        for layer in range(grid.shape[1]):
+          idx = (p, layer) if lb.ndim == 2 else (layer,)
+          f.write(json.dumps({'step': step, 'segment': seg, 'pass': p, 'layer': layer,
+                              **{k: float(np.asarray(v)[idx]) for k, v in s.items()}}) + '\n')
+
+
+def _print_sample(mc, params, dc, tc):
+  from loopmoe_jax.data.tokenizers import load_tokenizer
+  from loopmoe_jax.decode import generate
+  try:
+    tok = load_tokenizer(dc.tokenizer if dc.source in ('embedded', 'synthetic') else 'byte')
+  except (OSError, ValueError):
+    return
+  prompt = tok.encode(tc.sample_prompt)[None, :]
+  if prompt.size == 0:
+    return
+  out = generate(mc, params, prompt, tc.sample_tokens, jax.random.key(tc.seed),
+                 temperature=0.8)
+  print('sample:\n' + tok.decode(np.asarray(out[0])), flush=True)

@@ -1,0 +1,25 @@
+"""Benchmarks, one sub-command each; prints a table and the results as JSON.
+
+    python scripts/benchmark.py model [--quick] [--json=FILE]
+
+Sub-commands are registered in loopmoe_jax/bench.py (SUBCOMMANDS).
+"""
+from absl import app, flags
+
+from loopmoe_jax import bench
+
+_JSON = flags.DEFINE_string('json', None, 'Also write the results dict to this JSON file.')
+_QUICK = flags.DEFINE_bool('quick', False, 'Fast smoke run: fewer repeats, smaller sizes.')
+
+
+def main(argv):
+  if len(argv) != 2:
+    raise app.UsageError(f'usage: benchmark.py SUBCOMMAND [flags]; '
+                         f'SUBCOMMAND one of {sorted(bench.SUBCOMMANDS)}')
+  if argv[1] not in bench.SUBCOMMANDS:
+    raise app.UsageError(f'unknown sub-command {argv[1]!r}; known {sorted(bench.SUBCOMMANDS)}')
+  bench.run(argv[1], quick=_QUICK.value, json_path=_JSON.value)
+
+
+if __name__ == '__main__':
+  app.run(main)
