@@ -9,7 +9,7 @@ setup(
     python_requires='>=3.10',
     install_requires=[
         'jax>=0.10', 'flax>=0.12', 'optax', 'orbax-checkpoint', 'grain', 'tensorstore',
-        'ml-collections', 'absl-py', 'numpy',
+        'ml-collections', 'absl-py', 'numpy', 'tokenizers', 'tensorboardX',
     ],
     extras_require={'test': ['pytest', 'pytest-xdist']},
 )

@@ -44,4 +44,9 @@ def _check_overrides(argv, default):
 
 
 def run(main):
-  app.run(main)
+  """app.run with library INFO logs (Orbax, Grain) silenced; progress is printed."""
+  from absl import logging
+  def quiet_main(argv):
+    logging.set_verbosity(logging.WARNING)
+    return main(argv)
+  app.run(quiet_main)

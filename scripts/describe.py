@@ -4,13 +4,13 @@
 """
 import json
 
-from absl import app, flags
-from ml_collections import config_flags
+from absl import flags
 
+from loopmoe_jax.cli import config_flag, run
 from loopmoe_jax.accounting import count, init_param_count
 from loopmoe_jax.config import ModelConfig
 
-_CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config file[:arg].')
+_CONFIG = config_flag()
 _INIT = flags.DEFINE_bool('init', False, 'Also count the real init params (jax.eval_shape).')
 _CONTEXT = flags.DEFINE_integer('context', 2048, 'Context length for attention FLOPs.')
 
@@ -25,4 +25,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  run(main)

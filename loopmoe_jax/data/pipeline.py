@@ -174,3 +174,16 @@ def validation_batches(cfg: DataConfig, model_vocab: int, process_index: int = 0
     ids = [(b * cfg.batch_size + process_index * local + i) % windows.num for i in range(local)]
     out.append(_stack([windows(i) for i in ids]))
   return out
+
+
+def data_tokenizer(cfg: DataConfig):
+  """The tokenizer that made the training tokens, or None when it cannot be loaded."""
+  spec = cfg.tokenizer
+  if cfg.source == 'synthetic':
+    spec = 'byte'
+  elif cfg.source != 'embedded':
+    spec = open_source(cfg, 'train').tokenizer
+  try:
+    return load_tokenizer(spec)
+  except (OSError, ValueError):
+    return None

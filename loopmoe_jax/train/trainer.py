@@ -197,11 +197,9 @@ def _write_routing(workdir, step, stats, proc):
 
 
 def _print_sample(mc, params, dc, tc):
-  from loopmoe_jax.data.tokenizers import load_tokenizer
   from loopmoe_jax.decode import generate
-  try:
-    tok = load_tokenizer(dc.tokenizer if dc.source in ('embedded', 'synthetic') else 'byte')
-  except (OSError, ValueError):
+  tok = pipeline.data_tokenizer(dc)
+  if tok is None:
     return
   prompt = tok.encode(tc.sample_prompt)[None, :]
   if prompt.size == 0:

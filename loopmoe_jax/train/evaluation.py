@@ -1,0 +1,40 @@
+"""Evaluation and sampling from a checkpoint directory, without the trainer."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from loopmoe_jax.data import pipeline
+from loopmoe_jax.decode import generate
+from loopmoe_jax.model import LoopedMoE
+from loopmoe_jax.train import checkpoint, step as steps
+
+
+def evaluate_checkpoint(workdir: str, num_loops=(None,), step: int | None = None) -> dict:
+  """Validation LM loss of a checkpoint for each pass count in `num_loops`."""
+  cfg, params, s, config = checkpoint.load_params(workdir, step)
+  dc = pipeline.DataConfig.from_dict(config['data'])
+  batches = pipeline.validation_batches(dc, cfg.vocab_size)
+  if not batches:
+    raise ValueError(f'{workdir}: the run has no validation data (data.val_path is empty)')
+  batch_sh = steps.shardings(steps.make_mesh(jax.devices()[:1]), {})[1]
+  out = {'step': s, 'val_loss': {}}
+  for n in num_loops:
+    model = LoopedMoE(cfg)
+    loss = steps.evaluate(steps.make_eval_step(model, n), params, batches, batch_sh)
+    out['val_loss'][str(n or cfg.num_loops)] = loss
+  return out
+
+
+def sample_text(workdir: str, prompt: str, tokens: int, temperature: float, seed: int,
+                num_loops: int | None = None) -> str:
+  cfg, params, _, config = checkpoint.load_params(workdir)
+  tok = pipeline.data_tokenizer(pipeline.DataConfig.from_dict(config['data']))
+  if tok is None:
+    raise ValueError(f'{workdir}: the tokenizer of its training data cannot be loaded')
+  ids = tok.encode(prompt)[None, :]
+  if ids.size == 0:
+    raise ValueError('--prompt is empty')
+  out = generate(cfg, params, ids, tokens, jax.random.key(seed), temperature=temperature,
+                 num_loops=num_loops)
+  return tok.decode(np.asarray(out[0]))

@@ -1,0 +1,24 @@
+"""Validation loss of a checkpoint; --num_loops changes the passes (test-time recurrence).
+
+    python scripts/evaluate.py --workdir=/tmp/run [--num_loops=6] [--step=400]
+"""
+import json
+
+from absl import flags
+
+from loopmoe_jax.cli import run
+
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory.', required=True)
+_STEP = flags.DEFINE_integer('step', None, 'Checkpoint step (default: latest readable).')
+_LOOPS = flags.DEFINE_list('num_loops', [], 'Pass counts to evaluate (default: trained).')
+
+
+def main(argv):
+  del argv
+  from loopmoe_jax.train.evaluation import evaluate_checkpoint
+  loops = [int(n) for n in _LOOPS.value] or [None]
+  print(json.dumps(evaluate_checkpoint(_WORKDIR.value, loops, _STEP.value), indent=1))
+
+
+if __name__ == '__main__':
+  run(main)

@@ -1,0 +1,25 @@
+"""Samples text from a checkpoint.
+
+    python scripts/generate.py --workdir=/tmp/run --prompt='def ' --tokens=200
+"""
+from absl import flags
+
+from loopmoe_jax.cli import run
+
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory.', required=True)
+_PROMPT = flags.DEFINE_string('prompt', 'def ', 'Prompt text.')
+_TOKENS = flags.DEFINE_integer('tokens', 200, 'Tokens to generate.')
+_TEMP = flags.DEFINE_float('temperature', 0.8, 'Sampling temperature (0: greedy).')
+_SEED = flags.DEFINE_integer('seed', 0, 'Sampling seed.')
+_LOOPS = flags.DEFINE_integer('num_loops', None, 'Passes through the core (tied models).')
+
+
+def main(argv):
+  del argv
+  from loopmoe_jax.train.evaluation import sample_text
+  print(sample_text(_WORKDIR.value, _PROMPT.value, _TOKENS.value, _TEMP.value, _SEED.value,
+                    _LOOPS.value))
+
+
+if __name__ == '__main__':
+  run(main)
