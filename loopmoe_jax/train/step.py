@@ -43,7 +43,7 @@ def make_train_step(model, tx, schedule, lb_coef: float, z_coef: float, state_sh
         state['params'], model, batch, lb_coef, z_coef)
     updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
     params = optax.apply_updates(state['params'], updates)
-    metrics = dict(metrics, grad_norm=optax.global_norm(grads), lr=schedule(state['step']))
+    metrics = dict(metrics, grad_norm=optax.tree.norm(grads), lr=schedule(state['step']))
     return {'params': params, 'opt_state': opt_state, 'step': state['step'] + 1}, metrics
 
   return jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),

@@ -1,0 +1,165 @@
+"""Training stack: schedules, exact resume, continuation, SIGTERM, corrupt checkpoints, NaN."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from loopmoe_jax.experiment import build, experiment_config
+from loopmoe_jax.config import model_config_dict
+from loopmoe_jax.train import checkpoint
+from loopmoe_jax.train.config import TrainConfig
+from loopmoe_jax.train.optimizer import wsd_schedule
+from loopmoe_jax.train.trainer import TrainingDiverged, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny(**train_kw):
+  model = model_config_dict(vocab_size=256, d_model=32, num_heads=2, expert_width=32,
+                            prelude_layers=1, prelude_experts=4, core_layers=1, core_experts=4,
+                            num_loops=2, coda_layers=0)
+  kw = dict(steps=6, warmup=2, log_every=1, save_every=3, eval_every=3, routing_every=3,
+            sample_tokens=0, async_save=False, final_window=3)
+  kw.update(train_kw)
+  return experiment_config(model, train=kw, data=dict(seq_len=16, batch_size=8, val_batches=1))
+
+
+def losses(workdir):
+  rows = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
+  return {r['step']: r['loss'] for r in rows}
+
+
+def test_wsd_matches_formula():
+  peak, total, warm = 3e-4, 1000, 100
+  f = wsd_schedule(peak, total, warm, 0.1, '1-sqrt', 0.05)
+  assert float(f(warm - 1)) == pytest.approx(peak)            # warmup end
+  assert float(f(warm // 2 - 1)) == pytest.approx(peak / 2)   # linear warmup
+  assert float(f(900)) == pytest.approx(peak)                  # decay start
+  assert float(f(1000)) == pytest.approx(0.05 * peak)          # end of the schedule
+  mid = 950
+  assert float(f(mid)) == pytest.approx(peak * (0.05 + 0.95 * (1 - np.sqrt(0.5))))
+  lin = wsd_schedule(peak, total, warm, 0.1, 'linear', 0.05)
+  assert float(lin(mid)) == pytest.approx(peak * (0.05 + 0.95 * 0.5))
+  cos = wsd_schedule(peak, total, warm, 0.1, 'cosine', 0.0)
+  assert float(cos(mid)) == pytest.approx(peak * 0.5)
+
+
+def test_resume_is_bitwise_identical(tmp_path):
+  straight = train(tiny(steps=6), str(tmp_path / 'a'))
+  train(tiny(steps=3, schedule_steps=6), str(tmp_path / 'b'))   # "killed" after step 3
+  resumed = train(tiny(steps=6), str(tmp_path / 'b'))
+  a, b = losses(tmp_path / 'a'), losses(tmp_path / 'b')
+  assert sorted(a) == list(range(1, 7)) and sorted(b) == list(range(1, 7))
+  assert a == b                                               # bitwise: same floats
+  assert straight['final_window_loss'] == resumed['final_window_loss']
+  assert straight['final_window_loss'] == pytest.approx(np.mean([a[s] for s in (4, 5, 6)]))
+
+
+def test_same_seed_same_batches_across_architectures(tmp_path):
+  """Two different models consume the identical batch sequence (data order is model-free)."""
+  from loopmoe_jax.data import pipeline
+  seen = {}
+  for name, loops in (('x', 1), ('y', 4)):
+    cfg = tiny()
+    cfg.model.num_loops = loops
+    exp = build(cfg)
+    it = pipeline.train_iterator(exp.data, exp.model.vocab_size, 5)
+    seen[name] = [next(it)['inputs'] for _ in range(5)]
+  for x, y in zip(seen['x'], seen['y']):
+    np.testing.assert_array_equal(x, y)
+
+
+def test_continuation_with_longer_schedule(tmp_path):
+  train(tiny(steps=4, schedule_steps=4, decay_fraction=0.5), str(tmp_path / 'first'))
+  cfg = tiny(steps=8, decay_fraction=0.5, init_from=str(tmp_path / 'first'), init_step=3,
+             save_every=2)
+  train(cfg, str(tmp_path / 'cont'))
+  rows = [json.loads(l) for l in open(tmp_path / 'cont' / 'metrics.jsonl')]
+  assert rows[0]['step'] == 4                                  # continued after step 3
+  f = wsd_schedule(3e-3, 8, 2, 0.5, '1-sqrt', 0.05)
+  for r in rows:                                               # the longer schedule's LR
+    assert r['lr'] == pytest.approx(float(f(r['step'] - 1)), rel=1e-6)
+
+
+def test_corrupt_latest_step_is_skipped(tmp_path, capsys):
+  train(tiny(steps=6), str(tmp_path / 'r'))
+  ckpt = tmp_path / 'r' / 'checkpoints'
+  assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [3, 6]
+  state_dir = ckpt / '6' / 'state'
+  for root, _, files in os.walk(state_dir):
+    for f in files:
+      with open(os.path.join(root, f), 'wb') as fh:
+        fh.write(b'garbage')
+  cfg, params, step, _ = checkpoint.load_params(str(tmp_path / 'r'))
+  assert step == 3
+  assert 'step 6' in capsys.readouterr().out
+  summary = train(tiny(steps=6), str(tmp_path / 'r'))         # resumes from 3, redoes 4..6
+  assert summary['steps'] == 6
+
+
+def test_nan_loss_stops_and_keeps_the_good_checkpoint(tmp_path):
+  work = str(tmp_path / 'n')
+  train(tiny(steps=3), work)
+  before = {p: open(p, 'rb').read() for p in _files(os.path.join(work, 'checkpoints', '3'))}
+  with pytest.raises(TrainingDiverged, match='non-finite loss'):
+    train(tiny(steps=9, lr=1e30, warmup=0, clip=0.0, save_every=1), work)
+  steps = sorted(int(p) for p in os.listdir(os.path.join(work, 'checkpoints')) if p.isdigit())
+  after = {p: open(p, 'rb').read() for p in _files(os.path.join(work, 'checkpoints', '3'))}
+  assert before == after
+  for s in steps:   # whatever was saved restores to finite params
+    _, params, _, _ = checkpoint.load_params(work, s)
+    assert all(np.isfinite(np.asarray(x)).all() for x in __import__('jax').tree.leaves(params))
+
+
+def _files(d):
+  return sorted(os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs)
+
+
+def test_config_errors_name_the_field():
+  cfg = tiny()
+  from ml_collections import ConfigDict
+  raw = ConfigDict({'model': dict(cfg.model), 'train': {'stepz': 3}, 'data': {}})
+  with pytest.raises(ValueError, match=r'train\.stepz.*train\.steps'):
+    build(raw)
+  with pytest.raises(ValueError, match='train.schedule'):
+    TrainConfig(schedule='linear-ish')
+  with pytest.raises(ValueError, match='data.batch_size=12 does not split over 8 devices'):
+    c = tiny()
+    c.data.batch_size = 12
+    train(c, '/tmp/never')
+
+
+def test_cli_typo_lists_near_names():
+  out = subprocess.run([sys.executable, 'scripts/train.py', '--workdir=/tmp/x',
+                        '--config.train.stepz=3'], cwd=ROOT, capture_output=True, text=True)
+  assert out.returncode != 0 and 'did you mean steps' in out.stderr
+
+
+def test_sigterm_saves_a_restorable_checkpoint(tmp_path):
+  work = str(tmp_path / 's')
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  cmd = [sys.executable, 'scripts/train.py', f'--workdir={work}', '--config=configs/default.py:smoke',
+         '--config.train.steps=100000', '--config.train.log_every=1',
+         '--config.train.save_every=100000', '--config.train.sample_tokens=0',
+         '--config.data.batch_size=4', '--config.data.seq_len=32']
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+  metrics = os.path.join(work, 'metrics.jsonl')
+  deadline = time.time() + 240
+  while time.time() < deadline and proc.poll() is None:
+    if os.path.exists(metrics) and sum(1 for _ in open(metrics)) >= 3:
+      break
+    time.sleep(0.5)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=120)
+  assert proc.returncode == 0, out
+  assert 'SIGTERM: saved step' in out
+  _, params, step, _ = checkpoint.load_params(work)
+  assert step >= 3
+  assert json.load(open(os.path.join(work, 'summary.json')))['stopped_by'] == 'SIGTERM'
