@@ -195,6 +195,8 @@ def parse_arg(arg: str | None, defaults: Mapping[str, Any]) -> dict[str, Any]:
                        (f'; did you mean {near}?' if near else f'; known {sorted(defaults)}'))
     typ = type(defaults[key])
     if typ is bool:
+      if val.lower() not in ('1', 'true', 'yes', '0', 'false', 'no'):
+        raise ValueError(f'config argument {key}={val!r}: expected a bool')
       out[key] = val.lower() in ('1', 'true', 'yes')
     else:
       try:

@@ -66,6 +66,8 @@ def _pad_rows(x, tile):
 
 def _gmm_fwd_impl(lhs_MK, rhs_GKN, group_sizes_G, tile):
   m = lhs_MK.shape[0]
+  if m == 0:
+    return jnp.zeros((0, rhs_GKN.shape[2]), lhs_MK.dtype)
   group, tile_idx, valid, starts, ends = _work_items(group_sizes_G, m, tile)
   lhs = _pad_rows(lhs_MK, tile)
   out = jnp.zeros((lhs.shape[0], rhs_GKN.shape[2]), jnp.float32)
@@ -86,6 +88,8 @@ def _gmm_fwd_impl(lhs_MK, rhs_GKN, group_sizes_G, tile):
 def _tgmm_impl(lhs_MK, grad_MN, group_sizes_G, num_groups, tile):
   """Per-group lhs^T @ grad: the weight gradient of the grouped matmul, [G, K, N]."""
   m = lhs_MK.shape[0]
+  if m == 0:
+    return jnp.zeros((num_groups, lhs_MK.shape[1], grad_MN.shape[1]), jnp.float32)
   group, tile_idx, valid, starts, ends = _work_items(group_sizes_G, m, tile)
   lhs, grad = _pad_rows(lhs_MK, tile), _pad_rows(grad_MN, tile)
   acc = jnp.zeros((num_groups, lhs.shape[1], grad.shape[1]), jnp.float32)

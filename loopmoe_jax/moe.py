@@ -71,7 +71,7 @@ class MoE(nn.Module):
       stats['experts'] = experts_Tk.reshape(b, t, -1)
       stats['logits'] = logits_TE.reshape(b, t, -1)
     params = {k: v.astype(x_BTD.dtype) for k, v in experts.items()}
-    y_TD = dispatch(x_TD, experts_Tk, weights_Tk.astype(x_BTD.dtype), params, c.dispatch,
+    y_TD = dispatch(x_TD, experts_Tk, weights_Tk, params, c.dispatch,
                     c.dispatch_tile)
     y_BTD = y_TD.reshape(b, t, d)
     if c.num_shared_experts:

@@ -43,8 +43,6 @@ class DataConfig:
     for name in ('seq_len', 'batch_size', 'val_batches'):
       if getattr(self, name) < 1:
         raise ValueError(f'data.{name}={getattr(self, name)}: must be >= 1')
-    if self.source in ('tokens', 'zarr') and not self.path:
-      raise ValueError(f'data.path is empty: data.source={self.source!r} needs a path')
 
   @classmethod
   def from_dict(cls, d):
@@ -69,6 +67,9 @@ def open_source(cfg: DataConfig, split: str):
   if cfg.source == 'embedded':
     return _embedded(cfg.tokenizer, cfg.val_fraction)[split]
   path = cfg.path if split == 'train' else cfg.val_path
+  if split == 'train' and not path:
+    raise ValueError(f'data.path is empty: data.source={cfg.source!r} needs a path '
+                     '(--config.data.path=...)')
   if not path:
     return None
   return sources.TokenFile(path) if cfg.source == 'tokens' else sources.ZarrTokens(path)

@@ -1,0 +1,43 @@
+"""Loop options that must not change the function: remat policies, compute dtype."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from loopmoe_jax.config import ModelConfig
+from loopmoe_jax.model import LoopedMoE
+from loopmoe_jax.objective import loss_fn
+
+CFG = ModelConfig(vocab_size=64, d_model=32, num_heads=2, expert_width=32, core_layers=2,
+                  num_loops=3, prelude_layers=1, coda_layers=1, tie_attention=False)
+
+
+def _batch():
+  toks = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 12)), jnp.int32)
+  return {'inputs': toks, 'targets': jnp.roll(toks, -1, 1), 'mask': jnp.ones((2, 12))}
+
+
+def _grads(cfg, params):
+  return jax.grad(lambda p: loss_fn(p, LoopedMoE(cfg), _batch())[0])(params)
+
+
+@pytest.mark.parametrize('policy', ['full', 'dots', 'dots_no_batch'])
+def test_remat_gives_the_same_gradients(policy):
+  params = nn.unbox(LoopedMoE(CFG).init(jax.random.key(0), _batch()['inputs'])['params'])
+  ref = _grads(CFG, params)
+  got = _grads(CFG.replace(remat=policy), params)
+  for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_bfloat16_compute_keeps_float32_params_and_tracks_float32():
+  cfg16 = CFG.replace(dtype='bfloat16')
+  params = nn.unbox(LoopedMoE(cfg16).init(jax.random.key(0), _batch()['inputs'])['params'])
+  assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
+  l32, _ = loss_fn(params, LoopedMoE(CFG), _batch())
+  l16, m16 = loss_fn(params, LoopedMoE(cfg16), _batch())
+  assert m16['loss'].dtype == jnp.float32
+  assert abs(float(l16) - float(l32)) < 0.05 * float(l32)
+  g = _grads(cfg16, params)
+  assert all(x.dtype == jnp.float32 and np.isfinite(x).all() for x in jax.tree.leaves(g))
