@@ -4,14 +4,20 @@ travel across machines better than absolute times.
 
 `model` measures (targets in TARGETS; lower is better):
 - compile_ratio_L16_over_L1: lower+compile time of a jitted train step (value_and_grad of
-  `objective.loss_fn` + SGD update) at num_loops=16 over num_loops=1 (median of fresh compiles).
+  `objective.loss_fn` + SGD update) at num_loops=16 over num_loops=1 (median of fresh compiles,
+  wall clock; `compile_cpu_ratio_*` uses process CPU time, steadier on a shared machine).
+  `compile_ratio_L16_over_L2` shows whether compile grows with L once there is a loop at all
+  (the lowered step has the scan's while loops at every L; XLA deletes them at trip count 1).
 - loop_over_unrolled: step time of the looped core (tied attention, D layers x L passes,
   loop_impl='scan') over the unrolled model with independent weights and the same executed
   depth (core_layers=D*L, num_loops=1). loop_unroll_impl_over_unrolled: the same with
   loop_impl='unroll'. Models are timed interleaved (A, B, A, B, ...), median per model.
 - moe_E64_over_E8: the MoE layer alone (dispatch 'sorted'), forward+backward, 64 over 8 experts
   at the same width and top-k (same active FLOPs). The same ratio for 'xla' and 'reference'
-  (None when skipped) is reported for information.
+  is reported for information, on `moe_info_tokens` tokens (both do dense work that grows with E
+  on CPU); None when the E=64 call is predicted to be too slow.
+
+`--quick` shrinks every size and repeat count for a smoke run (tests/test_benchmark.py).
 """
 from __future__ import annotations
 
@@ -36,6 +42,9 @@ TARGETS = {  # key -> upper bound
     'loop_over_unrolled': 1.15,
     'moe_E64_over_E8': 1.5,
 }
+# XLA options that skip LLVM optimisation: param init always compiles with them (it runs once),
+# and so does everything in a --quick run (a smoke run; its figures are not comparable).
+FAST_COMPILE = {'xla_backend_optimization_level': 0}
 
 
 def register(name: str):
@@ -87,138 +96,176 @@ def _abstract_params(cfg: ModelConfig, batch):
   return model, shapes['params']
 
 
-def _init_params(cfg: ModelConfig, batch):
-  model = LoopedMoE(cfg)
-  return model, nn.unbox(jax.jit(model.init)(jax.random.key(0), batch['inputs']))['params']
+def init_params(module: nn.Module, x, cache: dict | None = None):
+  """Real init of `module` (a LoopedMoE or an MoE) on a one-token slice of `x`, with the 'xla'
+  dispatch (params depend on neither) and compiled without LLVM optimisation (it runs once;
+  the RNG kernels otherwise take seconds to optimise). Modules whose param trees have the same
+  shapes share one init through `cache` (e.g. loop_impl 'scan' and 'unroll', two backends)."""
+  fast = module.clone(cfg=module.cfg.replace(dispatch='xla'))
+  init = lambda key, x: nn.unbox(fast.init(key, x))['params']
+  key, x = jax.random.key(0), x[:1, :1]
+  sig = str(jax.tree.map(lambda a: (a.shape, a.dtype), jax.eval_shape(init, key, x)))
+  if cache is None or sig not in cache:
+    params = jax.jit(init).lower(key, x).compile(FAST_COMPILE)(key, x)
+    if cache is None:
+      return params
+    cache[sig] = params
+  return cache[sig]
 
 
-def compile_seconds(cfg: ModelConfig, batch, repeats: int) -> float:
-  """Median lower+compile seconds of the train step, with a fresh function every time."""
-  model, params = _abstract_params(cfg, batch)
-  times = []
+def compile_seconds(cfgs: dict[str, ModelConfig], batch, repeats: int, options=None):
+  """Median lower+compile seconds (wall, and process CPU) of each config's train step, with a
+  fresh function object every time, compiling the configs in turn (A, B, A, B, ...)."""
+  abstract = {name: _abstract_params(cfg, batch) for name, cfg in cfgs.items()}
+  wall = {name: [] for name in cfgs}
+  cpu = {name: [] for name in cfgs}
   for _ in range(repeats):
-    step = make_train_step(model)  # a new function object: no trace or compile cache hit
-    t0 = time.perf_counter()
-    jax.jit(step).lower(params, batch).compile()
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
+    for name, (model, params) in abstract.items():
+      step = make_train_step(model)  # a new function object: no trace or compile cache hit
+      t0, c0 = time.perf_counter(), time.process_time()
+      jax.jit(step).lower(params, batch).compile(options)
+      wall[name].append(time.perf_counter() - t0)
+      cpu[name].append(time.process_time() - c0)
+  med = lambda d: {k: float(np.median(v)) for k, v in d.items()}
+  return med(wall), med(cpu)
 
 
-def step_seconds(cfgs: dict[str, ModelConfig], batch, repeats: int) -> dict[str, float]:
+def step_seconds(cfgs: dict[str, ModelConfig], batch, repeats: int, options=None,
+                 cache: dict | None = None) -> dict[str, float]:
   """Median train-step seconds of each config, timed interleaved on the same batch."""
   thunks = {}
   for name, cfg in cfgs.items():
-    model, params = _init_params(cfg, batch)
-    step = jax.jit(make_train_step(model))
+    model = LoopedMoE(cfg)
+    params = init_params(model, batch['inputs'], cache)
+    step = jax.jit(make_train_step(model)).lower(params, batch).compile(options)
     thunks[name] = (lambda step=step, params=params: step(params, batch))
   return time_interleaved(thunks, repeats)
 
 
 # MoE layer alone --------------------------------------------------------------------------------
 
-def moe_fwd_bwd(cfg: ModelConfig, num_experts: int, num_tokens: int):
-  """A jitted fwd+bwd thunk of the MoE layer on [1, num_tokens, d_model] inputs."""
+# Backends whose cost grows linearly with E on CPU (masked dense work).
+DENSE_IN_E = ('xla', 'reference')
+
+
+def moe_fwd_bwd(cfg: ModelConfig, num_experts: int, num_tokens: int, options=None,
+                cache: dict | None = None):
+  """A compiled fwd+bwd thunk of the MoE layer on [1, num_tokens, d_model] inputs."""
   moe = MoE(cfg, num_experts)
   x = jax.random.normal(jax.random.key(1), (1, num_tokens, cfg.d_model), jnp.float32)
-  params = nn.unbox(moe.init(jax.random.key(0), x))['params']
+  params = init_params(moe, x, cache)
 
   def loss(p, x):
     y, stats = moe.apply({'params': p}, x)
     return jnp.mean(y * y) + 0.01 * stats['load_balance'] + 0.001 * stats['z_loss']
 
-  fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(params, x).compile(options)
   return lambda: fn(params, x)
 
 
-def moe_ratios(cfg: ModelConfig, num_tokens: int, small: int, large: int, repeats: int,
-               backends=('sorted', 'xla', 'reference'), max_seconds: float = 5.0):
-  """Per backend: seconds at `small` and `large` experts and their ratio. A backend whose
-  large-E step is predicted (from the small one, linear in E) to exceed `max_seconds` is
-  skipped at large E (ratio None)."""
-  out = {}
-  for backend in backends:
-    c = cfg.replace(dispatch=backend)
-    thunks = {small: moe_fwd_bwd(c, small, num_tokens)}
-    t_small = time_interleaved(thunks, 1, warmup=1)[small]
-    predicted = t_small * (large / small if backend == 'reference' else 1.0)
-    if predicted > max_seconds:
-      secs = time_interleaved(thunks, repeats, warmup=0)
-      out[backend] = dict(small=secs[small], large=None, ratio=None)
-      continue
-    thunks[large] = moe_fwd_bwd(c, large, num_tokens)
-    secs = time_interleaved(thunks, repeats, warmup=1)
-    out[backend] = dict(small=secs[small], large=secs[large], ratio=secs[large] / secs[small])
-  return out
+def moe_ratio(cfg: ModelConfig, backend: str, num_tokens: int, small: int, large: int,
+              repeats: int, max_seconds: float = float('inf'), options=None,
+              cache: dict | None = None):
+  """Seconds of one fwd+bwd at `small` and `large` experts and their ratio. When the large-E
+  call is predicted (from one small-E call; linear in E for DENSE_IN_E backends) to take more
+  than `max_seconds`, the large one is skipped (None)."""
+  c = cfg.replace(dispatch=backend)
+  thunks = {small: moe_fwd_bwd(c, small, num_tokens, options, cache)}
+  t0 = time.perf_counter()
+  _block(thunks[small]())
+  predicted = (time.perf_counter() - t0) * (large / small if backend in DENSE_IN_E else 1.0)
+  if predicted > max_seconds:
+    t = time_interleaved(thunks, repeats, warmup=0)[small]
+    return dict(small=t, large=None, ratio=None)
+  thunks[large] = moe_fwd_bwd(c, large, num_tokens, options, cache)
+  secs = time_interleaved(thunks, repeats, warmup=0 if backend in DENSE_IN_E else 1)
+  return dict(small=secs[small], large=secs[large], ratio=secs[large] / secs[small])
 
 
 # The `model` sub-command ------------------------------------------------------------------------
 
+def _cfg(quick: bool, **kw) -> ModelConfig:
+  sizes = dict(vocab_size=64, d_model=32, num_heads=2, expert_width=32) if quick else dict(
+      vocab_size=256, d_model=128, num_heads=4, expert_width=256)
+  return ModelConfig(**{**sizes, 'top_k': 2, **kw})
+
+
 @register('model')
 def bench_model(quick: bool = False) -> dict[str, Any]:
   res: dict[str, Any] = {'quick': quick, 'backend': jax.default_backend()}
-  # 1. Compile time, L=16 over L=1.
-  base = ModelConfig(vocab_size=256, d_model=64 if quick else 128, num_heads=4,
-                     expert_width=128 if quick else 256, top_k=2, prelude_layers=1,
-                     prelude_experts=8, core_layers=2, core_experts=8, coda_layers=1,
-                     coda_experts=8, num_loops=1)
-  batch = _batch(base, 2, 32)
-  n = 1 if quick else 3
-  c1 = compile_seconds(base.replace(num_loops=1), batch, n)
-  c16 = compile_seconds(base.replace(num_loops=16), batch, n)
-  res.update(compile_s_L1=c1, compile_s_L16=c16, compile_ratio_L16_over_L1=c16 / c1)
+  opts = FAST_COMPILE if quick else None
+  cache = {}  # params shared by configs with the same param shapes
+  # 1. Train-step compile time at L=16 over L=1 (L=2 too: the loop itself costs once).
+  edge = 0 if quick else 1
+  base = _cfg(quick, prelude_layers=edge, prelude_experts=8, core_layers=1 if quick else 2,
+              core_experts=8, coda_layers=edge, coda_experts=8)
+  loops = (1, 16) if quick else (1, 2, 16)
+  wall, cpu = compile_seconds({l: base.replace(num_loops=l) for l in loops},
+                              _batch(base, 2, 32), 1 if quick else 3, opts)
+  res.update({f'compile_s_L{l}': wall[l] for l in loops})
+  res['compile_ratio_L16_over_L1'] = wall[16] / wall[1]
+  res['compile_cpu_ratio_L16_over_L1'] = cpu[16] / cpu[1]
+  if 2 in loops:
+    res['compile_ratio_L16_over_L2'] = wall[16] / wall[2]
 
-  # 2. Looped (D x L, shared weights) vs unrolled (D*L layers, own weights), same depth.
-  d, l = 2, 4
-  looped = ModelConfig(vocab_size=256, d_model=64 if quick else 128, num_heads=4,
-                       expert_width=128 if quick else 256, top_k=2, prelude_layers=0,
-                       coda_layers=0, core_layers=d, core_experts=8, num_loops=l,
-                       tie_attention=True, loop_impl='scan')
+  # 2. Looped core (D layers x L passes, shared weights) vs the unrolled model of the same
+  # executed depth with its own weights (D*L layers, 1 pass). No prelude or coda.
+  d, l = (1, 2) if quick else (2, 4)
+  looped = _cfg(quick, prelude_layers=0, coda_layers=0, core_layers=d, core_experts=8,
+                num_loops=l, tie_attention=True, loop_impl='scan')
   cfgs = {'scan': looped, 'unroll': looped.replace(loop_impl='unroll'),
           'unrolled': looped.replace(core_layers=d * l, num_loops=1)}
-  batch = _batch(looped, 2 if quick else 8, 32 if quick else 128)
-  secs = step_seconds(cfgs, batch, 3 if quick else 10)
+  secs = step_seconds(cfgs, _batch(looped, 2 if quick else 4, 32 if quick else 128),
+                      3 if quick else 10, opts, cache)
   res.update({f'step_s_{k}': v for k, v in secs.items()})
   res['loop_over_unrolled'] = secs['scan'] / secs['unrolled']
   res['loop_unroll_impl_over_unrolled'] = secs['unroll'] / secs['unrolled']
 
-  # 3. MoE layer alone, E=64 over E=8 at the same active FLOPs.
+  # 3. The MoE layer alone, E=64 over E=8 at the same width and top-k (same active FLOPs).
+  # 'xla' and 'reference' grow with E on CPU: informational, on fewer tokens.
   moe_cfg = ModelConfig(d_model=64 if quick else 256, num_heads=4,
                         expert_width=128 if quick else 512, top_k=2, dispatch_tile=64)
-  tokens = 512 if quick else 8192
-  moe = moe_ratios(moe_cfg, tokens, 8, 64, 2 if quick else 5,
-                   backends=('sorted', 'xla') if quick else ('sorted', 'xla', 'reference'),
-                   max_seconds=2.0 if quick else 5.0)
-  for backend, r in moe.items():
-    res[f'moe_s_{backend}_E8'] = r['small']
-    res[f'moe_s_{backend}_E64'] = r['large']
-    res['moe_E64_over_E8' if backend == 'sorted' else f'moe_{backend}_E64_over_E8'] = r['ratio']
+  tokens, info_tokens = (512, 256) if quick else (8192, 512)
+  r = moe_ratio(moe_cfg, 'sorted', tokens, 8, 64, 3 if quick else 5, options=opts, cache=cache)
+  res.update(moe_tokens=tokens, moe_s_sorted_E8=r['small'], moe_s_sorted_E64=r['large'],
+             moe_E64_over_E8=r['ratio'], moe_info_tokens=info_tokens)
+  for backend in ('xla',) if quick else ('xla', 'reference'):
+    r = moe_ratio(moe_cfg, backend, info_tokens, 8, 64, 1 if quick else 2, max_seconds=10.0,
+                  options=opts, cache=cache)
+    res.update({f'moe_s_{backend}_E8': r['small'], f'moe_s_{backend}_E64': r['large'],
+                f'moe_{backend}_E64_over_E8': r['ratio']})
   return res
 
 
 # Reporting --------------------------------------------------------------------------------------
 
+def verdicts(results: dict[str, Any]) -> dict[str, bool]:
+  """PASS (True) / FAIL per TARGETS key present in `results` (None or non-finite fails)."""
+  ok = lambda v, t: isinstance(v, float) and math.isfinite(v) and v <= t
+  return {k: ok(results[k], t) for k, t in TARGETS.items() if k in results}
+
+
 def format_table(results: dict[str, Any]) -> str:
+  passed = verdicts(results)
   rows = []
   for key, value in results.items():
-    if isinstance(value, float):
-      text = f'{value:.4g}'
-    else:
-      text = 'skipped' if value is None else str(value)
-    target = TARGETS.get(key)
-    verdict = ''
-    if target is not None:
-      ok = isinstance(value, float) and math.isfinite(value) and value <= target
-      verdict = f'<= {target}  {"PASS" if ok else "FAIL"}'
+    if isinstance(value, dict):
+      continue
+    text = f'{value:.4g}' if isinstance(value, float) else (
+        'skipped' if value is None else str(value))
+    verdict = f'<= {TARGETS[key]}  {"PASS" if passed[key] else "FAIL"}' if key in passed else ''
     rows.append((key, text, verdict))
   width = max(len(r[0]) for r in rows)
   return '\n'.join(f'{k:<{width}}  {v:>10}  {t}'.rstrip() for k, v, t in rows)
 
 
 def run(name: str, quick: bool = False, json_path: str | None = None) -> dict[str, Any]:
-  """Runs sub-command `name`, prints a table and the JSON, optionally writes the JSON."""
+  """Runs sub-command `name`, prints a table and the JSON (with a 'pass' entry per target),
+  and writes the JSON to `json_path` when given."""
   if name not in SUBCOMMANDS:
     raise ValueError(f'unknown benchmark {name!r}; known: {sorted(SUBCOMMANDS)}')
   results = SUBCOMMANDS[name](quick)
+  results['pass'] = verdicts(results)
   print(format_table(results))
   text = json.dumps(results, indent=1)
   print(text)

@@ -24,11 +24,24 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, num_loops: int | None
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes['cache'])
 
 
+def cache_length(cache) -> int:
+  """Slots per row of a cache (k/v leaves are [..., B, S, G, K])."""
+  return next(x.shape[-3] for x in jax.tree.leaves(cache) if x.ndim >= 4)
+
+
 def decode_step(cfg: ModelConfig, params, cache, tokens_BT, num_loops: int | None = None):
-  """Feeds a chunk of tokens (a prompt, or one token) and returns (logits_BTV, new cache)."""
+  """Feeds a chunk of tokens (a prompt, or one token) and returns (logits_BTV, new cache).
+
+  Writing past the cache's length raises when the position is concrete; under jit the
+  logits of such a step are NaN instead of silently wrong."""
+  max_len, pos = cache_length(cache), cache['position']
+  end = pos + tokens_BT.shape[1]
+  if not isinstance(pos, jax.core.Tracer) and int(end) > max_len:
+    raise ValueError(f'decode_step: position {int(pos)} + {tokens_BT.shape[1]} tokens exceeds '
+                     f'the cache length max_len={max_len}')
   (logits, _), mutated = LoopedMoE(cfg, decode=True).apply(
       {'params': params, 'cache': cache}, tokens_BT, num_loops=num_loops, mutable=['cache'])
-  return logits, mutated['cache']
+  return jnp.where(end > max_len, jnp.nan, logits), mutated['cache']
 
 
 def sample(logits_BV, key, temperature: float):

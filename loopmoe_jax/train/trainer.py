@@ -178,7 +178,7 @@ def _initial_state(mngr, target, model, tx, tc, dc, state_sh):
     print(f'resuming from step {s}', flush=True)
     return state, data_state or None, s
   init = jax.jit(lambda rng: steps.init_state(model, tx, rng, dc.seq_len), out_shardings=state_sh)
-  return init(jax.random.key(tc.seed)), None, 0
+  return init(steps.init_key(tc.seed)), None, 0
 
 
 def _write_routing(workdir, step, stats, proc):
