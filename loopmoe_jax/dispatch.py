@@ -64,19 +64,22 @@ def _pad_rows(x, tile):
   return jnp.pad(x, ((0, pad), (0, 0))) if pad else x
 
 
-def _gmm_fwd_impl(lhs_MK, rhs_GKN, group_sizes_G, tile):
+def _gmm_fwd_impl(lhs_MK, rhs_GKN, group_sizes_G, tile, transpose_rhs=False):
+  """lhs @ rhs[g] per group; with `transpose_rhs`, lhs @ rhs[g].T (no transposed copy)."""
   m = lhs_MK.shape[0]
+  n = rhs_GKN.shape[1 if transpose_rhs else 2]
   if m == 0:
-    return jnp.zeros((0, rhs_GKN.shape[2]), lhs_MK.dtype)
+    return jnp.zeros((0, n), lhs_MK.dtype)
   group, tile_idx, valid, starts, ends = _work_items(group_sizes_G, m, tile)
   lhs = _pad_rows(lhs_MK, tile)
-  out = jnp.zeros((lhs.shape[0], rhs_GKN.shape[2]), jnp.float32)
+  out = jnp.zeros((lhs.shape[0], n), jnp.float32)
+  contract = (((1,), (1 if transpose_rhs else 0,)), ((), ()))
 
   def body(i, out):
     g, t = group[i], tile_idx[i]
     mask = _row_mask(t, g, valid[i], starts, ends, tile)
     rows = jax.lax.dynamic_slice_in_dim(lhs, t * tile, tile)
-    prod = jnp.dot(rows, rhs_GKN[g], preferred_element_type=jnp.float32)
+    prod = jax.lax.dot_general(rows, rhs_GKN[g], contract, preferred_element_type=jnp.float32)
     old = jax.lax.dynamic_slice_in_dim(out, t * tile, tile)
     return jax.lax.dynamic_update_slice_in_dim(out, old + jnp.where(mask[:, None], prod, 0),
                                                t * tile, 0)
@@ -121,7 +124,7 @@ def _gmm_vjp_fwd(lhs, rhs, group_sizes, tile):
 
 def _gmm_vjp_bwd(tile, res, g_MN):
   lhs, rhs, group_sizes = res
-  d_lhs = _gmm_fwd_impl(g_MN, jnp.swapaxes(rhs, 1, 2), group_sizes, tile).astype(lhs.dtype)
+  d_lhs = _gmm_fwd_impl(g_MN, rhs, group_sizes, tile, transpose_rhs=True).astype(lhs.dtype)
   d_rhs = _tgmm_impl(lhs, g_MN, group_sizes, rhs.shape[0], tile).astype(rhs.dtype)
   return d_lhs, d_rhs, None
 

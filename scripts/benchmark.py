@@ -1,12 +1,13 @@
 """Benchmarks, one sub-command each; prints a table and the results as JSON.
 
     python scripts/benchmark.py model [--quick] [--json=FILE]
+    python scripts/benchmark.py data [--json=FILE]
 
 Sub-commands are registered in loopmoe_jax/bench.py (SUBCOMMANDS).
 """
 from absl import app, flags
 
-from loopmoe_jax import bench
+from loopmoe_jax import bench, bench_data  # noqa: F401  (bench_data registers 'data')
 
 _JSON = flags.DEFINE_string('json', None, 'Also write the results dict to this JSON file.')
 _QUICK = flags.DEFINE_bool('quick', False, 'Fast smoke run: fewer repeats, smaller sizes.')
