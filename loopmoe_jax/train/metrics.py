@@ -8,13 +8,16 @@ import time
 
 
 class Writer:
-  def __init__(self, workdir: str, total_steps: int, tensorboard: bool = True, enabled=True):
+  def __init__(self, workdir: str, total_steps: int, tensorboard: bool = True, enabled=True,
+               resume_step: int = 0):
     self.enabled, self.total = enabled, total_steps
     self.t0 = time.time()
     self._jsonl = self._tb = None
     if enabled:
       os.makedirs(workdir, exist_ok=True)
-      self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a')
+      path = os.path.join(workdir, 'metrics.jsonl')
+      _drop_rows_after(path, resume_step)
+      self._jsonl = open(path, 'a')
       if tensorboard:
         from tensorboardX import SummaryWriter
         self._tb = SummaryWriter(os.path.join(workdir, 'tb'))
@@ -47,3 +50,14 @@ class Writer:
       self._jsonl.close()
     if self._tb is not None:
       self._tb.close()
+
+
+def _drop_rows_after(path: str, step: int):
+  """On resume, forgets rows logged after the restored step (they will be logged again)."""
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    rows = [line for line in f if line.strip() and json.loads(line)['step'] <= step]
+  with open(path + '.tmp', 'w') as f:
+    f.writelines(rows)
+  os.replace(path + '.tmp', path)

@@ -78,15 +78,23 @@ def train(cfg, workdir: str) -> dict:
                         shapes, state_sh)
   mngr = checkpoint.manager(os.path.join(workdir, 'checkpoints'), tc.keep, tc.async_save)
   state, data_state, start = _initial_state(mngr, target, model, tx, tc, dc, state_sh)
+  summary_path = os.path.join(workdir, 'summary.json')
+  if start >= tc.steps and os.path.exists(summary_path):
+    print(f'{workdir} already finished at step {start}', flush=True)
+    with open(summary_path) as f:
+      return json.load(f)
+  data_state = data_state or {}
+  # The last W per-step losses travel with the checkpoint so the summary is exact on resume.
+  losses = list(data_state.get('recent_losses', []))
 
   it = pipeline.train_iterator(dc, mc.vocab_size, max(tc.steps, tc.total_steps) + 1, proc,
-                               n_proc, data_state)
+                               n_proc, data_state.get('iterator'))
   val = pipeline.validation_batches(dc, mc.vocab_size, proc, n_proc)
   train_step = steps.make_train_step(model, tx, schedule, tc.lb_coef, tc.z_coef, state_sh,
                                      batch_sh)
   eval_step, routing_step = steps.make_eval_step(model), steps.make_routing_step(model)
   acct = accounting.count(mc, dc.seq_len)
-  writer = Writer(workdir, tc.steps, enabled=proc == 0)
+  writer = Writer(workdir, tc.steps, enabled=proc == 0, resume_step=start)
   flops_tok, peak = 3 * acct['flops_per_token'], peak_flops(tc.peak_flops) * n_dev
   config_json = cfg.to_json()
   if proc == 0:
@@ -94,7 +102,7 @@ def train(cfg, workdir: str) -> dict:
           f"{mc.executed_layers} executed layers; data: {dc.source}, batch {dc.batch_size} x "
           f"{dc.seq_len}; steps {start} -> {tc.steps} on {n_dev} device(s)", flush=True)
 
-  losses, pending, val_loss = [], None, None
+  pending, val_loss = None, None
   t_log, tok_log, t0 = time.time(), 0, time.time()
   last_saved = start
 
@@ -138,7 +146,9 @@ def train(cfg, workdir: str) -> dict:
         if (step + 1) % tc.save_every == 0 or stop.signal or step + 1 == tc.steps:
           handle(pending)
           pending = None
-          checkpoint.save(mngr, step + 1, state, it.get_state(), config_json)
+          checkpoint.save(mngr, step + 1, state, {'iterator': it.get_state(),
+                                                  'recent_losses': losses[-tc.final_window:]},
+                          config_json)
           last_saved = step + 1
         if stop.signal:
           print(f'{stop.signal}: saved step {step + 1} and stopped', flush=True)
@@ -156,7 +166,7 @@ def train(cfg, workdir: str) -> dict:
              wall, 'wall_s': wall, 'params_total': acct['params_total'],
              'params_active': acct['params_active'], 'stopped_by': stop.signal}
   if proc == 0:
-    with open(os.path.join(workdir, 'summary.json'), 'w') as f:
+    with open(summary_path, 'w') as f:
       json.dump(summary, f, indent=1)
     print('summary: ' + json.dumps({k: summary[k] for k in
                                     ('steps', 'final_window_loss', 'val_loss', 'tokens_per_s')}))
@@ -176,7 +186,7 @@ def _initial_state(mngr, target, model, tx, tc, dc, state_sh):
   if restored is not None:
     s, state, data_state, _ = restored
     print(f'resuming from step {s}', flush=True)
-    return state, data_state or None, s
+    return state, data_state, s
   init = jax.jit(lambda rng: steps.init_state(model, tx, rng, dc.seq_len), out_shardings=state_sh)
   return init(steps.init_key(tc.seed)), None, 0
 
