@@ -22,8 +22,9 @@ log = logging.getLogger(__name__)
 def manager(directory: str, keep: int = 3, async_save: bool = True, read_only: bool = False):
   opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
                                       enable_async_checkpointing=async_save, read_only=read_only)
-  return ocp.CheckpointManager(os.path.abspath(directory), options=opts,
-                               item_names=('state', 'data', 'config'))
+  handlers = {'state': ocp.StandardCheckpointHandler(), 'data': ocp.JsonCheckpointHandler(),
+              'config': ocp.JsonCheckpointHandler()}
+  return ocp.CheckpointManager(os.path.abspath(directory), options=opts, item_handlers=handlers)
 
 
 def save(mngr, step: int, state, data_state, config_json: str, force: bool = False):
@@ -64,10 +65,15 @@ def load_params(directory: str, step: int | None = None):
   steps = sorted(mngr.all_steps(), reverse=True) if step is None else [step]
   if not steps:
     raise FileNotFoundError(f'no complete checkpoint step in {ckpt_dir!r}')
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   for s in steps:
     try:
       config = mngr.restore(s, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
-      state = mngr.restore(s, args=ocp.args.Composite(state=ocp.args.StandardRestore()))['state']
+      # Restore onto this machine's first device, whatever mesh wrote the checkpoint.
+      target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+                            mngr.item_metadata(s)['state'])
+      state = mngr.restore(s, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(target)))['state']
     except Exception as e:
       print(f'WARNING: checkpoint step {s} in {ckpt_dir} is unreadable ({type(e).__name__}); '
             'skipping it')
