@@ -36,7 +36,11 @@ def decode_step(cfg: ModelConfig, params, cache, tokens_BT, num_loops: int | Non
   logits of such a step are NaN instead of silently wrong."""
   max_len, pos = cache_length(cache), cache['position']
   end = pos + tokens_BT.shape[1]
-  if not isinstance(pos, jax.core.Tracer) and int(end) > max_len:
+  try:
+    concrete_end = int(end)
+  except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+    concrete_end = None  # traced under jit: the NaN below reports it
+  if concrete_end is not None and concrete_end > max_len:
     raise ValueError(f'decode_step: position {int(pos)} + {tokens_BT.shape[1]} tokens exceeds '
                      f'the cache length max_len={max_len}')
   (logits, _), mutated = LoopedMoE(cfg, decode=True).apply(

@@ -43,13 +43,17 @@ def shardings(mesh, state_shapes):
   return jax.tree.map(lambda _: rep, state_shapes), NamedSharding(mesh, P('data'))
 
 
+def global_norm(tree):
+  return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
 def make_train_step(model, tx, schedule, lb_coef: float, z_coef: float, state_sh, batch_sh):
   def step(state, batch):
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
         state['params'], model, batch, lb_coef, z_coef)
     updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
     params = optax.apply_updates(state['params'], updates)
-    metrics = dict(metrics, grad_norm=optax.tree.norm(grads), lr=schedule(state['step']))
+    metrics = dict(metrics, grad_norm=global_norm(grads), lr=schedule(state['step']))
     return {'params': params, 'opt_state': opt_state, 'step': state['step'] + 1}, metrics
 
   return jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
