@@ -9,7 +9,8 @@ setup(
     python_requires='>=3.10',
     install_requires=[
         'jax>=0.10', 'flax>=0.12', 'optax', 'orbax-checkpoint', 'grain', 'tensorstore',
-        'ml-collections', 'absl-py', 'numpy', 'tokenizers', 'tensorboardX',
+        'ml-collections', 'absl-py', 'numpy', 'tokenizers', 'tensorboardX', 'scipy',
+        'matplotlib', 'threadpoolctl',
     ],
     extras_require={'test': ['pytest', 'pytest-xdist']},
 )

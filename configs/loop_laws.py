@@ -7,6 +7,10 @@ The core of `core_layers` MoE layers (`experts` experts, top-`top_k`, tied atten
 `loops` times between 2 prelude and 2 coda layers with the same experts; `experts=0` gives
 the dense law's points. `smoke` shrinks the widths to CPU size. Parameters stay fixed as
 `loops` grows; FLOPs per token grow by the core's share per pass.
+
+    python scripts/sweep.py --config=configs/loop_laws.py:smoke --root=/tmp/ll_sweep
+
+runs the grid of `get_sweep()` (passes 1, 2, 4; `--sweep model.FIELD=v1,v2` replaces it).
 """
 from loopmoe_jax.config import model_config_dict, parse_arg
 from loopmoe_jax.experiment import experiment_config
@@ -28,3 +32,9 @@ def get_config(arg=None):
                              data=dict(seq_len=128, batch_size=8))
   return experiment_config(model, train=dict(steps=20_000, lr=1e-3, warmup=500),
                            data=dict(seq_len=2048, batch_size=128, source='tokens'))
+
+
+def get_sweep(arg=None):
+  """The default grid of scripts/sweep.py for this family: passes 1, 2 and 4."""
+  del arg
+  return {'model.num_loops': [1, 2, 4]}

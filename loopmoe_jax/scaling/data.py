@@ -1,0 +1,41 @@
+"""Loading law data: the Epoch AI digitisation of Chinchilla's Figure 4 and sweep CSVs."""
+from __future__ import annotations
+
+import csv
+
+import numpy as np
+
+
+def read_csv(path: str) -> dict[str, np.ndarray]:
+  """A CSV as columns: numeric columns as float64 arrays, others as arrays of str."""
+  with open(path, newline='') as f:
+    rows = list(csv.DictReader(f))
+  if not rows:
+    raise ValueError(f'{path}: no rows')
+  out = {}
+  for key in rows[0]:
+    vals = [r[key] for r in rows]
+    try:
+      out[key] = np.array([float(v) for v in vals])
+    except ValueError:
+      out[key] = np.array(vals)
+  return out
+
+
+def write_csv(path: str, rows: list[dict]):
+  keys = list(dict.fromkeys(k for r in rows for k in r))
+  with open(path, 'w', newline='') as f:
+    w = csv.DictWriter(f, fieldnames=keys)
+    w.writeheader()
+    w.writerows(rows)
+
+
+def chinchilla_epoch(path: str, drop_highest: int = 5) -> dict[str, np.ndarray]:
+  """Hoffmann et al.'s Figure 4 as digitised by Epoch AI: columns `Model Size`,
+  `Training FLOP`, `loss`. Returns N, D = C / (6 N), C and loss, without the
+  `drop_highest` highest-loss points (Besiroglu et al. 2024 drop five)."""
+  raw = read_csv(path)
+  n, c, loss = raw['Model Size'], raw['Training FLOP'], raw['loss']
+  keep = np.argsort(loss, kind='stable')[:len(loss) - drop_highest]
+  keep = np.sort(keep)
+  return {'N': n[keep], 'D': c[keep] / (6.0 * n[keep]), 'C': c[keep], 'loss': loss[keep]}

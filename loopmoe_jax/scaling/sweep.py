@@ -1,0 +1,166 @@
+"""Sweeps from configs: one run per grid point, each in its own workdir, collected as a CSV.
+
+    rows = run_sweep(cfg, {'model.num_loops': [1, 2, 4]}, '/tmp/sweep')
+
+A sweep key is a dotted path of the experiment ConfigDict (`model.num_loops`,
+`train.steps`, ...); values are converted to the type of the field they replace. One alias:
+`model.num_experts` sets the expert count of every MoE segment (prelude, core and coda
+`*_experts` fields that are non-zero in the base config; dense segments stay dense), so that
+an experts axis means the same thing whatever the layout. Seeds (`train.seed`, `data.seed`)
+cannot be swept: every point shares the data order and the init seed of the base config (the
+data order never depends on the model).
+
+Points run one after another in `ROOT/<key=value,...>/`. A point whose `summary.json` reports
+the configured steps (and a loss) is skipped; any other point is (re)run with the trainer,
+which resumes from its newest checkpoint. The collected rows -- N (params), N_active, N_block
+(looped-block params), D (tokens), C (training FLOPs = 3 x forward FLOPs/token x D), F
+(forward FLOPs/token), S (sparsity), r (passes), E (core experts), k (top-k), loss (final
+window) -- are written to ROOT/sweep.csv, ready for `fit_laws.py`.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import itertools
+import json
+import os
+from typing import Any, Callable, Mapping, Sequence
+
+from loopmoe_jax.accounting import count
+from loopmoe_jax.config import ModelConfig
+from loopmoe_jax.scaling.data import write_csv
+
+EXPERTS_ALIAS = 'model.num_experts'
+EXPERT_FIELDS = ('prelude_experts', 'core_experts', 'coda_experts')
+FROZEN = ('train.seed', 'data.seed')
+
+
+def parse_sweeps(specs: Sequence[str]) -> dict[str, list[str]]:
+  """['model.num_loops=1,2,4', ...] -> {'model.num_loops': ['1', '2', '4'], ...}."""
+  out = {}
+  for spec in specs:
+    key, eq, vals = spec.partition('=')
+    values = [v.strip() for v in vals.split(',') if v.strip()]
+    if not eq or not values:
+      raise ValueError(f'--sweep {spec!r}: expected SECTION.FIELD=v1,v2,...')
+    out[key.strip()] = values
+  return out
+
+
+def config_sweep(path: str, arg: str | None = None) -> dict[str, list]:
+  """The grid a config file carries in `get_sweep(arg)` (empty when it has none)."""
+  spec = importlib.util.spec_from_file_location('_sweep_config', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  get = getattr(module, 'get_sweep', None)
+  return dict(get(arg) if get else {})
+
+
+def _convert(old: Any, value: Any, key: str):
+  if isinstance(value, str) and not isinstance(old, str):
+    if isinstance(old, bool):
+      if value.lower() not in ('1', 'true', 'yes', '0', 'false', 'no'):
+        raise ValueError(f'--sweep {key}: {value!r} is not a bool')
+      return value.lower() in ('1', 'true', 'yes')
+    return type(old)(float(value) if isinstance(old, int) and '.' in value else value)
+  return value
+
+
+def apply_point(cfg, point: Mapping[str, Any]):
+  """A copy of the experiment ConfigDict with the point's fields set."""
+  cfg = copy.deepcopy(cfg)
+  for key, value in point.items():
+    if key in FROZEN:
+      raise ValueError(f'--sweep {key}: seeds are shared by every point of a sweep')
+    if key == EXPERTS_ALIAS:
+      fields = [f for f in EXPERT_FIELDS if cfg.model[f]] or ['core_experts']
+      for f in fields:
+        cfg.model[f] = _convert(cfg.model[f], value, key)
+      continue
+    *path, leaf = key.split('.')
+    node = cfg
+    for part in path:
+      if part not in node:
+        raise ValueError(f'--sweep {key}: config has no section {part!r}')
+      node = node[part]
+    if leaf not in node:
+      raise ValueError(f'--sweep {key}: no field {leaf!r}; known {sorted(node.keys())}')
+    node[leaf] = _convert(node[leaf], value, key)
+  return cfg
+
+
+def grid(sweeps: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
+  keys = list(sweeps)
+  return [dict(zip(keys, vals)) for vals in itertools.product(*(sweeps[k] for k in keys))]
+
+
+def point_name(point: Mapping[str, Any]) -> str:
+  return ','.join(f'{k.split(".")[-1]}={v}' for k, v in point.items()) or 'base'
+
+
+def block_params(mc: ModelConfig) -> int:
+  """Stored params of the looped block: the model's minus the model without its core."""
+  if not mc.core_layers:
+    return 0
+  total = count(mc)['params_total']
+  try:
+    rest = count(mc.replace(core_layers=0, num_loops=1, injection='none'))['params_total']
+  except ValueError:  # the core is the whole model: everything but embeddings/final norm
+    return count(mc)['params_nonembedding'] - (mc.d_model if mc.norm_gain else 0)
+  return total - rest
+
+
+def point_row(cfg, summary: Mapping[str, Any]) -> dict[str, Any]:
+  """The law's columns for one finished point."""
+  mc = ModelConfig.from_dict(cfg.model)
+  acct = count(mc, cfg.data.seq_len)
+  tokens = summary['steps'] * cfg.data.batch_size * cfg.data.seq_len
+  return {'N': acct['params_total'], 'N_active': acct['params_active'],
+          'N_block': block_params(mc), 'D': tokens, 'C': 3 * acct['flops_per_token'] * tokens,
+          'F': acct['flops_per_token'], 'S': acct['sparsity'], 'r': mc.num_loops,
+          'E': mc.core_experts, 'k': mc.top_k if mc.core_experts else 0,
+          'loss': summary['final_window_loss'], 'steps': summary['steps']}
+
+
+def finished(workdir: str, steps: int) -> dict | None:
+  """The summary of a run that reached `steps` with a loss, else None."""
+  path = os.path.join(workdir, 'summary.json')
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    s = json.load(f)
+  ok = s.get('steps', 0) >= steps and s.get('final_window_loss') is not None
+  return s if ok else None
+
+
+def run_sweep(cfg, sweeps: Mapping[str, Sequence[Any]], root: str,
+              run: Callable[[Any, str], dict] | None = None, log=print) -> list[dict]:
+  """Runs (or skips, or resumes) every grid point; returns the rows and writes sweep.csv."""
+  if run is None:
+    from loopmoe_jax.train.trainer import train as run
+  points = grid(sweeps)
+  cfgs = [apply_point(cfg, p) for p in points]
+  for c in cfgs:  # fail on a bad point before any training
+    ModelConfig.from_dict(c.model)
+  os.makedirs(root, exist_ok=True)
+  rows = []
+  for i, (point, c) in enumerate(zip(points, cfgs)):
+    name = point_name(point)
+    workdir = os.path.join(root, name)
+    summary = finished(workdir, c.train.steps)
+    if summary:
+      log(f'[{i + 1}/{len(points)}] {name}: finished ({summary["steps"]} steps), skipped')
+    else:
+      log(f'[{i + 1}/{len(points)}] {name}: running in {workdir}')
+      os.makedirs(workdir, exist_ok=True)
+      with open(os.path.join(workdir, 'point.json'), 'w') as f:
+        json.dump(point, f)
+      summary = run(c, workdir)
+      if summary.get('stopped_by') or summary.get('final_window_loss') is None:
+        log(f'{name}: stopped before the end; re-run the sweep to resume')
+        break
+    rows.append({'point': name, **{k: point[k] for k in point}, **point_row(c, summary),
+                 'workdir': workdir})
+  if rows:
+    write_csv(os.path.join(root, 'sweep.csv'), rows)
+  return rows

@@ -1,0 +1,76 @@
+"""Fits scaling-law forms to a CSV and prints the comparison table and design numbers.
+
+    python scripts/fit_laws.py --data=../shared/data/chinchilla_fig4_epoch.csv --format=epoch \
+        --forms=chinchilla --bootstrap=200 --budget=5.76e23 --plot=/tmp/chinchilla.png
+    python scripts/fit_laws.py --data=/tmp/sweep/sweep.csv \
+        --forms=loop_linear,loop_power,loop_bounded --holdout=r=4 --plot=/tmp/sweep.png
+
+--format=sweep reads the columns that scripts/sweep.py writes (N, N_active, N_block, D, C, F,
+S, r, E, k, loss); --format=epoch reads Epoch AI's digitisation of Chinchilla's Figure 4
+(D = C / 6N; the five highest-loss points dropped). --n_column picks the column used as the
+law's N (e.g. N_active). --fix holds named parameters (e.g. --fix=beta=0.3,B=0).
+"""
+import json
+
+from absl import flags
+
+from loopmoe_jax.cli import run
+
+_DATA = flags.DEFINE_string('data', None, 'CSV of points.', required=True)
+_FORMAT = flags.DEFINE_enum('format', 'sweep', ['sweep', 'epoch'], 'CSV layout.')
+_FORMS = flags.DEFINE_list('forms', ['chinchilla'], 'Law forms to fit.')
+_N = flags.DEFINE_string('n_column', 'N', 'Column used as the law\'s N.')
+_HOLDOUT = flags.DEFINE_list('holdout', [], 'AXIS=VALUE held out, e.g. r=4,E=16.')
+_BOOT = flags.DEFINE_integer('bootstrap', 0, 'Bootstrap resamples (0: none).')
+_BUDGET = flags.DEFINE_float('budget', 0.0, 'Compute budget (FLOPs) for compute-optimal N, D.')
+_FIX = flags.DEFINE_list('fix', [], 'NAME=VALUE parameters held fixed.')
+_TOP = flags.DEFINE_integer('top', 16, 'L-BFGS runs from the best grid starts.')
+_PLOT = flags.DEFINE_string('plot', None, 'PNG path for the fits.')
+_X = flags.DEFINE_string('x', None, 'Plot x axis (default N, or r for loop forms).')
+_JSON = flags.DEFINE_string('json', None, 'Write fitted params and the table here.')
+
+
+def main(argv):
+  del argv
+  import numpy as np
+  from loopmoe_jax import scaling
+  if _FORMAT.value == 'epoch':
+    data = scaling.chinchilla_epoch(_DATA.value)
+  else:
+    data = scaling.as_columns(scaling.read_csv(_DATA.value))
+    data['N'] = data[_N.value]
+  fixed = {k: float(v) for k, v in (s.split('=') for s in _FIX.value)}
+  holdouts = [(a, float(v)) for a, v in (s.split('=') for s in _HOLDOUT.value)]
+  kw = dict(top=_TOP.value, fixed=fixed or None)
+  rows = scaling.compare(_FORMS.value, data, holdouts, **kw)
+  print(f'{len(data["loss"])} points; forms ranked by held-out RMSE' if holdouts else
+        f'{len(data["loss"])} points')
+  print(scaling.format_table(rows))
+  fits = {name: scaling.fit(name, data, **kw) for name in _FORMS.value}
+  out = {'table': rows, 'fits': {}}
+  for name, f in fits.items():
+    entry = {'params': f.params, 'rmse': f.rmse}
+    if _BOOT.value:
+      b = scaling.bootstrap(name, data, n=_BOOT.value, base=f, **kw)
+      entry['se'] = b['se']
+      print(f'{name} bootstrap se ({_BOOT.value} resamples): ' +
+            ', '.join(f'{k}={v:.4g}' for k, v in b['se'].items()))
+    if _BUDGET.value and name == 'chinchilla':
+      n_opt, d_opt = scaling.chinchilla_optimal(f.params, _BUDGET.value)
+      entry['compute_optimal'] = {'C': _BUDGET.value, 'N': n_opt, 'D': d_opt}
+      print(f'compute-optimal at C={_BUDGET.value:.3g}: N*={n_opt:.4g} params, '
+            f'D*={d_opt:.4g} tokens ({d_opt / n_opt:.1f} tokens/param)')
+    out['fits'][name] = entry
+  if _PLOT.value:
+    loop = any(n.startswith('loop_') for n in fits)
+    x = _X.value or ('r' if loop and len(np.unique(data.get('r', [1]))) > 1 else 'N')
+    scaling.plots.plot_fits(data, fits, _PLOT.value, x=x,
+                            title=f'{", ".join(fits)} on {len(data["loss"])} points')
+    print(f'plot: {_PLOT.value}')
+  if _JSON.value:
+    with open(_JSON.value, 'w') as f:
+      json.dump(out, f, indent=1, default=float)
+
+
+if __name__ == '__main__':
+  run(main)

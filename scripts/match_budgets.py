@@ -1,0 +1,48 @@
+"""SMELT three-budget matching: a looped twin with the baseline's FLOPs, params and KV cache.
+
+    python scripts/match_budgets.py --baseline=configs/smelt.py:200m,baseline \
+        --span=0.5 --loops=2 --json /tmp/match.json
+
+Prints the three ratios (twin / baseline) and the matched model config; --json writes
+`flops_ratio`, `params_ratio`, `kv_ratio`, `max_deviation`, `model` (every ModelConfig
+field) and the budgets. FLOPs use the baseline's data.seq_len as the context.
+"""
+import dataclasses
+import json
+
+from absl import flags
+from ml_collections import config_flags
+
+from loopmoe_jax.cli import run
+from loopmoe_jax.config import ModelConfig
+
+_BASELINE = config_flags.DEFINE_config_file('baseline', None, 'Baseline config file[:arg].')
+_SPAN = flags.DEFINE_float('span', 0.5, 'Fraction of the layers looped (the middle span).')
+_LOOPS = flags.DEFINE_integer('loops', 2, 'Passes over the looped span.')
+_TOL = flags.DEFINE_float('tol', 0.04, 'Largest allowed |ratio - 1| on every budget.')
+_WIDTH = flags.DEFINE_bool('search_expert_width', False, 'Also search the expert width.')
+_CONTEXT = flags.DEFINE_integer('context', 0, 'Context for FLOPs; 0: the baseline seq_len.')
+_JSON = flags.DEFINE_string('json', None, 'Write the result here.')
+
+
+def main(argv):
+  del argv
+  from loopmoe_jax.scaling.matching import match
+  cfg = _BASELINE.value
+  base = ModelConfig.from_dict(cfg.model)
+  context = _CONTEXT.value or cfg.data.seq_len
+  m = match(base, span=_SPAN.value, loops=_LOOPS.value, context=context, tol=_TOL.value,
+            search_expert_width=_WIDTH.value)
+  for name, value in m.ratios.items():
+    print(f'{name}: {value:.4f}')
+  changed = {k: v for k, v in dataclasses.asdict(m.config).items()
+             if getattr(base, k) != v}
+  print('matched model (fields changed from the baseline): ' + json.dumps(changed))
+  if _JSON.value:
+    with open(_JSON.value, 'w') as f:
+      json.dump(m.to_json(), f, indent=1)
+
+
+if __name__ == '__main__':
+  flags.mark_flag_as_required('baseline')
+  run(main)

@@ -1,0 +1,46 @@
+"""Runs a grid of training runs from a config, one workdir per point, and collects a CSV.
+
+    python scripts/sweep.py --config=configs/loop_laws.py:smoke --root=/tmp/ll_sweep \
+        --sweep model.num_loops=1,2,4,8 --sweep model.num_experts=8,16 \
+        --config.train.steps=80
+    python scripts/fit_laws.py --data=/tmp/ll_sweep/sweep.csv --forms=loop_linear,loop_bounded
+
+Without --sweep the config file's own `get_sweep(arg)` grid is used. `model.num_experts` sets
+every MoE segment's expert count; any other key is a config field (`model.FIELD`,
+`train.FIELD`, ...). Every point shares the data order and seeds. Finished points are
+skipped and interrupted ones resume, so re-running the command completes a sweep. The CSV
+(ROOT/sweep.csv) holds N, N_active, N_block, D, C, F, S, r, E, k and the final-window loss.
+"""
+from absl import flags
+from ml_collections import config_flags
+
+from loopmoe_jax.cli import config_flag, run
+
+_CONFIG = config_flag()
+_SWEEP = flags.DEFINE_multi_string('sweep', [], 'SECTION.FIELD=v1,v2,... (repeatable).')
+_ROOT = flags.DEFINE_string('root', None, 'Directory holding one workdir per point.',
+                            required=True)
+
+
+def main(argv):
+  del argv
+  from loopmoe_jax.scaling import sweep
+  if _SWEEP.value:
+    grid = sweep.parse_sweeps(_SWEEP.value)
+  else:
+    path, _, arg = config_flags.get_config_filename(flags.FLAGS['config']).partition(':')
+    grid = sweep.config_sweep(path, arg or None)
+    if not grid:
+      raise SystemExit(f'{path} has no get_sweep(); pass --sweep SECTION.FIELD=v1,v2')
+  print(f'sweep over {grid}')
+  rows = sweep.run_sweep(_CONFIG.value, grid, _ROOT.value)
+  keys = ['point', 'N', 'N_active', 'D', 'C', 'r', 'E', 'loss']
+  print('  '.join(f'{k:>14}' for k in keys))
+  for r in rows:
+    print('  '.join(f'{r[k]:>14.5g}' if isinstance(r[k], float) else f'{r[k]!s:>14}'
+                    for k in keys))
+  print(f'csv: {_ROOT.value}/sweep.csv')
+
+
+if __name__ == '__main__':
+  run(main)

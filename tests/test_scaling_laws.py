@@ -1,0 +1,110 @@
+"""Scaling-law fits against published estimates and against known synthetic truths."""
+import os
+
+import numpy as np
+import pytest
+
+from loopmoe_jax.scaling import (bootstrap, chinchilla_epoch, chinchilla_optimal, compare, fit,
+                                 from_params)
+from loopmoe_jax.scaling.synthetic import LOOP_TRUTH, MAPPING_TRUTH, generate, loop_grid
+
+EPOCH_CSV = os.path.join(os.path.dirname(__file__), '..', '..', 'shared', 'data',
+                         'chinchilla_fig4_epoch.csv')
+# Besiroglu et al. 2024 ("Chinchilla Scaling: A replication attempt"): estimate, standard error.
+EPOCH = {'E': (1.82, 0.03), 'A': (482.01, 124.58), 'B': (2085.43, 1293.23),
+         'alpha': (0.3478, 0.02), 'beta': (0.3658, 0.02)}
+
+
+@pytest.fixture(scope='module')
+def epoch_data():
+  if not os.path.exists(EPOCH_CSV):
+    pytest.skip(f'{EPOCH_CSV} not present')
+  return chinchilla_epoch(EPOCH_CSV)
+
+
+def test_chinchilla_reproduces_epoch_replication(epoch_data):
+  assert len(epoch_data['N']) == 240  # 245 digitised points, the five highest losses dropped
+  f = fit('chinchilla', epoch_data)
+  for name, (est, se) in EPOCH.items():
+    assert abs(f.params[name] - est) <= se, (name, f.params[name], est, se)
+  n_opt, d_opt = chinchilla_optimal(f.params, 5.76e23)
+  assert 6 * n_opt * d_opt == pytest.approx(5.76e23, rel=1e-9)
+  # Epoch's estimates put Chinchilla's budget at ~40B params and ~20-30 tokens per param.
+  assert 2e10 < n_opt < 8e10 and 10 < d_opt / n_opt < 40
+  boot = bootstrap('chinchilla', epoch_data, n=20, seed=0, base=f)
+  for name in ('alpha', 'beta', 'E'):
+    assert 0.2 * EPOCH[name][1] < boot['se'][name] < 5 * EPOCH[name][1], (name, boot['se'])
+
+
+def test_fit_accepts_a_dataframe_like_mapping(epoch_data):
+  class Frame:  # the two methods fit uses from a pandas DataFrame
+    def __init__(self, d): self.d = d
+    def keys(self): return list(self.d)
+    def __getitem__(self, k): return self.d[k]
+  a, b = fit('chinchilla', epoch_data, top=2), fit('chinchilla', Frame(epoch_data), top=2)
+  assert a.params == b.params
+
+
+@pytest.mark.parametrize('form', list(MAPPING_TRUTH))
+def test_loop_form_recovers_truth_and_ranks_first(form):
+  sparse = form == 'loop_sparse_bounded'
+  cols = loop_grid(experts=(4, 16, 64) if sparse else (1,), top_k=2)
+  truth = {**LOOP_TRUTH, **MAPPING_TRUTH[form]}
+  data = generate(form, truth, cols, noise=0.003, seed=1)
+  f = fit(form, data, top=4)
+  assert f.rmse < 0.012  # the noise is 0.3% of a loss of ~2.3..4
+  for name, true in truth.items():
+    tol = 0.25 * abs(true) if name in ('A', 'B', 'gamma', 'gamma0') else 0.1 * abs(true)
+    assert abs(f.params[name] - true) <= tol, (name, f.params[name], true)
+  # Held-out RMSE at the largest pass count (extrapolation) ranks the generating form first.
+  forms = list(MAPPING_TRUTH) if sparse else [m for m in MAPPING_TRUTH if 'sparse' not in m]
+  rows = compare(forms, data, holdouts=[('r', 8)], top=4)
+  assert rows[0]['form'] == form, [(r['form'], r['heldout_mean']) for r in rows]
+
+
+def test_clark_and_smelt_recover_truth():
+  n, e = np.meshgrid([1e7, 3e7, 1e8, 3e8, 1e9], [1, 2, 4, 8, 16, 32, 64, 128, 256])
+  truth = {'a': -0.08, 'b': -0.06, 'c': 0.003, 'd': 2.2, 'E_start': 1.9, 'E_max': 300.0}
+  data = generate('clark', truth, {'N': n.ravel(), 'E': e.ravel()}, noise=0.001, seed=2)
+  f = fit('clark', data)
+  for name in ('a', 'b', 'c', 'd'):
+    assert abs(f.params[name] - truth[name]) <= 0.15 * abs(truth[name]), (name, f.params)
+  s, fl, d = np.meshgrid([0.0, 0.5, 0.8, 0.95], [1e8, 1e9, 1e10], [1e9, 1e10, 1e11])
+  truth = {'E': 1.7, 'A': 300.0, 'b': 0.4, 'a': 0.3, 'K': 800.0, 'c': 0.3}
+  data = generate('smelt', truth, {'S': s.ravel(), 'F': fl.ravel(), 'D': d.ravel()},
+                  noise=0.002, seed=3)
+  f = fit('smelt', data)
+  for name in ('E', 'b', 'a', 'c'):
+    assert abs(f.params[name] - truth[name]) <= 0.1 * truth[name], (name, f.params)
+
+
+def test_fixed_parameters_and_from_params_roundtrip():
+  truth = {'A': 400.0, 'B': 1500.0, 'E': 1.8, 'alpha': 0.34, 'beta': 0.36}
+  cols = loop_grid(passes=(1,))
+  data = generate('chinchilla', truth, cols, noise=0.0)
+  assert np.allclose(from_params('chinchilla', truth).predict(data), data['loss'])
+  f = fit('chinchilla', data, fixed={'alpha': 0.34}, top=4)
+  assert f.params['alpha'] == 0.34 and f.rmse < 1e-4
+  with pytest.raises(ValueError, match='missing'):
+    fit('loop_bounded', {'N': [1.0], 'D': [1.0], 'loss': [1.0]})
+
+
+def test_fit_laws_cli_on_epoch_data(tmp_path):
+  import json
+  import subprocess
+  import sys
+  if not os.path.exists(EPOCH_CSV):
+    pytest.skip(f'{EPOCH_CSV} not present')
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out, png = tmp_path / 'fit.json', tmp_path / 'fit.png'
+  res = subprocess.run([sys.executable, os.path.join(root, 'scripts', 'fit_laws.py'),
+                        f'--data={EPOCH_CSV}', '--format=epoch', '--forms=chinchilla',
+                        '--budget=5.76e23', f'--plot={png}', f'--json={out}', '--top=4'],
+                       capture_output=True, text=True, timeout=120)
+  assert res.returncode == 0, res.stderr[-2000:]
+  got = json.loads(out.read_text())['fits']['chinchilla']
+  for name, (est, se) in EPOCH.items():
+    assert abs(got['params'][name] - est) <= se
+  n_opt, d_opt = chinchilla_optimal(got['params'], 5.76e23)
+  assert got['compute_optimal']['N'] == pytest.approx(n_opt)
+  assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'

@@ -1,0 +1,60 @@
+"""SMELT three-budget matching: ratios within tolerance and a model that builds with that count."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from loopmoe_jax.accounting import count, init_param_count
+from loopmoe_jax.config import ModelConfig
+from loopmoe_jax.scaling.matching import match
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _smelt(arg):
+  spec = importlib.util.spec_from_file_location('smelt_cfg', os.path.join(ROOT, 'configs',
+                                                                           'smelt.py'))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.get_config(arg)
+
+
+def test_matches_smelt_baseline_within_4_percent():
+  cfg = _smelt('200m,baseline')
+  base = ModelConfig.from_dict(cfg.model)
+  assert (base.executed_layers, base.d_model, base.core_experts) == (12, 1280, 192)
+  m = match(base, span=0.5, loops=2, context=cfg.data.seq_len, tol=0.04)
+  c = m.config
+  # Middle 6 of 12 layers looped twice, 1/r residual scaling.
+  assert (c.prelude_layers, c.core_layers, c.coda_layers, c.num_loops) == (3, 6, 3, 2)
+  assert c.residual_scale == 'inverse_loops'
+  for name in ('flops_ratio', 'params_ratio', 'kv_ratio'):
+    assert abs(m.ratios[name] - 1) <= 0.04, m.ratios
+  # The ratios are the accounting's, and the real model has the predicted parameter count.
+  b, t = count(base, cfg.data.seq_len), count(c, cfg.data.seq_len)
+  assert m.ratios['params_ratio'] == t['params_total'] / b['params_total']
+  assert m.ratios['kv_ratio'] == t['kv_per_token'] / b['kv_per_token']
+  assert init_param_count(c) == t['params_total']
+
+
+def test_match_budgets_cli_writes_json(tmp_path):
+  out = tmp_path / 'match.json'
+  cmd = [sys.executable, os.path.join(ROOT, 'scripts', 'match_budgets.py'),
+         f'--baseline={os.path.join(ROOT, "configs", "smelt.py")}:smoke,baseline',
+         f'--json={out}']
+  res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+  assert res.returncode == 0, res.stderr[-2000:]
+  got = json.loads(out.read_text())
+  for name in ('flops_ratio', 'params_ratio', 'kv_ratio'):
+    assert abs(got[name] - 1) <= 0.04
+  cfg = ModelConfig(**got['model'])
+  assert count(cfg, got['context'])['params_total'] == got['matched']['params_total']
+
+
+def test_match_refuses_a_looped_baseline():
+  base = ModelConfig.from_dict(_smelt('200m,looped').model)
+  with pytest.raises(ValueError, match='unlooped'):
+    match(base)

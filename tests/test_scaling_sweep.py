@@ -1,0 +1,110 @@
+"""Sweeps from configs: grid points, shared seeds, skip-finished and resume with the trainer."""
+import json
+import os
+
+import pytest
+from absl import flags
+
+from loopmoe_jax.accounting import count
+from loopmoe_jax.config import ModelConfig
+from loopmoe_jax.scaling import read_csv
+from loopmoe_jax.scaling import sweep
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOOP_LAWS = os.path.join(ROOT, 'configs', 'loop_laws.py')
+
+
+def _config(arg='smoke'):
+  import importlib.util
+  spec = importlib.util.spec_from_file_location('loop_laws_cfg', LOOP_LAWS)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.get_config(arg)
+
+
+def test_points_set_fields_and_keep_seeds():
+  cfg = _config()
+  grid = sweep.grid(sweep.parse_sweeps(['model.num_loops=1,2', 'model.num_experts=8,16']))
+  assert [sweep.point_name(p) for p in grid] == [
+      'num_loops=1,num_experts=8', 'num_loops=1,num_experts=16',
+      'num_loops=2,num_experts=8', 'num_loops=2,num_experts=16']
+  c = sweep.apply_point(cfg, grid[-1])
+  mc = ModelConfig.from_dict(c.model)
+  assert (mc.num_loops, mc.prelude_experts, mc.core_experts, mc.coda_experts) == (2, 16, 16, 16)
+  assert cfg.model.num_loops == 2 and cfg.model.core_experts == 8  # the base is not mutated
+  assert (c.train.seed, c.data.seed) == (cfg.train.seed, cfg.data.seed)
+  dense = sweep.apply_point(_config('smoke,experts=0'), {'model.num_loops': '3'})
+  assert dense.model.num_loops == 3 and isinstance(dense.model.num_loops, int)
+  with pytest.raises(ValueError, match='seeds'):
+    sweep.apply_point(cfg, {'data.seed': 1})
+  with pytest.raises(ValueError, match='no field'):
+    sweep.apply_point(cfg, {'model.num_loop': 1})
+  assert sweep.config_sweep(LOOP_LAWS, 'smoke') == {'model.num_loops': [1, 2, 4]}
+
+
+def test_block_params_is_the_looped_core():
+  mc = ModelConfig.from_dict(_config().model)
+  one_layer_less = count(mc.replace(core_layers=mc.core_layers - 1))['params_total']
+  per_layer = count(mc)['params_total'] - one_layer_less
+  assert sweep.block_params(mc) == mc.core_layers * per_layer
+
+
+def test_skips_finished_and_reruns_unfinished(tmp_path):
+  cfg = _config()
+  cfg.train.steps = 7
+  calls = []
+
+  def write_summary(workdir, steps, loss):
+    s = {'steps': steps, 'final_window_loss': loss, 'stopped_by': None}
+    with open(os.path.join(workdir, 'summary.json'), 'w') as f:
+      json.dump(s, f)
+    return s
+
+  def fake(c, workdir):
+    calls.append(os.path.basename(workdir))
+    return write_summary(workdir, c.train.steps, 3.0 + c.model.num_loops)
+
+  grid = {'model.num_loops': [1, 2]}
+  rows = sweep.run_sweep(cfg, grid, str(tmp_path), run=fake, log=lambda *_: None)
+  assert calls == ['num_loops=1', 'num_loops=2']
+  sweep.run_sweep(cfg, grid, str(tmp_path), run=fake, log=lambda *_: None)
+  assert len(calls) == 2  # both finished: skipped
+  # An interrupted point (summary short of the configured steps) is run again.
+  write_summary(str(tmp_path / 'num_loops=2'), 3, 9.0)
+  sweep.run_sweep(cfg, grid, str(tmp_path), run=fake, log=lambda *_: None)
+  assert calls[2:] == ['num_loops=2']
+  csv = read_csv(str(tmp_path / 'sweep.csv'))
+  assert list(csv['r']) == [1, 2] and list(csv['loss']) == [4.0, 5.0]
+  mc = ModelConfig.from_dict(cfg.model)
+  assert csv['D'][0] == 7 * cfg.data.batch_size * cfg.data.seq_len
+  assert csv['N'][0] == count(mc)['params_total'] == rows[1]['N']  # passes keep params
+  assert csv['C'][1] > csv['C'][0]  # a pass costs compute
+
+
+def test_sweep_with_the_trainer_skips_and_resumes(tmp_path, capsys):
+  flags.FLAGS.mark_as_parsed()
+  cfg = _config('smoke,core_layers=1')
+  cfg.model.prelude_layers = cfg.model.coda_layers = 1
+  cfg.train.steps, cfg.train.sample_tokens, cfg.train.log_every = 3, 0, 1
+  cfg.train.async_save = False
+  cfg.data.batch_size, cfg.data.seq_len, cfg.data.val_batches = 8, 32, 1
+  from loopmoe_jax.train.trainer import train
+  calls = []
+
+  def counted(c, workdir):
+    calls.append(os.path.basename(workdir))
+    return train(c, workdir)
+
+  # One real point (the multi-point bookkeeping is tested above with a fake runner).
+  grid = {'model.num_loops': [2]}
+  rows = sweep.run_sweep(cfg, grid, str(tmp_path), run=counted)
+  assert calls == ['num_loops=2'] and rows[0]['steps'] == 3 and rows[0]['r'] == 2
+  sweep.run_sweep(cfg, grid, str(tmp_path), run=counted)
+  assert len(calls) == 1  # finished: skipped
+  # Extending the run resumes the point from its checkpoint rather than restarting it.
+  cfg.train.steps = 5
+  capsys.readouterr()
+  rows = sweep.run_sweep(cfg, grid, str(tmp_path), run=counted)
+  assert 'resuming from step 3' in capsys.readouterr().out
+  assert calls == ['num_loops=2'] * 2 and rows[0]['steps'] == 5
+  assert rows[0]['D'] == 5 * cfg.data.batch_size * cfg.data.seq_len
