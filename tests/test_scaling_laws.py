@@ -8,8 +8,8 @@ from loopmoe_jax.scaling import (bootstrap, chinchilla_epoch, chinchilla_optimal
                                  from_params)
 from loopmoe_jax.scaling.synthetic import LOOP_TRUTH, MAPPING_TRUTH, generate, loop_grid
 
-EPOCH_CSV = os.path.join(os.path.dirname(__file__), '..', '..', 'shared', 'data',
-                         'chinchilla_fig4_epoch.csv')
+# Hoffmann et al.'s Figure 4 as digitised by Epoch AI (a copy of ../shared/data's file).
+EPOCH_CSV = os.path.join(os.path.dirname(__file__), 'data', 'chinchilla_fig4_epoch.csv')
 # Besiroglu et al. 2024 ("Chinchilla Scaling: A replication attempt"): estimate, standard error.
 EPOCH = {'E': (1.82, 0.03), 'A': (482.01, 124.58), 'B': (2085.43, 1293.23),
          'alpha': (0.3478, 0.02), 'beta': (0.3658, 0.02)}
