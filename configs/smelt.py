@@ -22,8 +22,9 @@ SIZES = {
                   core_experts=288, expert_width=368, top_k=7)),
     'smoke': (dict(d_model=64, num_heads=4, head_dim=16, num_kv_heads=4, core_experts=16,
                    expert_width=32, top_k=2),
-              dict(d_model=48, num_heads=4, head_dim=12, num_kv_heads=2, core_experts=24,
-                   expert_width=28, top_k=2)),
+              # found by scripts/match_budgets.py: 1.020x FLOPs, 1.005x params, 1.031x KV
+              dict(d_model=48, num_heads=2, head_dim=22, num_kv_heads=2, core_experts=31,
+                   expert_width=24, top_k=3)),
 }
 
 
