@@ -12,7 +12,7 @@ travel across machines better than absolute times.
   loop_impl='scan') over the unrolled model with independent weights and the same executed
   depth (core_layers=D*L, num_loops=1). loop_unroll_impl_over_unrolled: the same with
   loop_impl='unroll'. Models are timed interleaved (A, B, A, B, ...), median per model.
-- moe_E64_over_E8: the MoE layer alone (dispatch 'sorted'), forward+backward, 64 over 8 experts
+- moe_E64_over_E8: the MoE layer alone (dispatch 'tiled'), forward+backward, 64 over 8 experts
   at the same width and top-k (same active FLOPs). The same ratio for 'xla' and 'reference'
   is reported for information, on `moe_info_tokens` tokens (both do dense work that grows with E
   on CPU); None when the E=64 call is predicted to be too slow.
@@ -226,8 +226,8 @@ def bench_model(quick: bool = False) -> dict[str, Any]:
   moe_cfg = ModelConfig(d_model=64 if quick else 256, num_heads=4,
                         expert_width=128 if quick else 512, top_k=2, dispatch_tile=64)
   tokens, info_tokens = (512, 256) if quick else (8192, 512)
-  r = moe_ratio(moe_cfg, 'sorted', tokens, 8, 64, 3 if quick else 5, options=opts, cache=cache)
-  res.update(moe_tokens=tokens, moe_s_sorted_E8=r['small'], moe_s_sorted_E64=r['large'],
+  r = moe_ratio(moe_cfg, 'tiled', tokens, 8, 64, 3 if quick else 5, options=opts, cache=cache)
+  res.update(moe_tokens=tokens, moe_s_tiled_E8=r['small'], moe_s_tiled_E64=r['large'],
              moe_E64_over_E8=r['ratio'], moe_info_tokens=info_tokens)
   for backend in ('xla',) if quick else ('xla', 'reference'):
     r = moe_ratio(moe_cfg, backend, info_tokens, 8, 64, 1 if quick else 2, max_seconds=10.0,

@@ -19,7 +19,7 @@ INJECTIONS = ('none', 'add', 'concat')
 REMAT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch')
 LOOP_IMPLS = ('scan', 'unroll')
 DTYPES = ('float32', 'bfloat16', 'float16')
-DISPATCHES = ('reference', 'sorted', 'xla')
+DISPATCHES = ('reference', 'tiled', 'xla', 'pallas', 'auto')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +36,7 @@ class ModelConfig:
   renormalize: bool = True       # Mixtral: softmax over all experts, renormalise over top-k
   num_shared_experts: int = 0
   shared_expert_width: int = 0   # 0: expert_width
-  dispatch: str = 'sorted'
+  dispatch: str = 'tiled'
   dispatch_tile: int = 64
   # Layout: prelude -> core x num_loops -> coda. experts == 0 means a dense SwiGLU layer.
   prelude_layers: int = 1

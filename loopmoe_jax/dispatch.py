@@ -6,11 +6,15 @@
 
 - `reference`: slow and obvious. Every expert runs on every token; a token keeps the outputs
   of the experts it chose, weighted. Cost grows with E.
-- `sorted`: permute the T*k assignments into expert order (stable sort), run a grouped
+- `tiled`: permute the T*k assignments into expert order (stable sort), run a grouped
   matmul over the ragged groups with `gmm_tiled`, un-permute, combine. The work is
-  about (T*k/tile + E) tiles of `tile` rows, so it stays flat in E at fixed T*k.
+  at most T*k/tile whole tiles plus one remainder chunk per expert, so it stays nearly flat
+  in E at fixed T*k (the CPU choice).
 - `xla`: the same stages with `jax.lax.ragged_dot` as the grouped matmul (the right choice
   on GPU/TPU; on CPU it computes masked dense work that grows with E).
+- `pallas`: the same stages with the Pallas kernels of `pallas_kernels` (fused gate/up gmm,
+  custom VJP; TPU Mosaic or GPU Triton-style, interpreted on CPU: correct but slow there).
+- `auto`: per platform, the backend in FASTEST (see `resolve_backend`).
 
 No capacity limit: no token is ever dropped.
 """
@@ -22,6 +26,9 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels
+from pallas_kernels.metadata import group_bounds
+
 
 def _swiglu(gate, up):
   return jax.nn.silu(gate) * up
@@ -29,87 +36,134 @@ def _swiglu(gate, up):
 
 # Tiled grouped matmul -----------------------------------------------------------------------
 
-def _work_items(group_sizes_G, num_rows: int, tile: int):
-  """Lists the (tile, group) pairs whose intersection is non-empty.
-
-  Rows are in group order; group g owns rows [start_g, end_g). Returns per work item its
-  group, its tile index, and whether it is real (the static item count is an upper bound).
-  """
-  num_groups = group_sizes_G.shape[0]
-  num_tiles = -(-num_rows // tile)
-  max_items = num_tiles + num_groups - 1
-  sizes = group_sizes_G.astype(jnp.int32)
-  ends = jnp.cumsum(sizes)
-  starts = ends - sizes
-  first = starts // tile
-  last = jnp.maximum(ends - 1, 0) // tile
-  count = jnp.where(sizes > 0, last - first + 1, 0)
-  item_end = jnp.cumsum(count)
-  item = jnp.arange(max_items, dtype=jnp.int32)
-  group = jnp.minimum(jnp.searchsorted(item_end, item, side='right'), num_groups - 1)
-  item_start = item_end - count
-  tile_idx = first[group] + item - item_start[group]
-  valid = item < item_end[-1]
-  tile_idx = jnp.where(valid, tile_idx, 0)
-  return group.astype(jnp.int32), tile_idx.astype(jnp.int32), valid, starts, ends
-
-
-def _row_mask(tile_idx, group, valid, starts, ends, tile):
-  rows = tile_idx * tile + jnp.arange(tile)
-  return (rows >= starts[group]) & (rows < ends[group]) & valid
-
-
 def _pad_rows(x, tile):
   pad = -x.shape[0] % tile
   return jnp.pad(x, ((0, pad), (0, 0))) if pad else x
 
 
+# Smallest remainder chunk. Measured here (16384 rows, K 256, N 512, E 64): separate loops
+# for chunks 64, 32, 16, 8 cost more than the rows they save, so remainders take 1-2 sizes.
+MIN_CHUNK = 64
+
+
+def _chunk_sizes(tile: int):
+  """Row-chunk sizes of the remainder pass: tile, tile/2, ... down to 8 (or just tile)."""
+  sizes = [tile]
+  while sizes[-1] // 2 >= MIN_CHUNK:
+    sizes.append(sizes[-1] // 2)
+  return sizes
+
+
 def _gmm_fwd_impl(lhs_MK, rhs_GKN, group_sizes_G, tile, transpose_rhs=False):
-  """lhs @ rhs[g] per group; with `transpose_rhs`, lhs @ rhs[g].T (no transposed copy)."""
+  """lhs @ rhs[g] per group; with `transpose_rhs`, lhs @ rhs[g].T (no transposed copy).
+
+  Two passes, neither masks dense work:
+  - whole tiles: every run of `tile` rows inside one group, written once (no read, no mask);
+    at most M / tile of them.
+  - remainders: the last size_g mod tile rows of each group, as one chunk of the smallest size
+    in _chunk_sizes that holds them, ending at the group's end; rows of other groups in the
+    chunk keep their value (a masked read-modify-write of <= tile rows, <= G chunks).
+  Every row of a group is computed from its own rows only, so the order does not matter.
+  """
   m = lhs_MK.shape[0]
   n = rhs_GKN.shape[1 if transpose_rhs else 2]
   if m == 0:
     return jnp.zeros((0, n), lhs_MK.dtype)
-  group, tile_idx, valid, starts, ends = _work_items(group_sizes_G, m, tile)
   lhs = _pad_rows(lhs_MK, tile)
-  out = jnp.zeros((lhs.shape[0], n), jnp.float32)
+  rows_p = lhs.shape[0]
+  sizes = group_sizes_G.astype(jnp.int32)
+  starts, ends = group_bounds(sizes)
   contract = (((1,), (1 if transpose_rhs else 0,)), ((), ()))
+  matmul = lambda rows, g: jax.lax.dot_general(rows, rhs_GKN[g], contract,
+                                               preferred_element_type=jnp.float32)
+  out = jnp.zeros((rows_p, n), jnp.float32)
 
-  def body(i, out):
-    g, t = group[i], tile_idx[i]
-    mask = _row_mask(t, g, valid[i], starts, ends, tile)
-    rows = jax.lax.dynamic_slice_in_dim(lhs, t * tile, tile)
-    prod = jax.lax.dot_general(rows, rhs_GKN[g], contract, preferred_element_type=jnp.float32)
-    old = jax.lax.dynamic_slice_in_dim(out, t * tile, tile)
-    return jax.lax.dynamic_update_slice_in_dim(out, old + jnp.where(mask[:, None], prod, 0),
-                                               t * tile, 0)
+  with jax.named_scope('whole_tiles'):
+    whole = sizes // tile
+    whole_end = jnp.cumsum(whole)
+    item = jnp.arange(rows_p // tile, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(whole_end, item, side='right'), sizes.shape[0] - 1)
+    row0 = starts[group] + (item - (whole_end - whole)[group]) * tile
 
-  out = jax.lax.fori_loop(0, group.shape[0], body, out)
+    def whole_tile(i, out):
+      rows = jax.lax.dynamic_slice_in_dim(lhs, row0[i], tile)
+      return jax.lax.dynamic_update_slice_in_dim(out, matmul(rows, group[i]), row0[i], 0)
+
+    out = jax.lax.fori_loop(0, whole_end[-1], whole_tile, out)
+
+  with jax.named_scope('remainders'):
+    rem = sizes % tile
+    chunks = _chunk_sizes(tile)
+    for c, smaller in zip(chunks, chunks[1:] + [0]):
+      in_class = (rem > smaller) & (rem <= c)
+      (groups,) = jnp.nonzero(in_class, size=sizes.shape[0], fill_value=0)
+
+      def remainder(j, out, c=c, groups=groups):
+        g = groups[j]
+        first = jnp.clip(ends[g] - c, 0, rows_p - c)
+        rows = first + jnp.arange(c)
+        mine = ((rows >= starts[g]) & (rows < ends[g]))[:, None]
+        prod = matmul(jax.lax.dynamic_slice_in_dim(lhs, first, c), g)
+        old = jax.lax.dynamic_slice_in_dim(out, first, c)
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine, prod, old), first, 0)
+
+      out = jax.lax.fori_loop(0, jnp.sum(in_class.astype(jnp.int32)), remainder, out)
   return out[:m].astype(lhs_MK.dtype)
 
 
 def _tgmm_impl(lhs_MK, grad_MN, group_sizes_G, num_groups, tile):
-  """Per-group lhs^T @ grad: the weight gradient of the grouped matmul, [G, K, N]."""
+  """Per-group lhs^T @ grad: the weight gradient of the grouped matmul, [G, K, N].
+
+  The same two passes as _gmm_fwd_impl: whole tiles inside one group, then per group one
+  chunk ending at its end whose rows outside the group's last size_g mod tile rows are zeroed
+  (so no row is counted twice)."""
   m = lhs_MK.shape[0]
   if m == 0:
     return jnp.zeros((num_groups, lhs_MK.shape[1], grad_MN.shape[1]), jnp.float32)
-  group, tile_idx, valid, starts, ends = _work_items(group_sizes_G, m, tile)
   lhs, grad = _pad_rows(lhs_MK, tile), _pad_rows(grad_MN, tile)
+  rows_p = lhs.shape[0]
+  sizes = group_sizes_G.astype(jnp.int32)
+  starts, ends = group_bounds(sizes)
   acc = jnp.zeros((num_groups, lhs.shape[1], grad.shape[1]), jnp.float32)
+  outer = lambda a, b: jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())),
+                                           preferred_element_type=jnp.float32)
 
-  def body(i, acc):
-    g, t = group[i], tile_idx[i]
-    mask = _row_mask(t, g, valid[i], starts, ends, tile)
-    rows = jnp.where(mask[:, None], jax.lax.dynamic_slice_in_dim(lhs, t * tile, tile), 0)
-    gr = jax.lax.dynamic_slice_in_dim(grad, t * tile, tile)
-    upd = jnp.dot(rows.T, gr, preferred_element_type=jnp.float32)
-    return acc.at[g].add(upd)
+  with jax.named_scope('whole_tiles'):
+    whole = sizes // tile
+    whole_end = jnp.cumsum(whole)
+    item = jnp.arange(rows_p // tile, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(whole_end, item, side='right'), num_groups - 1)
+    row0 = starts[group] + (item - (whole_end - whole)[group]) * tile
 
-  return jax.lax.fori_loop(0, group.shape[0], body, acc)
+    def whole_tile(i, acc):
+      rows = jax.lax.dynamic_slice_in_dim(lhs, row0[i], tile)
+      gr = jax.lax.dynamic_slice_in_dim(grad, row0[i], tile)
+      return acc.at[group[i]].add(outer(rows, gr))
+
+    acc = jax.lax.fori_loop(0, whole_end[-1], whole_tile, acc)
+
+  with jax.named_scope('remainders'):
+    rem = sizes % tile
+    chunks = _chunk_sizes(tile)
+    for c, smaller in zip(chunks, chunks[1:] + [0]):
+      in_class = (rem > smaller) & (rem <= c)
+      (groups,) = jnp.nonzero(in_class, size=num_groups, fill_value=0)
+
+      def remainder(j, acc, c=c, groups=groups):
+        g = groups[j]
+        first = jnp.clip(ends[g] - c, 0, rows_p - c)
+        rows = first + jnp.arange(c)
+        mine = ((rows >= ends[g] - rem[g]) & (rows < ends[g]))[:, None]
+        lhs_c = jax.lax.dynamic_slice_in_dim(lhs, first, c)
+        lhs_c = jnp.where(mine, lhs_c, 0).astype(lhs.dtype)
+        return acc.at[g].add(outer(lhs_c, jax.lax.dynamic_slice_in_dim(grad, first, c)))
+
+      acc = jax.lax.fori_loop(0, jnp.sum(in_class.astype(jnp.int32)), remainder, acc)
+  return acc
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def gmm_tiled(lhs_MK, rhs_GKN, group_sizes_G, tile=64):
+def gmm_tiled(lhs_MK, rhs_GKN, group_sizes_G, tile=128):
   """Grouped matmul with `jax.lax.ragged_dot` semantics, tiled so no dense masking is done.
 
   lhs [M, K] rows sorted by group; rhs [G, K, N]; group_sizes [G] summing to at most M;
@@ -153,7 +207,25 @@ def dispatch_reference(x_TD, experts_Tk, weights_Tk, params, tile=None):
   return y_TD.astype(x_TD.dtype)
 
 
-def _grouped(gmm):
+def gmm_pallas(lhs_MK, rhs_GKN, group_sizes_G, tile=None):
+  del tile  # the Pallas kernels take their per-platform tiles (pallas_kernels.TILES)
+  return pallas_kernels.gmm(lhs_MK, rhs_GKN, group_sizes_G)
+
+
+def _separate_swiglu(gmm):
+  def swiglu(x_MD, gate_GDF, up_GDF, group_sizes_G, tile):
+    return _swiglu(gmm(x_MD, gate_GDF, group_sizes_G, tile), gmm(x_MD, up_GDF, group_sizes_G, tile))
+  return swiglu
+
+
+def _fused_swiglu(x_MD, gate_GDF, up_GDF, group_sizes_G, tile):
+  del tile
+  return pallas_kernels.gmm_swiglu(x_MD, gate_GDF, up_GDF, group_sizes_G)
+
+
+def _grouped(gmm, swiglu=None):
+  swiglu = swiglu or _separate_swiglu(gmm)
+
   def run(x_TD, experts_Tk, weights_Tk, params, tile=64):
     num_tokens, k = experts_Tk.shape
     num_experts = params['gate'].shape[0]
@@ -164,9 +236,8 @@ def _grouped(gmm):
       x_MD = x_TD[token_of]
       group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
     with jax.named_scope('grouped_matmul'):
-      gate = gmm(x_MD, params['gate'], group_sizes, tile)
-      up = gmm(x_MD, params['up'], group_sizes, tile)
-      out_MD = gmm(_swiglu(gate, up), params['down'], group_sizes, tile)
+      h_MF = swiglu(x_MD, params['gate'], params['up'], group_sizes, tile)
+      out_MD = gmm(h_MF, params['down'], group_sizes, tile)
     with jax.named_scope('unpermute'):
       inverse = jnp.argsort(order)
       out_TkD = out_MD[inverse].reshape(num_tokens, k, -1)
@@ -178,14 +249,51 @@ def _grouped(gmm):
 
 BACKENDS = {
     'reference': dispatch_reference,
-    'sorted': _grouped(gmm_tiled),
+    'tiled': _grouped(gmm_tiled),
     'xla': _grouped(gmm_xla),
+    'pallas': _grouped(gmm_pallas, _fused_swiglu),
 }
+
+# What `auto` picks per platform. CPU: measured here (scripts/benchmark.py model/kernels on
+# 2 CPU cores, jax 0.10.2): 'tiled' stays flat in E, 'xla' (ragged_dot) does masked dense work
+# that grows with E, 'pallas' only interprets on CPU. GPU and TPU: pending measurement on a
+# device (scripts/gpu_check.sh); 'pallas' is the expected winner, 'xla' the fallback when the
+# Pallas self-check fails.
+FASTEST = {'cpu': 'tiled', 'gpu': 'pallas', 'tpu': 'pallas'}
+FALLBACK = 'xla'
+
+
+@functools.lru_cache(maxsize=None)
+def pallas_self_check(platform: str) -> bool:
+  """True when the Pallas gmm (fwd) matches ragged_dot on a small ragged problem here."""
+  del platform  # the cache key: one check per platform per process
+  try:
+    with jax.ensure_compile_time_eval():
+      key_l, key_r = jax.random.split(jax.random.key(0))
+      lhs = jax.random.normal(key_l, (256, 128), jnp.float32)
+      rhs = jax.random.normal(key_r, (4, 128, 128), jnp.float32)
+      sizes = jnp.array([100, 0, 129, 20], jnp.int32)
+      got = pallas_kernels.gmm(lhs, rhs, sizes)
+      want = jax.lax.ragged_dot(lhs, rhs, sizes, precision=jax.lax.Precision.HIGHEST)
+      return bool(jnp.allclose(got, want, rtol=2e-2, atol=2e-2))
+  except Exception:  # pylint: disable=broad-except  (a kernel that fails to lower)
+    return False
+
+
+def resolve_backend(backend: str) -> str:
+  """'auto' -> the measured-fastest correct backend of this platform; others unchanged."""
+  if backend != 'auto':
+    return backend
+  platform = jax.default_backend()
+  choice = FASTEST.get(platform, 'tiled')
+  if choice == 'pallas' and not pallas_self_check(platform):
+    return FALLBACK
+  return choice
 
 
 def dispatch(x_TD, experts_Tk, weights_Tk, params: Mapping[str, jax.Array],
-             backend: str = 'sorted', tile: int = 64):
+             backend: str = 'tiled', tile: int = 64):
   """Applies the chosen experts of every token and combines them with their weights."""
-  if backend not in BACKENDS:
-    raise ValueError(f'model.dispatch={backend!r}: must be one of {sorted(BACKENDS)}')
-  return BACKENDS[backend](x_TD, experts_Tk, weights_Tk, params, tile=tile)
+  if backend != 'auto' and backend not in BACKENDS:
+    raise ValueError(f'model.dispatch={backend!r}: must be one of {sorted(BACKENDS)} or auto')
+  return BACKENDS[resolve_backend(backend)](x_TD, experts_Tk, weights_Tk, params, tile=tile)

@@ -2,12 +2,14 @@
 
     python scripts/benchmark.py model [--quick] [--json=FILE]
     python scripts/benchmark.py data [--json=FILE]
+    python scripts/benchmark.py kernels [--quick] [--json=FILE]
 
 Sub-commands are registered in loopmoe_jax/bench.py (SUBCOMMANDS).
 """
 from absl import app, flags
 
 from loopmoe_jax import bench, bench_data  # noqa: F401  (bench_data registers 'data')
+from loopmoe_jax import bench_kernels  # noqa: F401  (registers 'kernels')
 
 _JSON = flags.DEFINE_string('json', None, 'Also write the results dict to this JSON file.')
 _QUICK = flags.DEFINE_bool('quick', False, 'Fast smoke run: fewer repeats, smaller sizes.')

@@ -4,11 +4,11 @@
   (lhs and rhs), on ragged group sizes: empty groups, one group taking every row, sizes not a
   multiple of the tile, sizes summing to less than M (trailing rows and their lhs gradient are
   exactly zero), a tile larger than M.
-- `dispatch` backends 'sorted' and 'xla' == 'reference' in outputs and in gradients w.r.t. x,
+- `dispatch` backends 'tiled' and 'xla' == 'reference' in outputs and in gradients w.r.t. x,
   the combine weights and every expert tensor, with an idle expert and with every token
   routed to one expert (top-1 and top-2).
-- `_work_items` lists exactly the (tile, group) pairs that intersect, in at most
-  ceil(M / tile) + E - 1 loop iterations.
+- `work_items` (pallas_kernels.metadata) lists exactly the (tile, group) pairs that intersect,
+  in at most ceil(M / tile) + E - 1 loop iterations.
 
 Tolerances: float32 inputs 1e-5 of the reference's largest magnitude; bfloat16 inputs 2e-2
 (bf16 has an 8-bit mantissa: one output rounding is 2**-9 relative, accumulation is float32).
@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from loopmoe_jax.dispatch import _work_items, dispatch, gmm_tiled
+from loopmoe_jax.dispatch import dispatch, gmm_tiled
+from pallas_kernels.metadata import work_items
 
 TOL = {'float32': 1e-5, 'bfloat16': 2e-2}
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
@@ -183,7 +184,7 @@ WORK_CASES = [(m, sizes, tile) for (m, _, tile), cases in GMM_CASES.items()
                          ids=[f'M{m}-E{len(s)}-tile{t}-{i}' for i, (m, s, t) in enumerate(WORK_CASES)])
 def test_work_items_bound_and_intersection(m, sizes, tile):
   num_groups = len(sizes)
-  group, tile_idx, valid, starts, ends = jax.jit(_work_items, static_argnums=(1, 2))(
+  group, tile_idx, valid, starts, ends = jax.jit(work_items, static_argnums=(1, 2))(
       jnp.asarray(sizes, jnp.int32), m, tile)
   group, tile_idx, valid = (np.asarray(a) for a in (group, tile_idx, valid))
   # The loop runs over `len(group)` items: bounded by tiles + E - 1, not by tiles * E.
@@ -217,7 +218,7 @@ def _routing(rng, tokens, k, experts, mode):
   return np.asarray(rows, np.int32)
 
 
-BACKENDS = ('reference', 'sorted', 'xla')
+BACKENDS = ('reference', 'tiled', 'xla')
 
 
 @functools.partial(jax.jit, static_argnums=(5,))
@@ -280,7 +281,7 @@ def test_dispatch_backends_equal_reference(tokens, k, experts, tile):
     y_ref, gx_ref, gw_ref, gp_ref = res['reference']
     # The reference itself against the obvious per-token loop.
     assert_close(y_ref, _per_token_loop(x, ex, weights, params), 1e-5, f'{mode}: reference')
-    for backend in ('sorted', 'xla'):
+    for backend in ('tiled', 'xla'):
       y, gx, gw, gp = res[backend]
       what = f'{mode}/{backend}'
       assert_close(y, np.asarray(y_ref), 1e-5, f'{what}: y')
@@ -295,7 +296,7 @@ def test_dispatch_backends_equal_reference(tokens, k, experts, tile):
 
 
 def test_dispatch_bfloat16_backends_agree():
-  """bf16 inputs: 'sorted' and 'xla' within 2e-2 of 'reference', outputs and gradients."""
+  """bf16 inputs: 'tiled' and 'xla' within 2e-2 of 'reference', outputs and gradients."""
   rng = np.random.default_rng(11)
   tokens, k, experts, d, f, tile = 21, 2, 6, 8, 8, 8
   bf = lambda a: jnp.asarray(a, jnp.bfloat16)
@@ -307,7 +308,7 @@ def test_dispatch_bfloat16_backends_agree():
   res = _all_backends(x, ex, w, p, ct, tile)
   ref = jax.tree.map(lambda a: np.asarray(a.astype(jnp.float32)), res['reference'])
   assert res['reference'][0].dtype == jnp.bfloat16
-  for backend in ('sorted', 'xla'):
+  for backend in ('tiled', 'xla'):
     got = res[backend]
     assert got[0].dtype == jnp.bfloat16
     for i, name in enumerate(('y', 'd_x', 'd_weights')):

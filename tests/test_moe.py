@@ -6,7 +6,7 @@
   It is NOT bounded below by 1 for top-k routing (a counterexample is pinned below); what
   holds is that routing every token to one expert costs E * P_max, above the uniform value.
 - z-loss == mean_t logsumexp(z_t)^2.
-- `MoE` with dispatch 'sorted' == dispatch 'reference' in outputs, aux losses and every
+- `MoE` with dispatch 'tiled' == dispatch 'reference' in outputs, aux losses and every
   parameter gradient, also with an idle expert and with every token sent to one expert.
 """
 import jax
@@ -221,7 +221,7 @@ MOE_CASES = [
 
 
 @pytest.mark.parametrize('experts,top_k,mode,renormalize,shared,tile', MOE_CASES)
-def test_moe_sorted_equals_reference(experts, top_k, mode, renormalize, shared, tile):
+def test_moe_tiled_equals_reference(experts, top_k, mode, renormalize, shared, tile):
   d = 16
   cfg = ModelConfig(d_model=d, num_heads=2, expert_width=12, top_k=top_k,
                     renormalize=renormalize, num_shared_experts=shared, dispatch='reference',
@@ -244,7 +244,7 @@ def test_moe_sorted_equals_reference(experts, top_k, mode, renormalize, shared, 
     return jax.jit(jax.grad(objective, argnums=(0, 1), has_aux=True))(params, x)
 
   (g_ref, gx_ref), (y_ref, s_ref) = run('reference')
-  (g, gx), (y, s) = run('sorted')
+  (g, gx), (y, s) = run('tiled')
 
   chosen = np.asarray(s_ref['experts']).reshape(-1, top_k)
   counts = np.bincount(chosen.ravel(), minlength=experts)
@@ -280,7 +280,7 @@ def test_moe_sorted_equals_reference(experts, top_k, mode, renormalize, shared, 
 def test_moe_output_equals_per_token_numpy():
   """The whole layer (router, top-k, renormalise, experts, combine) against numpy."""
   experts, k, d, f = 5, 2, 8, 6
-  cfg = ModelConfig(d_model=d, num_heads=2, expert_width=f, top_k=k, dispatch='sorted',
+  cfg = ModelConfig(d_model=d, num_heads=2, expert_width=f, top_k=k, dispatch='tiled',
                     dispatch_tile=4, prelude_experts=experts, core_experts=experts,
                     coda_experts=experts)
   rng = np.random.default_rng(9)

@@ -1,0 +1,138 @@
+"""Differentiable grouped matmul ops over the Pallas kernels, with `jax.custom_vjp`.
+
+    gmm(lhs_MK, rhs_GKN, group_sizes_G) -> out_MN       (jax.lax.ragged_dot semantics)
+    tgmm(lhs_MK, grad_MN, group_sizes_G) -> [G, K, N]   (per-group lhs^T @ grad)
+    gmm_swiglu(x_MD, gate_GDF, up_GDF, group_sizes_G)   (fused gate/up: one gmm, N = 2F)
+
+Backward of gmm: d_lhs = gmm(g, rhs, transposed) and d_rhs = tgmm(lhs, g). float32
+accumulation whatever the input dtype. `target` picks the kernel family: 'tpu' (Mosaic) or
+'gpu' (Triton-style); None follows jax.default_backend() ('tpu' on TPU, 'gpu' elsewhere).
+`interpret` None means: interpret on CPU (TPU kernels under pltpu.InterpretParams()).
+Tile sizes are parameters; None takes the per-target default in TILES.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import gmm_gpu, gmm_tpu
+
+# (tile_m, tile_n) defaults per target. TPU: 128 matches the MXU and the (8, 128) layout;
+# GPU: 64x64 blocks (pending measurement on a device). On CPU the kernels only interpret.
+TILES = {'tpu': (128, 128), 'gpu': (64, 64)}
+KERNELS = {'tpu': gmm_tpu, 'gpu': gmm_gpu}
+
+
+def resolve_target(target: str | None) -> str:
+  if target is None:
+    target = 'tpu' if jax.default_backend() == 'tpu' else 'gpu'
+  if target not in KERNELS:
+    raise ValueError(f'target={target!r}: must be one of {sorted(KERNELS)}')
+  return target
+
+
+def resolve_interpret(target: str, interpret):
+  if interpret is None:
+    interpret = jax.default_backend() == 'cpu'
+  if interpret is True and target == 'tpu':
+    return pltpu.InterpretParams()
+  return interpret
+
+
+def _tiles(target, m, n, tile_m, tile_n):
+  dm, dn = TILES[target]
+  tile_m = tile_m or dm
+  tile_n = tile_n or dn
+  if n % tile_n:  # a tile that does not divide N: one block spans N
+    tile_n = n
+  return tile_m, tile_n
+
+
+def _pad_rows(x, multiple):
+  pad = -x.shape[0] % multiple
+  return jnp.pad(x, ((0, pad), (0, 0))) if pad else x
+
+
+def _rows_below(out_MN, group_sizes_G):
+  """Zeroes the rows at or past the group-size sum (ragged_dot semantics)."""
+  rows = jnp.arange(out_MN.shape[0])[:, None]
+  return jnp.where(rows < jnp.sum(group_sizes_G), out_MN, 0).astype(out_MN.dtype)
+
+
+def _gmm_impl(lhs_MK, rhs_GKN, group_sizes_G, cfg, transpose_rhs=False):
+  target, interpret, tile_m, tile_n = cfg
+  m = lhs_MK.shape[0]
+  n = rhs_GKN.shape[1 if transpose_rhs else 2]
+  if m == 0:
+    return jnp.zeros((0, n), lhs_MK.dtype)
+  tile_m, tile_n = _tiles(target, m, n, tile_m, tile_n)
+  out = KERNELS[target].gmm(_pad_rows(lhs_MK, tile_m), rhs_GKN, group_sizes_G.astype(jnp.int32),
+                            tile_m=tile_m, tile_n=tile_n, transpose_rhs=transpose_rhs,
+                            interpret=resolve_interpret(target, interpret))
+  return _rows_below(out[:m], group_sizes_G)
+
+
+def _tgmm_impl(lhs_MK, grad_MN, group_sizes_G, cfg):
+  target, interpret, tile_m, tile_n = cfg
+  num_groups = group_sizes_G.shape[0]
+  m, k = lhs_MK.shape
+  n = grad_MN.shape[1]
+  if m == 0:
+    return jnp.zeros((num_groups, k, n), jnp.float32)
+  tile_m, tile_n = _tiles(target, m, n, tile_m, tile_n)
+  out = KERNELS[target].tgmm(_pad_rows(lhs_MK, tile_m), _pad_rows(grad_MN, tile_m),
+                             group_sizes_G.astype(jnp.int32), tile_m=tile_m, tile_n=tile_n,
+                             interpret=resolve_interpret(target, interpret))
+  return jnp.where((group_sizes_G > 0)[:, None, None], out, 0.0)  # unvisited (empty) groups
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gmm(lhs_MK, rhs_GKN, group_sizes_G, cfg):
+  return _gmm_impl(lhs_MK, rhs_GKN, group_sizes_G, cfg)
+
+
+def _gmm_fwd(lhs_MK, rhs_GKN, group_sizes_G, cfg):
+  return _gmm_impl(lhs_MK, rhs_GKN, group_sizes_G, cfg), (lhs_MK, rhs_GKN, group_sizes_G)
+
+
+def _gmm_bwd(cfg, res, g_MN):
+  lhs_MK, rhs_GKN, group_sizes_G = res
+  with jax.named_scope('gmm_dlhs'):
+    d_lhs = _gmm_impl(g_MN.astype(lhs_MK.dtype), rhs_GKN, group_sizes_G, cfg, transpose_rhs=True)
+  with jax.named_scope('gmm_drhs'):
+    d_rhs = _tgmm_impl(lhs_MK, g_MN.astype(lhs_MK.dtype), group_sizes_G, cfg)
+  return d_lhs.astype(lhs_MK.dtype), d_rhs.astype(rhs_GKN.dtype), None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, target: str | None = None, interpret=None,
+        tile_m: int | None = None, tile_n: int | None = None):
+  """Grouped matmul with `jax.lax.ragged_dot` semantics, differentiable in lhs and rhs.
+
+  lhs [M, K] rows sorted by group; rhs [G, K, N]; group_sizes [G] int summing to at most M;
+  rows past the sum are zero. Output dtype = lhs dtype, float32 accumulation."""
+  target = resolve_target(target)
+  with jax.named_scope('gmm'):
+    return _gmm(lhs_MK, rhs_GKN, group_sizes_G, (target, interpret, tile_m, tile_n))
+
+
+def tgmm(lhs_MK, grad_MN, group_sizes_G, *, target: str | None = None, interpret=None,
+         tile_m: int | None = None, tile_n: int | None = None):
+  """Per-group lhs^T @ grad ([G, K, N] float32): the weight gradient of gmm."""
+  target = resolve_target(target)
+  with jax.named_scope('tgmm'):
+    return _tgmm_impl(lhs_MK, grad_MN, group_sizes_G, (target, interpret, tile_m, tile_n))
+
+
+def gmm_swiglu(x_MD, gate_GDF, up_GDF, group_sizes_G, **kw):
+  """silu(x @ gate[g]) * (x @ up[g]) with the gate and up projections fused into one gmm
+  (weights concatenated along N, so x is read once)."""
+  f = gate_GDF.shape[2]
+  with jax.named_scope('gate_up'):
+    h_MF2 = gmm(x_MD, jnp.concatenate([gate_GDF, up_GDF], axis=2), group_sizes_G, **kw)
+  return jax.nn.silu(h_MF2[:, :f]) * h_MF2[:, f:]

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# GPU checks for pallas_kernels, in one call on a machine with a CUDA device:
+#   1. the GPU-marked tests (compiled Triton-style kernels vs ragged_dot), run without
+#      tests/conftest.py (it pins jax_platforms=cpu);
+#   2. `scripts/benchmark.py kernels`, which adds the gpu_* keys (Pallas vs ragged_dot, E64/E8,
+#      the Pallas self-check and what dispatch 'auto' picks) to the CPU ones.
+# Results land in $OUT (default ./gpu_check_out): pytest log + JUnit XML, benchmark JSON + log,
+# and the device/jax versions. Exit status: non-zero if the tests or the benchmark failed.
+#   usage: OUT=/some/dir bash scripts/gpu_check.sh [--quick]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-./gpu_check_out}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python}"
+QUICK="${1:-}"
+
+"$PY" -c 'import jax; print(jax.__version__, jax.default_backend(), jax.devices())' \
+  > "$OUT/devices.txt" 2>&1
+cat "$OUT/devices.txt"
+
+"$PY" -m pytest -q --noconftest -m gpu tests/test_kernels.py -rs \
+  --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log"
+tests_rc=${PIPESTATUS[0]}
+
+timeout 480 "$PY" scripts/benchmark.py kernels $QUICK --json="$OUT/kernels.json" 2>&1 \
+  | tee "$OUT/kernels.log"
+bench_rc=${PIPESTATUS[0]}
+
+echo "gpu tests rc=$tests_rc benchmark rc=$bench_rc" | tee "$OUT/summary.txt"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

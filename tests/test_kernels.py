@@ -1,0 +1,268 @@
+"""pallas_kernels against slow, obvious references, on CPU in interpret mode.
+
+- gmm (both kernel families: 'gpu' Triton-style under interpret=True, 'tpu' Mosaic under
+  pltpu.InterpretParams()) == a float64 numpy per-group loop == jax.lax.ragged_dot, forward
+  and both gradients, float32 and bf16, on ragged sizes: empty groups, one group taking every
+  row, sizes not a multiple of the tile, sizes summing to less than M (trailing rows zero).
+- tgmm == numpy per-group lhs^T @ grad (empty groups give zero blocks).
+- gmm_swiglu (fused gate/up) == separate ragged_dots.
+- route == softmax/sigmoid + jax.lax.top_k (+ bias steering only the choice), counts ==
+  bincount, positions == inverse of a stable argsort; permute/combine == gathers by the sort.
+- dispatch 'pallas' == 'reference' (outputs and gradients); 'auto' resolves to 'tiled' on CPU.
+- A LoopedMoE trained 3 SGD steps with dispatch 'pallas' == with 'reference' (losses, params).
+- GPU-marked tests (`-m gpu`, need a CUDA device and run without tests/conftest.py's CPU pin:
+  scripts/gpu_check.sh) compile the GPU kernels for real and compare with ragged_dot; on CPU
+  CI they skip with the reason printed.
+
+Tolerances: float32 1e-5 of the reference's largest magnitude (1e-4 for a trained model);
+bf16 inputs 2e-2 (8-bit mantissa; accumulation is float32 in every path).
+"""
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_kernels as pk
+from loopmoe_jax import bench
+from loopmoe_jax.config import ModelConfig
+from loopmoe_jax.dispatch import dispatch, resolve_backend
+from loopmoe_jax.model import LoopedMoE
+from loopmoe_jax.moe import route as moe_route
+
+TOL = {'float32': 1e-5, 'bfloat16': 2e-2}
+DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
+M, K, N, G, TILE_M, TILE_N = 80, 16, 24, 6, 16, 8
+SIZES = {  # sum <= M; tile 16
+    'ragged_empty': [0, 21, 0, 7, 33, 0],    # empty groups, sizes not multiples of 16, sum 61
+    'one_takes_all': [0, 0, 80, 0, 0, 0],
+}
+
+
+def assert_close(got, want, tol, what):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  scale = max(np.abs(want).max(), 1e-6)
+  err = np.abs(got - want).max() / scale
+  assert err <= tol, f'{what}: max error {err:.3g} of scale {scale:.3g} > {tol}'
+
+
+def numpy_gmm(lhs, rhs, sizes):
+  out = np.zeros((lhs.shape[0], rhs.shape[2]))
+  start = 0
+  for g, size in enumerate(sizes):
+    out[start:start + size] = lhs[start:start + size] @ rhs[g]
+    start += size
+  return out
+
+
+def operands(dtype, seed=0):
+  rng = np.random.default_rng(seed)
+  cast = lambda a: jnp.asarray(a, jnp.float32).astype(DTYPES[dtype])
+  return (cast(rng.normal(size=(M, K))), cast(rng.normal(size=(G, K, N)) / 4),
+          cast(rng.normal(size=(M, N))))
+
+
+@pytest.mark.parametrize('target', ['gpu', 'tpu'])
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_gmm_forward_and_vjp_match_numpy_and_ragged_dot(target, dtype):
+  lhs, rhs, cot = operands(dtype)
+  as64 = lambda a: np.asarray(a.astype(jnp.float32), np.float64)
+  for case, sizes in SIZES.items():
+    gs = jnp.asarray(sizes, jnp.int32)
+    kern = lambda l, r: pk.gmm(l, r, gs, target=target, tile_m=TILE_M, tile_n=TILE_N)
+    ragged = lambda l, r: jax.lax.ragged_dot(l, r, gs, preferred_element_type=jnp.float32)
+
+    @jax.jit
+    def both(l, r, c):
+      out_k, vjp_k = jax.vjp(kern, l, r)
+      out_r, vjp_r = jax.vjp(ragged, l, r)
+      return out_k, vjp_k(c), out_r, vjp_r(c.astype(jnp.float32))
+
+    out_k, (dl_k, dr_k), out_r, (dl_r, dr_r) = both(lhs, rhs, cot)
+    assert out_k.dtype == lhs.dtype and dl_k.dtype == lhs.dtype and dr_k.dtype == rhs.dtype
+    tol, what = TOL[dtype], f'{target} {dtype} {case}'
+    want = numpy_gmm(as64(lhs), as64(rhs), sizes)
+    assert_close(out_k, want, tol, f'{what}: gmm vs numpy')
+    assert_close(out_k, out_r, tol, f'{what}: gmm vs ragged_dot')
+    assert_close(dl_k, dl_r, tol, f'{what}: d_lhs vs ragged_dot')
+    assert_close(dr_k, dr_r, tol, f'{what}: d_rhs vs ragged_dot')
+    total = sum(sizes)
+    assert not np.any(as64(out_k)[total:]) and not np.any(as64(dl_k)[total:]), 'rows past sum'
+    for g in np.flatnonzero(np.asarray(sizes) == 0):
+      assert not np.any(as64(dr_k[g])), f'{what}: d_rhs of empty group {g} not zero'
+
+
+@pytest.mark.parametrize('target', ['gpu', 'tpu'])
+def test_tgmm_matches_numpy_per_group(target):
+  lhs, _, grad = operands('float32', seed=1)
+  sizes = SIZES['ragged_empty']
+  got = pk.tgmm(lhs, grad, jnp.asarray(sizes), target=target, tile_m=TILE_M, tile_n=TILE_N)
+  lhs64, grad64 = np.asarray(lhs, np.float64), np.asarray(grad, np.float64)
+  ends = np.cumsum(sizes)
+  want = np.stack([lhs64[e - s:e].T @ grad64[e - s:e] for s, e in zip(sizes, ends)])
+  assert got.dtype == jnp.float32
+  assert_close(got, want, TOL['float32'], f'{target} tgmm')
+
+
+def test_gmm_swiglu_fused_matches_separate_ragged_dots():
+  lhs, rhs, _ = operands('float32', seed=2)
+  up = rhs[::-1]
+  gs = jnp.asarray(SIZES['ragged_empty'])
+  got = pk.gmm_swiglu(lhs, rhs, up, gs, tile_m=TILE_M, tile_n=TILE_N)
+  want = jax.nn.silu(jax.lax.ragged_dot(lhs, rhs, gs)) * jax.lax.ragged_dot(lhs, up, gs)
+  assert_close(got, want, TOL['float32'], 'gmm_swiglu')
+
+
+@pytest.mark.parametrize('score,renormalize,bias', [
+    ('softmax', True, False), ('softmax', False, False), ('softmax', True, True),
+    ('sigmoid', True, True)])
+def test_route_matches_top_k_and_stable_sort(score, renormalize, bias):
+  t, e, k = 45, 8, 2  # 3 token blocks of 16, the last one padded
+  rng = np.random.default_rng(3)
+  logits = jnp.asarray(rng.normal(size=(t, e)), jnp.float32)
+  bias_E = jnp.asarray(rng.normal(size=(e,)) * 0.2, jnp.float32) if bias else None
+  got = pk.route(logits, k, renormalize=renormalize, bias_E=bias_E, score=score, block_t=16)
+  if score == 'softmax' and not bias:  # the model's own router is the reference
+    want_e, want_w, want_s = moe_route(logits, k, renormalize)
+  else:
+    want_s = jax.nn.softmax(logits) if score == 'softmax' else jax.nn.sigmoid(logits)
+    _, want_e = jax.lax.top_k(want_s + (0 if bias_E is None else bias_E), k)
+    want_w = jnp.take_along_axis(want_s, want_e, axis=1)
+    if renormalize:
+      want_w = want_w / jnp.sum(want_w, axis=1, keepdims=True)
+  np.testing.assert_array_equal(got['experts_Tk'], want_e)
+  assert_close(got['weights_Tk'], want_w, TOL['float32'], 'route weights')
+  assert_close(got['scores_TE'], want_s, TOL['float32'], 'route scores')
+  flat = np.asarray(want_e).reshape(-1)
+  np.testing.assert_array_equal(got['counts_E'], np.bincount(flat, minlength=e))
+  order = np.argsort(flat, kind='stable')
+  np.testing.assert_array_equal(np.asarray(got['positions_Tk']).reshape(-1), np.argsort(order))
+  x = jnp.asarray(rng.normal(size=(t, 4)), jnp.float32)
+  x_M = pk.permute(x, got['positions_Tk'])
+  np.testing.assert_array_equal(x_M, np.asarray(x)[order // k])
+  y = pk.combine(x_M * 2.0, got['positions_Tk'], got['weights_Tk'])
+  assert_close(y, 2.0 * x * jnp.sum(got['weights_Tk'], axis=1, keepdims=True), 1e-6, 'combine')
+
+
+def _expert_params(e, d, f, seed):
+  keys = jax.random.split(jax.random.key(seed), 3)
+  return {'gate': jax.random.normal(keys[0], (e, d, f)) / 4,
+          'up': jax.random.normal(keys[1], (e, d, f)) / 4,
+          'down': jax.random.normal(keys[2], (e, f, d)) / 4}
+
+
+@pytest.mark.parametrize('case', ['idle_expert', 'all_to_one'])
+def test_dispatch_pallas_equals_reference(case):
+  t, d, f, e, k = 40, 16, 16, 4, 2
+  rng = np.random.default_rng(4)
+  x = jnp.asarray(rng.normal(size=(t, d)), jnp.float32)
+  experts = np.stack([rng.choice(3, size=k, replace=False) for _ in range(t)])  # expert 3 idle
+  if case == 'all_to_one':
+    experts = np.stack([np.full(t, 2), np.full(t, 0)], axis=1)
+  experts = jnp.asarray(experts, jnp.int32)
+  weights = jax.nn.softmax(jnp.asarray(rng.normal(size=(t, k)), jnp.float32))
+  params = _expert_params(e, d, f, 5)
+
+  def run(backend):
+    loss = lambda x, w, p: jnp.sum(jnp.sin(dispatch(x, experts, w, p, backend, 8)))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, weights, params)
+
+  (v_p, g_p), (v_r, g_r) = run('pallas'), run('reference')
+  assert_close(v_p, v_r, TOL['float32'], f'{case} loss')
+  for path, a, b in zip(range(5), jax.tree.leaves(g_p), jax.tree.leaves(g_r)):
+    assert_close(a, b, 1e-4, f'{case} grad leaf {path}')
+
+
+def test_auto_resolves_to_tiled_on_cpu_and_matches():
+  assert jax.default_backend() == 'cpu'
+  assert resolve_backend('auto') == 'tiled'
+  t, d, f, e = 24, 8, 8, 4
+  x = jax.random.normal(jax.random.key(0), (t, d))
+  experts = jax.random.randint(jax.random.key(1), (t, 2), 0, e)
+  weights = jnp.full((t, 2), 0.5)
+  params = _expert_params(e, d, f, 2)
+  assert_close(dispatch(x, experts, weights, params, 'auto', 8),
+               dispatch(x, experts, weights, params, 'reference'), TOL['float32'], 'auto')
+
+
+def test_model_trained_with_pallas_matches_reference():
+  """3 SGD steps of a tiny LoopedMoE: same losses and params with 'pallas' and 'reference'."""
+  cfg = ModelConfig(vocab_size=32, d_model=16, num_heads=2, expert_width=16, top_k=2,
+                    prelude_layers=0, core_layers=1, core_experts=4, num_loops=2,
+                    coda_layers=0, dispatch_tile=8)
+  tokens = jax.random.randint(jax.random.key(7), (2, 9), 0, cfg.vocab_size)
+  batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]}
+  params0 = bench.init_params(LoopedMoE(cfg), batch['inputs'])
+  results = {}
+  for backend in ('pallas', 'reference'):
+    step = jax.jit(bench.make_train_step(LoopedMoE(cfg.replace(dispatch=backend)), lr=0.1))
+    params, losses = params0, []
+    for _ in range(3):
+      params, metrics = step(params, batch)
+      losses.append(float(metrics['loss']))
+    results[backend] = (losses, params)
+  (loss_p, par_p), (loss_r, par_r) = results['pallas'], results['reference']
+  np.testing.assert_allclose(loss_p, loss_r, rtol=1e-5)
+  assert loss_p[-1] < loss_p[0], 'training did not lower the loss'
+  for a, b in zip(jax.tree.leaves(par_p), jax.tree.leaves(par_r)):
+    assert_close(a, b, 1e-4, 'trained params')
+
+
+# GPU: compiled kernels (not interpreted) on a CUDA device ---------------------------------------
+
+def _cuda_devices():
+  try:
+    return jax.devices('gpu')
+  except RuntimeError:
+    return []
+
+
+requires_gpu = pytest.mark.skipif(
+    not _cuda_devices(),
+    reason='needs a CUDA device; tests/conftest.py pins CPU, so run scripts/gpu_check.sh '
+           '(pytest --noconftest -m gpu) on a GPU machine')
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_gpu_gmm_compiled_matches_ragged_dot(dtype):
+  dev = _cuda_devices()[0]
+  m, k, n = 1000, 128, 256
+  sizes = [0, 300, 1, 0, 64, 500, 0, 100]  # sum 965 < m
+  rng = np.random.default_rng(0)
+  with jax.default_device(dev):
+    lhs = jnp.asarray(rng.normal(size=(m, k)), jnp.float32).astype(DTYPES[dtype])
+    rhs = (jnp.asarray(rng.normal(size=(8, k, n)), jnp.float32) / 8).astype(DTYPES[dtype])
+    gs = jnp.asarray(sizes, jnp.int32)
+    loss = lambda f: lambda l, r: jnp.sum(jnp.sin(f(l, r).astype(jnp.float32)))
+    kern = lambda l, r: pk.gmm(l, r, gs, interpret=False)
+    ragged = lambda l, r: jax.lax.ragged_dot(l, r, gs, preferred_element_type=jnp.float32,
+                                             precision=jax.lax.Precision.HIGHEST)
+    assert_close(jax.jit(kern)(lhs, rhs), jax.jit(ragged)(lhs, rhs), TOL[dtype], 'gpu fwd')
+    g_k = jax.jit(jax.grad(loss(kern), (0, 1)))(lhs, rhs)
+    g_r = jax.jit(jax.grad(loss(ragged), (0, 1)))(lhs, rhs)
+    for a, b in zip(g_k, g_r):
+      assert_close(a, b, TOL[dtype] * 5, 'gpu grad')
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_route_compiled_matches_top_k():
+  with jax.default_device(_cuda_devices()[0]):
+    logits = jax.random.normal(jax.random.key(0), (512, 64))
+    got = pk.route(logits, 4, interpret=False)
+    _, want = jax.lax.top_k(jax.nn.softmax(logits), 4)
+    np.testing.assert_array_equal(got['experts_Tk'], want)
+
+
+def test_kernels_benchmark_quick_reports_ratios(tmp_path):
+  """`benchmark.py kernels --quick`: the CPU ratio keys are positive finite numbers and the
+  JSON file holds them (no timing thresholds here: those are the benchmark's PASS/FAIL)."""
+  from loopmoe_jax import bench_kernels  # noqa: F401  (registers 'kernels')
+  import json
+  import math
+  path = tmp_path / 'kernels.json'
+  res = bench.run('kernels', quick=True, json_path=str(path))
+  for key in ('cpu_tiled_E64_over_E8', 'cpu_tiled_over_dense', 'cpu_tiled_fwd_bwd_E64_over_E8'):
+    assert isinstance(res[key], float) and math.isfinite(res[key]) and res[key] > 0, key
+  assert json.loads(path.read_text()) == res
