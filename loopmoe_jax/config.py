@@ -37,7 +37,7 @@ class ModelConfig:
   num_shared_experts: int = 0
   shared_expert_width: int = 0   # 0: expert_width
   dispatch: str = 'tiled'
-  dispatch_tile: int = 64
+  dispatch_tile: int = 128
   # Layout: prelude -> core x num_loops -> coda. experts == 0 means a dense SwiGLU layer.
   prelude_layers: int = 1
   prelude_experts: int = 4
