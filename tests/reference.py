@@ -17,6 +17,7 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def rms_norm(x, scale, eps):
@@ -150,3 +151,14 @@ def forward(cfg, params, tokens_BT=None, num_loops=None, x_BTD=None):
   else:
     logits = x @ params['head']
   return logits, visits
+
+
+def gmm_numpy(lhs, rhs, sizes):
+  """Grouped matmul in numpy: rows of group g = lhs rows of g @ rhs[g]; rows past sum(sizes)
+  stay zero (jax.lax.ragged_dot semantics)."""
+  out = np.zeros((lhs.shape[0], rhs.shape[2]))
+  start = 0
+  for g, n in enumerate(sizes):
+    out[start:start + n] = lhs[start:start + n] @ rhs[g]
+    start += n
+  return out

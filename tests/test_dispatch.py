@@ -24,6 +24,7 @@ import pytest
 
 from loopmoe_jax.dispatch import dispatch, gmm_tiled
 from pallas_kernels.metadata import work_items
+from reference import gmm_numpy
 
 TOL = {'float32': 1e-5, 'bfloat16': 2e-2}
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
@@ -40,16 +41,6 @@ def assert_close(actual, expected, rtol, what=''):
 
 
 # Grouped matmul ---------------------------------------------------------------------------
-
-def gmm_numpy(lhs, rhs, sizes):
-  """out rows of group g = lhs rows of g @ rhs[g]; rows past sum(sizes) stay zero."""
-  out = np.zeros((lhs.shape[0], rhs.shape[2]))
-  start = 0
-  for g, n in enumerate(sizes):
-    out[start:start + n] = lhs[start:start + n] @ rhs[g]
-    start += n
-  return out
-
 
 def gmm_vjp_numpy(lhs, rhs, sizes, ct):
   d_lhs, d_rhs = np.zeros_like(lhs), np.zeros_like(rhs)

@@ -28,6 +28,7 @@ from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.dispatch import dispatch, resolve_backend
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.moe import route as moe_route
+from reference import gmm_numpy
 
 TOL = {'float32': 1e-5, 'bfloat16': 2e-2}
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
@@ -43,15 +44,6 @@ def assert_close(got, want, tol, what):
   scale = max(np.abs(want).max(), 1e-6)
   err = np.abs(got - want).max() / scale
   assert err <= tol, f'{what}: max error {err:.3g} of scale {scale:.3g} > {tol}'
-
-
-def numpy_gmm(lhs, rhs, sizes):
-  out = np.zeros((lhs.shape[0], rhs.shape[2]))
-  start = 0
-  for g, size in enumerate(sizes):
-    out[start:start + size] = lhs[start:start + size] @ rhs[g]
-    start += size
-  return out
 
 
 def operands(dtype, seed=0):
@@ -80,7 +72,7 @@ def test_gmm_forward_and_vjp_match_numpy_and_ragged_dot(target, dtype):
     out_k, (dl_k, dr_k), out_r, (dl_r, dr_r) = both(lhs, rhs, cot)
     assert out_k.dtype == lhs.dtype and dl_k.dtype == lhs.dtype and dr_k.dtype == rhs.dtype
     tol, what = TOL[dtype], f'{target} {dtype} {case}'
-    want = numpy_gmm(as64(lhs), as64(rhs), sizes)
+    want = gmm_numpy(as64(lhs), as64(rhs), sizes)
     assert_close(out_k, want, tol, f'{what}: gmm vs numpy')
     assert_close(out_k, out_r, tol, f'{what}: gmm vs ragged_dot')
     assert_close(dl_k, dl_r, tol, f'{what}: d_lhs vs ragged_dot')
