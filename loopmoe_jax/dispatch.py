@@ -54,6 +54,29 @@ def _chunk_sizes(tile: int):
   return sizes
 
 
+def _tile_plan(sizes_G, rows_p: int, tile: int):
+  """The work of both passes, shared by the grouped matmul and its weight gradient.
+
+  Returns (whole, remainders): whole = (group [W], row0 [W], count) of the whole tiles (the
+  first `count` are real); remainders = [(chunk, groups [G], count)] per chunk size, the
+  groups whose last size_g mod tile rows fit that chunk size (the first `count` are real)."""
+  num_groups = sizes_G.shape[0]
+  starts, _ = group_bounds(sizes_G)
+  whole = sizes_G // tile
+  whole_end = jnp.cumsum(whole)
+  item = jnp.arange(rows_p // tile, dtype=jnp.int32)
+  group = jnp.minimum(jnp.searchsorted(whole_end, item, side='right'), num_groups - 1)
+  row0 = starts[group] + (item - (whole_end - whole)[group]) * tile
+  rem = sizes_G % tile
+  chunks = _chunk_sizes(tile)
+  remainders = []
+  for c, smaller in zip(chunks, chunks[1:] + [0]):
+    in_class = (rem > smaller) & (rem <= c)
+    (groups,) = jnp.nonzero(in_class, size=num_groups, fill_value=0)
+    remainders.append((c, groups, jnp.sum(in_class.astype(jnp.int32))))
+  return (group, row0, whole_end[-1]), remainders
+
+
 def _gmm_fwd_impl(lhs_MK, rhs_GKN, group_sizes_G, tile, transpose_rhs=False):
   """lhs @ rhs[g] per group; with `transpose_rhs`, lhs @ rhs[g].T (no transposed copy).
 
@@ -77,27 +100,17 @@ def _gmm_fwd_impl(lhs_MK, rhs_GKN, group_sizes_G, tile, transpose_rhs=False):
   matmul = lambda rows, g: jax.lax.dot_general(rows, rhs_GKN[g], contract,
                                                preferred_element_type=jnp.float32)
   out = jnp.zeros((rows_p, n), jnp.float32)
+  (group, row0, num_whole), remainders = _tile_plan(sizes, rows_p, tile)
 
   with jax.named_scope('whole_tiles'):
-    whole = sizes // tile
-    whole_end = jnp.cumsum(whole)
-    item = jnp.arange(rows_p // tile, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(whole_end, item, side='right'), sizes.shape[0] - 1)
-    row0 = starts[group] + (item - (whole_end - whole)[group]) * tile
-
     def whole_tile(i, out):
       rows = jax.lax.dynamic_slice_in_dim(lhs, row0[i], tile)
       return jax.lax.dynamic_update_slice_in_dim(out, matmul(rows, group[i]), row0[i], 0)
 
-    out = jax.lax.fori_loop(0, whole_end[-1], whole_tile, out)
+    out = jax.lax.fori_loop(0, num_whole, whole_tile, out)
 
   with jax.named_scope('remainders'):
-    rem = sizes % tile
-    chunks = _chunk_sizes(tile)
-    for c, smaller in zip(chunks, chunks[1:] + [0]):
-      in_class = (rem > smaller) & (rem <= c)
-      (groups,) = jnp.nonzero(in_class, size=sizes.shape[0], fill_value=0)
-
+    for c, groups, count in remainders:
       def remainder(j, out, c=c, groups=groups):
         g = groups[j]
         first = jnp.clip(ends[g] - c, 0, rows_p - c)
@@ -107,7 +120,7 @@ def _gmm_fwd_impl(lhs_MK, rhs_GKN, group_sizes_G, tile, transpose_rhs=False):
         old = jax.lax.dynamic_slice_in_dim(out, first, c)
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine, prod, old), first, 0)
 
-      out = jax.lax.fori_loop(0, jnp.sum(in_class.astype(jnp.int32)), remainder, out)
+      out = jax.lax.fori_loop(0, count, remainder, out)
   return out[:m].astype(lhs_MK.dtype)
 
 
@@ -123,32 +136,24 @@ def _tgmm_impl(lhs_MK, grad_MN, group_sizes_G, num_groups, tile):
   lhs, grad = _pad_rows(lhs_MK, tile), _pad_rows(grad_MN, tile)
   rows_p = lhs.shape[0]
   sizes = group_sizes_G.astype(jnp.int32)
-  starts, ends = group_bounds(sizes)
+  _, ends = group_bounds(sizes)
   acc = jnp.zeros((num_groups, lhs.shape[1], grad.shape[1]), jnp.float32)
   outer = lambda a, b: jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())),
                                            preferred_element_type=jnp.float32)
 
-  with jax.named_scope('whole_tiles'):
-    whole = sizes // tile
-    whole_end = jnp.cumsum(whole)
-    item = jnp.arange(rows_p // tile, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(whole_end, item, side='right'), num_groups - 1)
-    row0 = starts[group] + (item - (whole_end - whole)[group]) * tile
+  (group, row0, num_whole), remainders = _tile_plan(sizes, rows_p, tile)
+  rem = sizes % tile
 
+  with jax.named_scope('whole_tiles'):
     def whole_tile(i, acc):
       rows = jax.lax.dynamic_slice_in_dim(lhs, row0[i], tile)
       gr = jax.lax.dynamic_slice_in_dim(grad, row0[i], tile)
       return acc.at[group[i]].add(outer(rows, gr))
 
-    acc = jax.lax.fori_loop(0, whole_end[-1], whole_tile, acc)
+    acc = jax.lax.fori_loop(0, num_whole, whole_tile, acc)
 
   with jax.named_scope('remainders'):
-    rem = sizes % tile
-    chunks = _chunk_sizes(tile)
-    for c, smaller in zip(chunks, chunks[1:] + [0]):
-      in_class = (rem > smaller) & (rem <= c)
-      (groups,) = jnp.nonzero(in_class, size=num_groups, fill_value=0)
-
+    for c, groups, count in remainders:
       def remainder(j, acc, c=c, groups=groups):
         g = groups[j]
         first = jnp.clip(ends[g] - c, 0, rows_p - c)
@@ -158,7 +163,7 @@ def _tgmm_impl(lhs_MK, grad_MN, group_sizes_G, num_groups, tile):
         lhs_c = jnp.where(mine, lhs_c, 0).astype(lhs.dtype)
         return acc.at[g].add(outer(lhs_c, jax.lax.dynamic_slice_in_dim(grad, first, c)))
 
-      acc = jax.lax.fori_loop(0, jnp.sum(in_class.astype(jnp.int32)), remainder, acc)
+      acc = jax.lax.fori_loop(0, count, remainder, acc)
   return acc
 
 
