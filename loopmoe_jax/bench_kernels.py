@@ -13,6 +13,7 @@ ragged_dot forward and forward+backward at E 8 and 64, `{p}_pallas_over_xla_E{E}
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from loopmoe_jax import bench, dispatch
+from loopmoe_jax import bench, dispatch, moe
 
 bench.TARGETS.update({'cpu_tiled_E64_over_E8': 1.3, 'cpu_tiled_over_dense': 1.3})
 
@@ -74,25 +75,164 @@ def _cpu(res, quick):
   res['cpu_tiled_tile64_E64_over_dense'] = secs['fwd_E64_tile64'] / secs['dense']
 
 
-def _device(res, quick, platform):
-  m, k, n = (4096, 256, 512) if quick else (65536, 2048, 1024)
-  res[f'{platform}_pallas_self_check'] = dispatch.pallas_self_check(platform)
-  res[f'{platform}_auto'] = dispatch.resolve_backend('auto')
-  backends = {'pallas': lambda l, r, s: pallas_kernels.gmm(l, r, s), 'xla': dispatch.gmm_xla}
+# Device (GPU/TPU) --------------------------------------------------------------------------------
+
+# Tile variants tried on the device (the first is TILES' default); the fastest is then used
+# for every pallas figure of the run and reported as {p}_tuned_gmm / {p}_tuned_tgmm.
+GMM_VARIANTS = [
+    dict(tile_m=128, tile_n=128, tile_k=64, num_warps=4, num_stages=3),
+    dict(tile_m=128, tile_n=128, tile_k=64, num_warps=8, num_stages=3),
+    dict(tile_m=128, tile_n=256, tile_k=64, num_warps=8, num_stages=3),
+    dict(tile_m=128, tile_n=128, tile_k=64, num_warps=4, num_stages=4),
+    dict(tile_m=64, tile_n=128, tile_k=64, num_warps=4, num_stages=4),
+    dict(tile_m=128, tile_n=256, tile_k=64, num_warps=8, num_stages=4),
+    dict(tile_m=256, tile_n=128, tile_k=64, num_warps=8, num_stages=3),
+    dict(tile_m=128, tile_n=256, tile_k=64, num_warps=8, num_stages=5),
+    dict(tile_m=128, tile_n=128, tile_k=128, num_warps=8, num_stages=3),
+    dict(tile_m=128, tile_n=256, tile_k=32, num_warps=8, num_stages=5),
+]
+TGMM_VARIANTS = [
+    dict(tile_m=64, tile_n=128, tile_k=128, num_warps=4, num_stages=3),
+    dict(tile_m=128, tile_n=128, tile_k=128, num_warps=8, num_stages=3),
+    dict(tile_m=64, tile_n=128, tile_k=128, num_warps=4, num_stages=4),
+    dict(tile_m=64, tile_n=128, tile_k=64, num_warps=4, num_stages=3),
+    dict(tile_m=64, tile_n=256, tile_k=128, num_warps=8, num_stages=3),
+    dict(tile_m=64, tile_n=256, tile_k=128, num_warps=8, num_stages=4),
+    dict(tile_m=32, tile_n=256, tile_k=128, num_warps=8, num_stages=4),
+    dict(tile_m=64, tile_n=128, tile_k=256, num_warps=8, num_stages=3),
+]
+bench.TARGETS.update({  # time ratios (lower is better)
+    'gpu_pallas_over_dense_fwd_E64': 1.25,      # >= 0.8 of dense bf16 TFLOP/s
+    'gpu_pallas_over_dense_fwd_bwd_E64': 1.25,
+    'gpu_pallas_over_xla_fwd_E64': 0.5,         # >= 2x ragged_dot
+    'gpu_moe_layer_over_dense_swiglu': 1.3,
+})
+
+
+def _safe(res, key, fn):
+  """Runs fn(); on an exception records its message under `key` (the run goes on)."""
+  try:
+    return fn()
+  except Exception as e:  # pylint: disable=broad-except  (a variant that fails to compile)
+    res[key] = f'{type(e).__name__}: {str(e)[:300]}'
+    return None
+
+
+def _tune(res, p, m, k, n, repeats):
+  """Times every tile variant (gmm forward at E 64, tgmm at E 64); returns the fastest."""
+  lhs, rhs, sizes = _operands(m, k, n, 64, jnp.bfloat16)
+  grad = lhs[:, :n]
+  best = {}
+  for op, variants in (('gmm', GMM_VARIANTS), ('tgmm', TGMM_VARIANTS)):
+    thunks = {}
+    for i, v in enumerate(variants):
+      if op == 'gmm':
+        fn = jax.jit(lambda l, r, v=v: pallas_kernels.gmm(l, r, sizes, tiles={'gmm': v}))
+        args = (lhs, rhs)
+      else:
+        fn = jax.jit(lambda l, g, v=v: pallas_kernels.tgmm(l, g, sizes, tiles={'tgmm': v}))
+        args = (lhs, grad)
+      if _safe(res, f'{p}_tune_{op}_{i}_error', lambda: _block(fn(*args))) is not None:
+        thunks[i] = lambda fn=fn, args=args: fn(*args)
+    secs = bench.time_interleaved(thunks, repeats) if thunks else {}
+    for i, s in secs.items():
+      res[f'{p}_tune_{op}_{i}_tflops'] = 2 * m * k * n / s / 1e12
+    if secs:
+      best[op] = variants[min(secs, key=secs.get)]
+      res[f'{p}_tuned_{op}'] = best[op]
+  return best
+
+
+def _block(x):
+  return jax.tree.map(lambda a: a.block_until_ready(), x)
+
+
+def _gmm_figures(res, p, m, k, n, tiles, repeats):
+  """Pallas vs ragged_dot vs a dense matmul of the same FLOPs, forward and forward+backward."""
+  lhs0, rhs0, _ = _operands(m, k, n, 8, jnp.bfloat16)
+  dense = lambda l, r, s: jnp.dot(l, r, preferred_element_type=jnp.float32).astype(l.dtype)
+  thunks = {'dense_fwd': _fwd(dense, lhs0, rhs0[0], None),
+            'dense_fwd_bwd': _fwd_bwd(dense, lhs0, rhs0[0], None)}
+  backends = {'pallas': lambda l, r, s: pallas_kernels.gmm(l, r, s, tiles=tiles),
+              'xla': dispatch.gmm_xla}
   for g in (8, 64):
     ops = _operands(m, k, n, g, jnp.bfloat16)
-    thunks = {}
     for name, fn in backends.items():
       thunks[f'{name}_fwd_E{g}'] = _fwd(fn, *ops)
       thunks[f'{name}_fwd_bwd_E{g}'] = _fwd_bwd(fn, *ops)
-    secs = bench.time_interleaved(thunks, 5 if quick else 20)
-    res.update({f'{platform}_s_{key}': v for key, v in secs.items()})
-    for kind in ('fwd', 'fwd_bwd'):
-      res[f'{platform}_pallas_over_xla_{kind}_E{g}'] = (
-          secs[f'pallas_{kind}_E{g}'] / secs[f'xla_{kind}_E{g}'])
+  secs = bench.time_interleaved(thunks, repeats)
+  flops = {'fwd': 2 * m * k * n, 'fwd_bwd': 6 * m * k * n}
+  for key, s in secs.items():
+    res[f'{p}_s_{key}'] = s
+    res[f'{p}_tflops_{key}'] = flops[key.split('_', 1)[1].rsplit('_E', 1)[0]] / s / 1e12
   for kind in ('fwd', 'fwd_bwd'):
-    res[f'{platform}_pallas_{kind}_E64_over_E8'] = (
-        res[f'{platform}_s_pallas_{kind}_E64'] / res[f'{platform}_s_pallas_{kind}_E8'])
+    for g in (8, 64):
+      res[f'{p}_pallas_over_xla_{kind}_E{g}'] = secs[f'pallas_{kind}_E{g}'] / secs[f'xla_{kind}_E{g}']
+      res[f'{p}_pallas_over_dense_{kind}_E{g}'] = secs[f'pallas_{kind}_E{g}'] / secs[f'dense_{kind}']
+    res[f'{p}_pallas_{kind}_E64_over_E8'] = secs[f'pallas_{kind}_E64'] / secs[f'pallas_{kind}_E8']
+
+
+# The pallas dispatch with gate and up as two gmm calls (no weight concatenation), for comparison.
+UNFUSED = dispatch._grouped(dispatch.gmm_pallas)  # pylint: disable=protected-access
+
+
+def _moe_layer(res, p, tokens, d, f, e, top_k, tiles, repeats):
+  """MoE layer (router, top-k, dispatch, SwiGLU experts, combine) forward+backward over a
+  dense SwiGLU of the same active width (top_k * f) on the same tokens."""
+  keys = jax.random.split(jax.random.key(1), 6)
+  bf = jnp.bfloat16
+  x = jax.random.normal(keys[0], (tokens, d), bf)
+  w = lambda key, shape, fan: (jax.random.normal(key, shape, jnp.float32) / np.sqrt(fan)).astype(bf)
+  experts = {'gate': w(keys[1], (e, d, f), d), 'up': w(keys[2], (e, d, f), d),
+             'down': w(keys[3], (e, f, d), f)}
+  router = w(keys[4], (d, e), d)
+  dense = {'gate': w(keys[1], (d, top_k * f), d), 'up': w(keys[2], (d, top_k * f), d),
+           'down': w(keys[3], (top_k * f, d), top_k * f)}
+
+  def moe_loss(params, x, backend):
+    logits = jnp.dot(x.astype(jnp.float32), params['router'].astype(jnp.float32))
+    experts_Tk, weights_Tk, _ = moe.route(logits, top_k, True)
+    run = UNFUSED if backend == 'pallas_unfused' else dispatch.BACKENDS[backend]
+    y = run(x, experts_Tk, weights_Tk, params['experts'])
+    return jnp.sum(y.astype(jnp.float32) ** 2)
+
+  def dense_loss(params, x):
+    h = jax.nn.silu(x @ params['gate']) * (x @ params['up'])
+    return jnp.sum((h @ params['down']).astype(jnp.float32) ** 2)
+
+  grad = lambda fn: jax.jit(jax.value_and_grad(fn, argnums=(0, 1)), static_argnums=(2,))
+  moe_step, dense_step = grad(moe_loss), jax.jit(jax.value_and_grad(dense_loss, (0, 1)))
+  params = {'router': router, 'experts': experts}
+  old = dict(pallas_kernels.TILES[p])
+  pallas_kernels.TILES[p].update(tiles)  # the dispatch path takes TILES' defaults
+  try:
+    thunks = {'dense': lambda: dense_step(dense, x)}
+    for backend in ('pallas', 'pallas_unfused', 'xla'):
+      thunks[backend] = functools.partial(moe_step, params, x, backend)
+    secs = bench.time_interleaved(thunks, repeats)
+  finally:
+    pallas_kernels.TILES[p].update(old)
+  res.update({f'{p}_moe_s_{k}': v for k, v in secs.items()})
+  res[f'{p}_moe_layer_over_dense_swiglu'] = secs['pallas'] / secs['dense']
+  res[f'{p}_moe_layer_unfused_over_dense_swiglu'] = secs['pallas_unfused'] / secs['dense']
+  res[f'{p}_moe_layer_xla_over_dense_swiglu'] = secs['xla'] / secs['dense']
+  res[f'{p}_moe_shape'] = dict(tokens=tokens, d=d, f=f, experts=e, top_k=top_k)
+
+
+def _device(res, quick, platform):
+  m, k, n = (4096, 256, 512) if quick else (65536, 2048, 1024)
+  repeats = 5 if quick else 20
+  res[f'{platform}_device'] = str(jax.devices()[0].device_kind)
+  res[f'{platform}_jax'] = jax.__version__
+  res[f'{platform}_pallas_self_check'] = dispatch.pallas_self_check(platform)
+  res[f'{platform}_auto'] = dispatch.resolve_backend('auto')
+  res[f'{platform}_gmm_shape'] = dict(rows=m, k=k, n=n)
+  best = _tune(res, platform, m, k, n, repeats) if platform == 'gpu' else {}
+  _safe(res, f'{platform}_gmm_error',
+        lambda: _gmm_figures(res, platform, m, k, n, best, repeats))
+  moe_shape = (m // 4, k, n, 64, 4)
+  _safe(res, f'{platform}_moe_error',
+        lambda: _moe_layer(res, platform, *moe_shape, best, max(3, repeats // 2)))
 
 
 @bench.register('kernels')

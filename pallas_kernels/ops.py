@@ -20,9 +20,15 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import gmm_gpu, gmm_tpu
 
-# (tile_m, tile_n) defaults per target. TPU: 128 matches the MXU and the (8, 128) layout;
-# GPU: 64x64 blocks (pending measurement on a device). On CPU the kernels only interpret.
-TILES = {'tpu': (128, 128), 'gpu': (64, 64)}
+# Tile defaults per target and op ('gmm': forward and input gradient, 'tgmm': weight
+# gradient). TPU: 128 matches the MXU and the (8, 128) layout. GPU (Triton backend): 128x128
+# output tiles, K in steps of 64, 4 warps, 3 pipeline stages; measured on an H200 by
+# `scripts/benchmark.py kernels` (gpu_tune_* keys). On CPU the kernels only interpret.
+TILES = {
+    'tpu': {'gmm': dict(tile_m=128, tile_n=128), 'tgmm': dict(tile_m=128, tile_n=128)},
+    'gpu': {'gmm': dict(tile_m=128, tile_n=128, tile_k=64, num_warps=4, num_stages=3),
+            'tgmm': dict(tile_m=64, tile_n=128, tile_k=128, num_warps=4, num_stages=3)},
+}
 KERNELS = {'tpu': gmm_tpu, 'gpu': gmm_gpu}
 
 
@@ -42,13 +48,15 @@ def resolve_interpret(target: str, interpret):
   return interpret
 
 
-def _tiles(target, m, n, tile_m, tile_n):
-  dm, dn = TILES[target]
-  tile_m = tile_m or dm
-  tile_n = tile_n or dn
-  if n % tile_n:  # a tile that does not divide N: one block spans N
-    tile_n = n
-  return tile_m, tile_n
+def tiling(target: str, tile_m=None, tile_n=None, overrides=None):
+  """The hashable per-op tile settings: TILES[target], then `overrides` ({'gmm': {...},
+  'tgmm': {...}}), then tile_m / tile_n for both ops."""
+  ops = {}
+  for op, defaults in TILES[target].items():
+    cfg = dict(defaults, **(overrides or {}).get(op, {}))
+    cfg.update({k: v for k, v in (('tile_m', tile_m), ('tile_n', tile_n)) if v})
+    ops[op] = tuple(sorted(cfg.items()))
+  return ops['gmm'], ops['tgmm']
 
 
 def _pad_rows(x, multiple):
@@ -62,31 +70,43 @@ def _rows_below(out_MN, group_sizes_G):
   return jnp.where(rows < jnp.sum(group_sizes_G), out_MN, 0).astype(out_MN.dtype)
 
 
+def _call(target, interpret, op_cfg, n):
+  """Kernel keyword arguments: the op's tiles (tile_n falls back to N if it doesn't divide)
+  and the interpret setting."""
+  kw = dict(op_cfg)
+  if n % kw['tile_n']:
+    kw['tile_n'] = n
+  return kw, resolve_interpret(target, interpret)
+
+
 def _gmm_impl(lhs_MK, rhs_GKN, group_sizes_G, cfg, transpose_rhs=False):
-  target, interpret, tile_m, tile_n = cfg
+  target, interpret, gmm_cfg, _ = cfg
   m = lhs_MK.shape[0]
   n = rhs_GKN.shape[1 if transpose_rhs else 2]
   if m == 0:
     return jnp.zeros((0, n), lhs_MK.dtype)
-  tile_m, tile_n = _tiles(target, m, n, tile_m, tile_n)
-  out = KERNELS[target].gmm(_pad_rows(lhs_MK, tile_m), rhs_GKN, group_sizes_G.astype(jnp.int32),
-                            tile_m=tile_m, tile_n=tile_n, transpose_rhs=transpose_rhs,
-                            interpret=resolve_interpret(target, interpret))
-  return _rows_below(out[:m], group_sizes_G)
+  kw, interp = _call(target, interpret, gmm_cfg, n)
+  kernels = KERNELS[target]
+  out = kernels.gmm(_pad_rows(lhs_MK, kw['tile_m']), rhs_GKN, group_sizes_G.astype(jnp.int32),
+                    transpose_rhs=transpose_rhs, interpret=interp, **kw)[:m]
+  return out if getattr(kernels, 'ZERO_FILLED', False) else _rows_below(out, group_sizes_G)
 
 
-def _tgmm_impl(lhs_MK, grad_MN, group_sizes_G, cfg):
-  target, interpret, tile_m, tile_n = cfg
+def _tgmm_impl(lhs_MK, grad_MN, group_sizes_G, cfg, out_dtype=jnp.float32):
+  target, interpret, _, tgmm_cfg = cfg
   num_groups = group_sizes_G.shape[0]
   m, k = lhs_MK.shape
   n = grad_MN.shape[1]
   if m == 0:
-    return jnp.zeros((num_groups, k, n), jnp.float32)
-  tile_m, tile_n = _tiles(target, m, n, tile_m, tile_n)
-  out = KERNELS[target].tgmm(_pad_rows(lhs_MK, tile_m), _pad_rows(grad_MN, tile_m),
-                             group_sizes_G.astype(jnp.int32), tile_m=tile_m, tile_n=tile_n,
-                             interpret=resolve_interpret(target, interpret))
-  return jnp.where((group_sizes_G > 0)[:, None, None], out, 0.0)  # unvisited (empty) groups
+    return jnp.zeros((num_groups, k, n), out_dtype)
+  kw, interp = _call(target, interpret, tgmm_cfg, n)
+  kernels = KERNELS[target]
+  out = kernels.tgmm(_pad_rows(lhs_MK, kw['tile_m']), _pad_rows(grad_MN, kw['tile_m']),
+                     group_sizes_G.astype(jnp.int32), out_dtype=out_dtype, interpret=interp,
+                     **kw)
+  if getattr(kernels, 'ZERO_FILLED', False):
+    return out
+  return jnp.where((group_sizes_G > 0)[:, None, None], out, 0).astype(out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -100,33 +120,37 @@ def _gmm_fwd(lhs_MK, rhs_GKN, group_sizes_G, cfg):
 
 def _gmm_bwd(cfg, res, g_MN):
   lhs_MK, rhs_GKN, group_sizes_G = res
+  g_MN = g_MN.astype(lhs_MK.dtype)
   with jax.named_scope('gmm_dlhs'):
-    d_lhs = _gmm_impl(g_MN.astype(lhs_MK.dtype), rhs_GKN, group_sizes_G, cfg, transpose_rhs=True)
+    d_lhs = _gmm_impl(g_MN, rhs_GKN, group_sizes_G, cfg, transpose_rhs=True)
   with jax.named_scope('gmm_drhs'):
-    d_rhs = _tgmm_impl(lhs_MK, g_MN.astype(lhs_MK.dtype), group_sizes_G, cfg)
-  return d_lhs.astype(lhs_MK.dtype), d_rhs.astype(rhs_GKN.dtype), None
+    d_rhs = _tgmm_impl(lhs_MK, g_MN, group_sizes_G, cfg, out_dtype=rhs_GKN.dtype)
+  return d_lhs.astype(lhs_MK.dtype), d_rhs, None
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
 def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, target: str | None = None, interpret=None,
-        tile_m: int | None = None, tile_n: int | None = None):
+        tile_m: int | None = None, tile_n: int | None = None, tiles=None):
   """Grouped matmul with `jax.lax.ragged_dot` semantics, differentiable in lhs and rhs.
 
   lhs [M, K] rows sorted by group; rhs [G, K, N]; group_sizes [G] int summing to at most M;
-  rows past the sum are zero. Output dtype = lhs dtype, float32 accumulation."""
+  rows past the sum are zero. Output dtype = lhs dtype, float32 accumulation. `tiles`
+  overrides TILES per op ({'gmm': {...}, 'tgmm': {...}}); tile_m / tile_n set both ops."""
   target = resolve_target(target)
   with jax.named_scope('gmm'):
-    return _gmm(lhs_MK, rhs_GKN, group_sizes_G, (target, interpret, tile_m, tile_n))
+    return _gmm(lhs_MK, rhs_GKN, group_sizes_G,
+                (target, interpret) + tiling(target, tile_m, tile_n, tiles))
 
 
 def tgmm(lhs_MK, grad_MN, group_sizes_G, *, target: str | None = None, interpret=None,
-         tile_m: int | None = None, tile_n: int | None = None):
+         tile_m: int | None = None, tile_n: int | None = None, tiles=None):
   """Per-group lhs^T @ grad ([G, K, N] float32): the weight gradient of gmm."""
   target = resolve_target(target)
   with jax.named_scope('tgmm'):
-    return _tgmm_impl(lhs_MK, grad_MN, group_sizes_G, (target, interpret, tile_m, tile_n))
+    return _tgmm_impl(lhs_MK, grad_MN, group_sizes_G,
+                      (target, interpret) + tiling(target, tile_m, tile_n, tiles))
 
 
 def gmm_swiglu(x_MD, gate_GDF, up_GDF, group_sizes_G, **kw):

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # GPU checks for pallas_kernels, in one call on a machine with a CUDA device:
-#   1. the GPU-marked tests (compiled Triton-style kernels vs ragged_dot), run without
+#   1. the GPU-marked tests of tests/test_*kernels*.py (compiled kernels vs references), run without
 #      tests/conftest.py (it pins jax_platforms=cpu);
-#   2. `scripts/benchmark.py kernels`, which adds the gpu_* keys (Pallas vs ragged_dot, E64/E8,
-#      the Pallas self-check and what dispatch 'auto' picks) to the CPU ones.
+#   2. `scripts/benchmark.py kernels`, which adds the gpu_* keys (tile tuning, Pallas vs
+#      ragged_dot vs dense TFLOP/s at E 8/64, the MoE layer vs a dense SwiGLU, the Pallas
+#      self-check and what dispatch 'auto' picks) to the CPU ones.
 # Results land in $OUT (default ./gpu_check_out): pytest log + JUnit XML, benchmark JSON + log,
 # and the device/jax versions. Exit status: non-zero if the tests or the benchmark failed.
 #   usage: OUT=/some/dir bash scripts/gpu_check.sh [--quick]
@@ -11,18 +12,18 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu_check_out}"
 mkdir -p "$OUT"
-PY="${PYTHON:-python}"
+PY="${PYTHON:-$(command -v python3 || command -v python)}"
 QUICK="${1:-}"
 
 "$PY" -c 'import jax; print(jax.__version__, jax.default_backend(), jax.devices())' \
   > "$OUT/devices.txt" 2>&1
 cat "$OUT/devices.txt"
 
-"$PY" -m pytest -q --noconftest -m gpu tests/test_kernels.py -rs \
+timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -q --noconftest -m gpu tests/test_*kernels*.py -rs -p no:cacheprovider \
   --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 
-timeout 480 "$PY" scripts/benchmark.py kernels $QUICK --json="$OUT/kernels.json" 2>&1 \
+PYTHONUNBUFFERED=1 timeout "${BENCH_TIMEOUT:-420}" "$PY" scripts/benchmark.py kernels $QUICK --json="$OUT/kernels.json" 2>&1 \
   | tee "$OUT/kernels.log"
 bench_rc=${PIPESTATUS[0]}
 

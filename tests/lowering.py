@@ -1,0 +1,13 @@
+"""Cross-lowering: lower a jitted function for 'cuda' or 'tpu' on this CPU machine.
+
+jax lowers a pallas_call to Triton IR (GPU, with triton CompilerParams) or Mosaic (TPU) in
+Python, so lowering errors (unsupported ops, bad block shapes, shared-memory overflow) show
+here without the device. Compiling that IR still needs the device (the `gpu` tests).
+"""
+import jax
+
+
+def lower_for(platform: str, fn, *args):
+  """Lowers jit(fn) at the given abstract or concrete args for `platform`; returns its text."""
+  shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+  return jax.jit(fn).trace(*shapes).lower(lowering_platforms=(platform,)).as_text()
