@@ -219,12 +219,27 @@ def _moe_layer(res, p, tokens, d, f, e, top_k, tiles, repeats):
   res[f'{p}_moe_shape'] = dict(tokens=tokens, d=d, f=f, experts=e, top_k=top_k)
 
 
+def _jax_mgpu_info(res, p, m, k, n, repeats):
+  """For information: the Mosaic GPU (wgmma + TMA) ragged dot that ships with jax, forward
+  TFLOP/s at E 8 and 64 (what a Hopper-native kernel reaches on this shape)."""
+  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # pylint: disable=import-outside-toplevel
+  for g in (8, 64):
+    lhs, rhs, sizes = _operands(m, k, n, g, jnp.bfloat16)
+    fn = jax.jit(functools.partial(
+        ragged_dot_mgpu.ragged_dot, group_sizes=sizes, block_m=128, block_n=128, block_k=64,
+        max_concurrent_steps=4, grid_block_n=2))
+    secs = bench.time_interleaved({'mgpu': lambda: fn(lhs, rhs)}, repeats)['mgpu']
+    res[f'{p}_info_jax_mgpu_ragged_dot_tflops_fwd_E{g}'] = 2 * m * k * n / secs / 1e12
+
+
 def _device(res, quick, platform):
   m, k, n = (4096, 256, 512) if quick else (65536, 2048, 1024)
   repeats = 5 if quick else 20
   res[f'{platform}_device'] = str(jax.devices()[0].device_kind)
   res[f'{platform}_jax'] = jax.__version__
   res[f'{platform}_pallas_self_check'] = dispatch.pallas_self_check(platform)
+  if platform in dispatch.SELF_CHECK_ERRORS:
+    res[f'{platform}_pallas_self_check_error'] = dispatch.SELF_CHECK_ERRORS[platform]
   res[f'{platform}_auto'] = dispatch.resolve_backend('auto')
   res[f'{platform}_gmm_shape'] = dict(rows=m, k=k, n=n)
   best = _tune(res, platform, m, k, n, repeats) if platform == 'gpu' else {}
@@ -233,6 +248,9 @@ def _device(res, quick, platform):
   moe_shape = (m // 4, k, n, 64, 4)
   _safe(res, f'{platform}_moe_error',
         lambda: _moe_layer(res, platform, *moe_shape, best, max(3, repeats // 2)))
+  if platform == 'gpu' and not quick:
+    _safe(res, f'{platform}_info_jax_mgpu_error',
+          lambda: _jax_mgpu_info(res, platform, m, k, n, repeats))
 
 
 @bench.register('kernels')

@@ -182,6 +182,22 @@ def test_auto_resolves_to_tiled_on_cpu_and_matches():
                dispatch(x, experts, weights, params, 'reference'), TOL['float32'], 'auto')
 
 
+def test_pallas_self_check_runs_inside_a_trace_and_catches_a_wrong_kernel(monkeypatch):
+  """'auto' consults the self-check while a model is traced: it must execute for real there
+  (interpret mode on CPU) and fail, with its reason recorded, when the kernel is wrong."""
+  import loopmoe_jax.dispatch as dsp
+  dsp.pallas_self_check.cache_clear()
+  seen = {}
+  jax.jit(lambda x: seen.setdefault('ok', dsp.pallas_self_check('cpu')) and x)(1.0)
+  assert seen['ok'] is True and 'cpu' not in dsp.SELF_CHECK_ERRORS
+  dsp.pallas_self_check.cache_clear()
+  real = pk.gmm
+  monkeypatch.setattr(dsp.pallas_kernels, 'gmm', lambda l, r, s: real(l, r[::-1], s))
+  assert dsp.pallas_self_check('cpu') is False
+  assert 'relative error' in dsp.SELF_CHECK_ERRORS.pop('cpu')
+  dsp.pallas_self_check.cache_clear()
+
+
 def test_model_trained_with_pallas_matches_reference():
   """3 SGD steps of a tiny LoopedMoE: same losses and params with 'pallas' and 'reference'."""
   cfg = ModelConfig(vocab_size=32, d_model=16, num_heads=2, expert_width=16, top_k=2,
