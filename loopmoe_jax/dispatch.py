@@ -12,8 +12,10 @@
   in E at fixed T*k (the CPU choice).
 - `xla`: the same stages with `jax.lax.ragged_dot` as the grouped matmul (the right choice
   on GPU/TPU; on CPU it computes masked dense work that grows with E).
-- `pallas`: the same stages with the Pallas kernels of `pallas_kernels` (fused gate/up gmm,
-  custom VJP; TPU Mosaic or GPU Triton-style, interpreted on CPU: correct but slow there).
+- `pallas`: every stage a kernel of `pallas_kernels`: permute (row gather), fused gate/up
+  gmm, down gmm, combine (weighted gather), all with custom VJPs; it takes the routing
+  kernel's counts and positions (`plan`) when the model routes with `pallas_kernels.route`.
+  TPU Mosaic or GPU Triton; interpreted on CPU (correct but slow there).
 - `auto`: per platform, the backend in FASTEST (see `resolve_backend`).
 
 No capacity limit: no token is ever dropped.
@@ -200,9 +202,9 @@ def gmm_xla(lhs_MK, rhs_GKN, group_sizes_G, tile=None):
 
 # Dispatch backends ----------------------------------------------------------------------------
 
-def dispatch_reference(x_TD, experts_Tk, weights_Tk, params, tile=None):
+def dispatch_reference(x_TD, experts_Tk, weights_Tk, params, tile=None, plan=None):
   """Runs every expert on every token and keeps each token's chosen outputs."""
-  del tile
+  del tile, plan
   num_experts = params['gate'].shape[0]
   y_TD = jnp.zeros(x_TD.shape, jnp.float32)
   for e in range(num_experts):
@@ -224,15 +226,37 @@ def _separate_swiglu(gmm):
   return swiglu
 
 
-def _fused_swiglu(x_MD, gate_GDF, up_GDF, group_sizes_G, tile):
+def sorted_positions(experts_Tk):
+  """Where each (token, choice) lands in a stable sort of the flat expert ids, [T, k] int32
+  (what the routing kernel returns as positions_Tk)."""
+  flat = experts_Tk.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  positions = jnp.zeros_like(order).at[order].set(jnp.arange(flat.shape[0], dtype=order.dtype))
+  return positions.reshape(experts_Tk.shape).astype(jnp.int32)
+
+
+def dispatch_pallas(x_TD, experts_Tk, weights_Tk, params, tile=None, plan=None):
+  """Every stage a Pallas kernel: permute (row gather) -> fused gate/up gmm -> down gmm ->
+  combine (weighted gather). `plan` = the routing kernel's counts_E and positions_Tk; without
+  it they are computed here from experts_Tk."""
   del tile
-  return pallas_kernels.gmm_swiglu(x_MD, gate_GDF, up_GDF, group_sizes_G)
+  if plan is None:
+    num_experts = params['gate'].shape[0]
+    plan = {'counts_E': jnp.bincount(experts_Tk.reshape(-1), length=num_experts),
+            'positions_Tk': sorted_positions(experts_Tk)}
+  counts_E, positions_Tk = plan['counts_E'].astype(jnp.int32), plan['positions_Tk']
+  x_MD = pallas_kernels.permute(x_TD, positions_Tk)
+  with jax.named_scope('grouped_matmul'):
+    h_MF = pallas_kernels.gmm_swiglu(x_MD, params['gate'], params['up'], counts_E)
+    out_MD = pallas_kernels.gmm(h_MF, params['down'], counts_E)
+  return pallas_kernels.combine(out_MD, positions_Tk, weights_Tk)
 
 
-def _grouped(gmm, swiglu=None):
-  swiglu = swiglu or _separate_swiglu(gmm)
+def _grouped(gmm):
+  swiglu = _separate_swiglu(gmm)
 
-  def run(x_TD, experts_Tk, weights_Tk, params, tile=64):
+  def run(x_TD, experts_Tk, weights_Tk, params, tile=64, plan=None):
+    del plan  # the routing kernel's plan is for 'pallas'; these backends sort here
     num_tokens, k = experts_Tk.shape
     num_experts = params['gate'].shape[0]
     with jax.named_scope('permute'):
@@ -257,7 +281,7 @@ BACKENDS = {
     'reference': dispatch_reference,
     'tiled': _grouped(gmm_tiled),
     'xla': _grouped(gmm_xla),
-    'pallas': _grouped(gmm_pallas, _fused_swiglu),
+    'pallas': dispatch_pallas,
 }
 
 # What `auto` picks per platform. CPU: measured here (scripts/benchmark.py model/kernels on
@@ -312,8 +336,10 @@ def resolve_backend(backend: str) -> str:
 
 
 def dispatch(x_TD, experts_Tk, weights_Tk, params: Mapping[str, jax.Array],
-             backend: str = 'tiled', tile: int = 64):
-  """Applies the chosen experts of every token and combines them with their weights."""
+             backend: str = 'tiled', tile: int = 64, plan=None):
+  """Applies the chosen experts of every token and combines them with their weights.
+  `plan`: the routing kernel's {counts_E, positions_Tk} (used by 'pallas', else ignored)."""
   if backend != 'auto' and backend not in BACKENDS:
     raise ValueError(f'model.dispatch={backend!r}: must be one of {sorted(BACKENDS)} or auto')
-  return BACKENDS[resolve_backend(backend)](x_TD, experts_Tk, weights_Tk, params, tile=tile)
+  return BACKENDS[resolve_backend(backend)](x_TD, experts_Tk, weights_Tk, params, tile=tile,
+                                            plan=plan)

@@ -1,4 +1,5 @@
 """The MoE feed-forward layer: route (float32) -> dispatch (see dispatch.py) -> combine.
+With dispatch 'pallas' the routing runs in the Pallas routing kernel (route_for).
 
 Aux losses per call (one MoE layer on one pass): the Switch load-balance loss
 E * sum_i f_i P_i (f_i: share of the T*k choices that went to expert i; P_i: mean router
@@ -11,8 +12,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels
 from loopmoe_jax.config import ModelConfig
-from loopmoe_jax.dispatch import dispatch
+from loopmoe_jax.dispatch import dispatch, resolve_backend
 from loopmoe_jax.layers import DTYPES, DenseMLP, fan_in_init, param
 
 
@@ -23,6 +25,17 @@ def route(logits_TE, top_k: int, renormalize: bool):
   if renormalize:
     weights_Tk = weights_Tk / jnp.sum(weights_Tk, axis=-1, keepdims=True)
   return experts_Tk, weights_Tk, probs_TE
+
+
+def route_for(backend: str, logits_TE, top_k: int, renormalize: bool):
+  """(experts_Tk, weights_Tk, probs_TE, plan): the 'pallas' dispatch routes with the routing
+  kernel (same choices and weights as `route`, plus the per-expert counts and sorted
+  positions its permute needs, as `plan`); every other backend with `route` (plan None)."""
+  if resolve_backend(backend) != 'pallas':
+    return (*route(logits_TE, top_k, renormalize), None)
+  r = pallas_kernels.route(logits_TE.astype(jnp.float32), top_k, renormalize=renormalize)
+  plan = {'counts_E': r['counts_E'], 'positions_Tk': r['positions_Tk']}
+  return r['experts_Tk'], r['weights_Tk'], r['scores_TE'], plan
 
 
 def expert_load(experts_Tk, num_experts: int):
@@ -64,15 +77,15 @@ class MoE(nn.Module):
     x_TD = x_BTD.reshape(b * t, d)
     with jax.named_scope('route'):
       logits_TE = jnp.dot(x_TD.astype(jnp.float32), router_DE.astype(jnp.float32))
-      experts_Tk, weights_Tk, probs_TE = route(logits_TE, c.top_k, c.renormalize)
+      experts_Tk, weights_Tk, probs_TE, plan = route_for(c.dispatch, logits_TE, c.top_k,
+                                                         c.renormalize)
     stats = {'load_balance': load_balance_loss(experts_Tk, probs_TE), 'z_loss': z_loss(logits_TE),
              'load': expert_load(experts_Tk, e)}
     if self.record:
       stats['experts'] = experts_Tk.reshape(b, t, -1)
       stats['logits'] = logits_TE.reshape(b, t, -1)
     params = {k: v.astype(x_BTD.dtype) for k, v in experts.items()}
-    y_TD = dispatch(x_TD, experts_Tk, weights_Tk, params, c.dispatch,
-                    c.dispatch_tile)
+    y_TD = dispatch(x_TD, experts_Tk, weights_Tk, params, c.dispatch, c.dispatch_tile, plan)
     y_BTD = y_TD.reshape(b, t, d)
     if c.num_shared_experts:
       y_BTD = y_BTD + DenseMLP(c.num_shared_experts * c.shared_width, c.param_dtype,

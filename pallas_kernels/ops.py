@@ -21,18 +21,27 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import gmm_gpu, gmm_tpu
 
 # Tile defaults per target and op ('gmm': forward and input gradient, 'tgmm': weight
-# gradient). TPU: 128 matches the MXU and the (8, 128) layout. GPU (Triton backend): 128x128
+# gradient). TPU: 128 matches the MXU and the (8, 128) layout, K in steps of 512. GPU (Triton backend): 128x128
 # output tiles, K in steps of 64, 4 warps, 3 pipeline stages; measured on an H200 by
 # `scripts/benchmark.py kernels` (gpu_tune_* keys). On CPU the kernels only interpret.
 TILES = {
-    'tpu': {'gmm': dict(tile_m=128, tile_n=128), 'tgmm': dict(tile_m=128, tile_n=128)},
+    'tpu': {'gmm': dict(tile_m=128, tile_n=128, tile_k=512),
+            'tgmm': dict(tile_m=128, tile_n=128, tile_k=512)},
     'gpu': {'gmm': dict(tile_m=128, tile_n=128, tile_k=64, num_warps=4, num_stages=3),
             'tgmm': dict(tile_m=64, tile_n=128, tile_k=128, num_warps=4, num_stages=3)},
 }
 KERNELS = {'tpu': gmm_tpu, 'gpu': gmm_gpu}
 
 
+# What `target=None` / `interpret=None` mean. None: follow jax.default_backend() (the TPU
+# kernels on TPU, the GPU ones elsewhere; interpret on CPU). Setting them forces every kernel
+# (tests set 'tpu' / False to lower compiled kernels for a device that is not here).
+DEFAULT_TARGET: str | None = None
+DEFAULT_INTERPRET: bool | None = None
+
+
 def resolve_target(target: str | None) -> str:
+  target = target or DEFAULT_TARGET
   if target is None:
     target = 'tpu' if jax.default_backend() == 'tpu' else 'gpu'
   if target not in KERNELS:
@@ -41,6 +50,8 @@ def resolve_target(target: str | None) -> str:
 
 
 def resolve_interpret(target: str, interpret):
+  if interpret is None:
+    interpret = DEFAULT_INTERPRET
   if interpret is None:
     interpret = jax.default_backend() == 'cpu'
   if interpret is True and target == 'tpu':

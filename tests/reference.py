@@ -162,3 +162,17 @@ def gmm_numpy(lhs, rhs, sizes):
     out[start:start + n] = lhs[start:start + n] @ rhs[g]
     start += n
   return out
+
+
+def as64(a):
+  """Any array (bf16 too) as a float64 numpy array."""
+  return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+
+
+def assert_close(got, want, tol, what=''):
+  """max |got - want| <= tol * max |want| (scale floored at 1e-6), shapes equal."""
+  got, want = as64(got), as64(want)
+  assert got.shape == want.shape, f'{what}: shape {got.shape} != {want.shape}'
+  scale = max(np.abs(want).max(initial=0.0), 1e-6)
+  err = np.abs(got - want).max(initial=0.0) / scale
+  assert err <= tol, f'{what}: max error {err:.3g} of scale {scale:.3g} > {tol}'

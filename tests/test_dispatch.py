@@ -24,20 +24,10 @@ import pytest
 
 from loopmoe_jax.dispatch import dispatch, gmm_tiled
 from pallas_kernels.metadata import work_items
-from reference import gmm_numpy
+from reference import assert_close, gmm_numpy
 
 TOL = {'float32': 1e-5, 'bfloat16': 2e-2}
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
-
-
-def assert_close(actual, expected, rtol, what=''):
-  """max |actual - expected| <= rtol * max |expected| (plus a tiny floor for all-zero refs)."""
-  actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
-  expected = np.asarray(expected, np.float64)
-  assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
-  err = np.max(np.abs(actual - expected), initial=0.0)
-  scale = np.max(np.abs(expected), initial=0.0)
-  assert err <= rtol * scale + 1e-30, f'{what}: max err {err:.3g} vs scale {scale:.3g}'
 
 
 # Grouped matmul ---------------------------------------------------------------------------

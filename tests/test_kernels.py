@@ -28,7 +28,7 @@ from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.dispatch import dispatch, resolve_backend
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.moe import route as moe_route
-from reference import gmm_numpy
+from reference import assert_close, gmm_numpy
 
 TOL = {'float32': 1e-5, 'bfloat16': 2e-2}
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
@@ -37,17 +37,7 @@ SIZES = {  # sum <= M; tile 16
     'ragged_empty': [0, 21, 0, 7, 33, 0],    # empty groups, sizes not multiples of 16, sum 61
     'one_takes_all': [0, 0, 80, 0, 0, 0],
 }
-K_TILES = {  # K in two steps (K = 16): the kernels' K loop / K grid axis is exercised
-    'gpu': {'gmm': {'tile_k': 8}, 'tgmm': {'tile_k': 8}},
-    'tpu': {},
-}
-
-
-def assert_close(got, want, tol, what):
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  scale = max(np.abs(want).max(), 1e-6)
-  err = np.abs(got - want).max() / scale
-  assert err <= tol, f'{what}: max error {err:.3g} of scale {scale:.3g} > {tol}'
+K_TILES = {'gmm': {'tile_k': 8}, 'tgmm': {'tile_k': 8}}  # K = 16 in two steps
 
 
 def operands(dtype, seed=0):
@@ -65,7 +55,7 @@ def test_gmm_forward_and_vjp_match_numpy_and_ragged_dot(target, dtype):
   for case, sizes in SIZES.items():
     gs = jnp.asarray(sizes, jnp.int32)
     kern = lambda l, r: pk.gmm(l, r, gs, target=target, tile_m=TILE_M, tile_n=TILE_N,
-                               tiles=K_TILES[target])
+                               tiles=K_TILES)
     ragged = lambda l, r: jax.lax.ragged_dot(l, r, gs, preferred_element_type=jnp.float32)
 
     @jax.jit
@@ -93,7 +83,7 @@ def test_tgmm_matches_numpy_per_group(target):
   lhs, _, grad = operands('float32', seed=1)
   sizes = SIZES['ragged_empty']
   got = pk.tgmm(lhs, grad, jnp.asarray(sizes), target=target, tile_m=TILE_M, tile_n=TILE_N,
-                tiles=K_TILES[target])
+                tiles=K_TILES)
   lhs64, grad64 = np.asarray(lhs, np.float64), np.asarray(grad, np.float64)
   ends = np.cumsum(sizes)
   want = np.stack([lhs64[e - s:e].T @ grad64[e - s:e] for s, e in zip(sizes, ends)])
@@ -198,27 +188,55 @@ def test_pallas_self_check_runs_inside_a_trace_and_catches_a_wrong_kernel(monkey
   dsp.pallas_self_check.cache_clear()
 
 
-def test_model_trained_with_pallas_matches_reference():
-  """3 SGD steps of a tiny LoopedMoE: same losses and params with 'pallas' and 'reference'."""
-  cfg = ModelConfig(vocab_size=32, d_model=16, num_heads=2, expert_width=16, top_k=2,
-                    prelude_layers=0, core_layers=1, core_experts=4, num_loops=2,
-                    coda_layers=0, dispatch_tile=8)
+TINY_MOE = ModelConfig(vocab_size=32, d_model=16, num_heads=2, expert_width=16, top_k=2,
+                       prelude_layers=0, core_layers=1, core_experts=4, num_loops=2,
+                       coda_layers=0, dispatch_tile=8)
+
+
+def _trained(cfg, backends, steps=3):
+  """Losses and params after `steps` SGD steps (LM + load-balance + z loss) per backend."""
   tokens = jax.random.randint(jax.random.key(7), (2, 9), 0, cfg.vocab_size)
   batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]}
   params0 = bench.init_params(LoopedMoE(cfg), batch['inputs'])
   results = {}
-  for backend in ('pallas', 'reference'):
+  for backend in backends:
     step = jax.jit(bench.make_train_step(LoopedMoE(cfg.replace(dispatch=backend)), lr=0.1))
     params, losses = params0, []
-    for _ in range(3):
+    for _ in range(steps):
       params, metrics = step(params, batch)
       losses.append(float(metrics['loss']))
     results[backend] = (losses, params)
+  return results
+
+
+def test_model_trained_with_pallas_matches_reference():
+  """3 SGD steps of a tiny LoopedMoE: same losses and params with 'pallas' (routing kernel,
+  permute, gmm, combine; interpret mode) and 'reference'."""
+  results = _trained(TINY_MOE, ('pallas', 'reference'))
   (loss_p, par_p), (loss_r, par_r) = results['pallas'], results['reference']
   np.testing.assert_allclose(loss_p, loss_r, rtol=1e-5)
   assert loss_p[-1] < loss_p[0], 'training did not lower the loss'
   for a, b in zip(jax.tree.leaves(par_p), jax.tree.leaves(par_r)):
     assert_close(a, b, 1e-4, 'trained params')
+
+
+@pytest.mark.parametrize('platform', ['cuda', 'tpu'])
+def test_model_train_step_with_pallas_lowers_for_the_device(platform, monkeypatch):
+  """The whole pallas path of a train step (routing kernel, permute, fused gate/up gmm, down
+  gmm, combine and their VJPs) lowers to compiled Triton / Mosaic kernels for the device."""
+  from lowering import lower_for
+  monkeypatch.setattr(pk.ops, 'DEFAULT_INTERPRET', False)
+  monkeypatch.setattr(pk.ops, 'DEFAULT_TARGET', {'cuda': 'gpu', 'tpu': 'tpu'}[platform])
+  cfg = TINY_MOE.replace(dispatch='pallas', d_model=128, expert_width=128, core_experts=8)
+  tokens = jnp.zeros((2, 65), jnp.int32)
+  batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]}
+  params = bench.init_params(LoopedMoE(cfg), batch['inputs'])
+  text = lower_for(platform, bench.make_train_step(LoopedMoE(cfg)), params, batch)
+  marker = {'cuda': 'custom_call @__gpu$xla.gpu.triton(', 'tpu': 'custom_call @tpu_custom_call('}
+  # forward: route, permute, gate/up gmm, down gmm, combine; backward: the cotangent's
+  # permute (combine's VJP), two gmm + two tgmm, combine (permute's VJP)
+  assert text.count(marker[platform]) == 11 == text.count('custom_call @'), text.count(
+      marker[platform])
 
 
 # GPU: compiled kernels (not interpreted) on a CUDA device ---------------------------------------
@@ -288,12 +306,37 @@ def test_gpu_every_benchmark_tile_variant_is_correct(op):
 
 @pytest.mark.gpu
 @requires_gpu
-def test_gpu_route_compiled_matches_top_k():
+def test_gpu_model_trained_with_pallas_matches_reference():
+  """3 SGD steps of a tiny LoopedMoE on the GPU, compiled kernels: 'pallas' == 'reference'
+  (float32 params; Triton's float32 dots run as tf32, hence 2e-3)."""
   with jax.default_device(_cuda_devices()[0]):
-    logits = jax.random.normal(jax.random.key(0), (512, 64))
-    got = pk.route(logits, 4, interpret=False)
-    _, want = jax.lax.top_k(jax.nn.softmax(logits), 4)
-    np.testing.assert_array_equal(got['experts_Tk'], want)
+    results = _trained(TINY_MOE.replace(d_model=64, expert_width=64), ('pallas', 'reference'))
+  (loss_p, par_p), (loss_r, par_r) = results['pallas'], results['reference']
+  np.testing.assert_allclose(loss_p, loss_r, rtol=2e-3)
+  assert loss_p[-1] < loss_p[0], 'training did not lower the loss'
+  for a, b in zip(jax.tree.leaves(par_p), jax.tree.leaves(par_r)):
+    assert_close(a, b, 2e-3, 'trained params')
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_route_compiled_matches_top_k():
+  """Compiled routing kernel: experts == top_k, counts == bincount, positions == the inverse
+  of a stable argsort, weights and their gradient == plain JAX (E 60: padded to 64 inside)."""
+  with jax.default_device(_cuda_devices()[0]):
+    logits = jax.random.normal(jax.random.key(0), (4100, 60))
+    got = pk.route(logits, 6, interpret=False)
+    probs = jax.nn.softmax(logits)
+    w_want, e_want = jax.lax.top_k(probs, 6)
+    np.testing.assert_array_equal(got['experts_Tk'], e_want)
+    np.testing.assert_array_equal(got['counts_E'], np.bincount(np.asarray(e_want).ravel(), minlength=60))
+    order = np.argsort(np.asarray(e_want).ravel(), kind='stable')
+    np.testing.assert_array_equal(np.asarray(got['positions_Tk']).ravel()[order], np.arange(4100 * 6))
+    assert_close(got['weights_Tk'], w_want / w_want.sum(-1, keepdims=True), 1e-5, 'weights')
+    loss = lambda f: lambda l: jnp.sum(jnp.sin(f(l)))
+    g_k = jax.grad(loss(lambda l: pk.route(l, 6, interpret=False)['weights_Tk']))(logits)
+    g_r = jax.grad(loss(lambda l: moe_route(l, 6, True)[1]))(logits)
+    assert_close(g_k, g_r, 1e-4, 'route grad')
 
 
 def test_kernels_benchmark_quick_reports_ratios(tmp_path):

@@ -24,6 +24,7 @@ import pytest
 
 import pallas_kernels as pk
 from lowering import lower_for
+from reference import as64, assert_close
 
 P = importlib.import_module('pallas_kernels.permute')
 TOL = {'float32': 1e-6, 'bfloat16': 2e-2}
@@ -33,18 +34,6 @@ CASES = {  # name: (T, k, D, E)
     'k1_d40': (37, 1, 40, 4),
     'k3_d128': (21, 3, 128, 6),
 }
-
-
-def as64(a):
-  return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
-
-
-def assert_close(got, want, tol, what):
-  got, want = as64(got), np.asarray(want, np.float64)
-  assert got.shape == want.shape, f'{what}: shape {got.shape} != {want.shape}'
-  scale = max(np.abs(want).max(), 1e-6)
-  err = np.abs(got - want).max() / scale
-  assert err <= tol, f'{what}: max error {err:.3g} of scale {scale:.3g} > {tol}'
 
 
 def routed(t, k, e, seed):
@@ -76,7 +65,27 @@ RUNS = [(target, dtype, case) for target in ('gpu', 'tpu') for dtype in ('float3
 @pytest.mark.parametrize('target,dtype,case', RUNS)
 def test_permute_combine_and_vjps_match_numpy(target, dtype, case, monkeypatch):
   monkeypatch.setattr(P, 'TPU_MAX_ROWS', 32)  # several TPU row blocks, the last one partial
-  t, k, d, e = CASES[case]
+  _check(target, dtype, *CASES[case], what=case)
+
+
+def _cuda_devices():
+  try:
+    return jax.devices('gpu')
+  except RuntimeError:
+    return []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_devices(), reason='needs a CUDA device (scripts/gpu_check.sh)')
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_gpu_compiled_permute_combine_match_numpy(dtype):
+  """Compiled Triton kernels (no interpreter) on the GPU, small ragged and MoE-sized."""
+  with jax.default_device(_cuda_devices()[0]):
+    for t, k, d, e in list(CASES.values()) + [(4096, 4, 1024, 64)]:
+      _check('gpu', dtype, t, k, d, e, what=f'gpu T{t} k{k} D{d}')
+
+
+def _check(target, dtype, t, k, d, e, what):
   pos, w = routed(t, k, e, seed=t)
   keys = jax.random.split(jax.random.key(d), 3)
   x = jax.random.normal(keys[0], (t, d)).astype(dtype)
@@ -96,7 +105,7 @@ def test_permute_combine_and_vjps_match_numpy(target, dtype, case, monkeypatch):
   assert got['d_w'].dtype == w.dtype
   np.testing.assert_array_equal(as64(got['permute']), want['permute'])  # a copy: exact
   for name in ('combine', 'd_x', 'd_out', 'd_w'):
-    assert_close(got[name], want[name], TOL[dtype], f'{target} {dtype} {case} {name}')
+    assert_close(got[name], want[name], TOL[dtype], f'{target} {dtype} {what} {name}')
 
 
 @pytest.mark.parametrize('target', ['gpu', 'tpu'])
