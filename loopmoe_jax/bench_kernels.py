@@ -14,6 +14,7 @@ ragged_dot forward and forward+backward at E 8 and 64, `{p}_pallas_over_xla_E{E}
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any
 
 import jax
@@ -77,30 +78,30 @@ def _cpu(res, quick):
 
 # Device (GPU/TPU) --------------------------------------------------------------------------------
 
-# Tile variants tried on the device (the first is TILES' default); the fastest is then used
-# for every pallas figure of the run and reported as {p}_tuned_gmm / {p}_tuned_tgmm.
-GMM_VARIANTS = [
-    dict(tile_m=128, tile_n=128, tile_k=64, num_warps=4, num_stages=3),
-    dict(tile_m=128, tile_n=128, tile_k=64, num_warps=8, num_stages=3),
-    dict(tile_m=128, tile_n=256, tile_k=64, num_warps=8, num_stages=3),
-    dict(tile_m=128, tile_n=128, tile_k=64, num_warps=4, num_stages=4),
-    dict(tile_m=64, tile_n=128, tile_k=64, num_warps=4, num_stages=4),
-    dict(tile_m=128, tile_n=256, tile_k=64, num_warps=8, num_stages=4),
-    dict(tile_m=256, tile_n=128, tile_k=64, num_warps=8, num_stages=3),
-    dict(tile_m=128, tile_n=256, tile_k=64, num_warps=8, num_stages=5),
-    dict(tile_m=128, tile_n=128, tile_k=128, num_warps=8, num_stages=3),
-    dict(tile_m=128, tile_n=256, tile_k=32, num_warps=8, num_stages=5),
-]
-TGMM_VARIANTS = [
-    dict(tile_m=64, tile_n=128, tile_k=128, num_warps=4, num_stages=3),
-    dict(tile_m=128, tile_n=128, tile_k=128, num_warps=8, num_stages=3),
-    dict(tile_m=64, tile_n=128, tile_k=128, num_warps=4, num_stages=4),
-    dict(tile_m=64, tile_n=128, tile_k=64, num_warps=4, num_stages=3),
-    dict(tile_m=64, tile_n=256, tile_k=128, num_warps=8, num_stages=3),
-    dict(tile_m=64, tile_n=256, tile_k=128, num_warps=8, num_stages=4),
-    dict(tile_m=32, tile_n=256, tile_k=128, num_warps=8, num_stages=4),
-    dict(tile_m=64, tile_n=128, tile_k=256, num_warps=8, num_stages=3),
-]
+# Kernel families and tile variants tried on a GPU (the first of each list is TILES'
+# default). Every variant is checked against ragged_dot before it is timed; the fastest
+# correct one per family and op is used for that family's figures, and the family with the
+# fastest correct forward+backward at E 64 gives the gpu_pallas_* keys and the MoE layer.
+VARIANTS = {
+    'gpu': {  # Triton
+        'gmm': [dict(tile_m=128, tile_n=128, tile_k=64, num_warps=4, num_stages=3),
+                dict(tile_m=128, tile_n=128, tile_k=64, num_warps=8, num_stages=3),
+                dict(tile_m=128, tile_n=256, tile_k=64, num_warps=8, num_stages=3)],
+        'tgmm': [dict(tile_m=64, tile_n=128, tile_k=128, num_warps=4, num_stages=3),
+                 dict(tile_m=64, tile_n=256, tile_k=128, num_warps=8, num_stages=3)],
+    },
+    'mgpu': {  # Mosaic GPU (TMA + wgmma)
+        'gmm': [dict(tile_m=128, tile_n=128, tile_k=64, stages=4),
+                dict(tile_m=128, tile_n=128, tile_k=64, stages=3),
+                dict(tile_m=128, tile_n=256, tile_k=64, stages=3),
+                dict(tile_m=128, tile_n=128, tile_k=64, stages=5)],
+        'tgmm': [dict(tile_m=64, tile_n=128, tile_k=128, stages=4),
+                 dict(tile_m=64, tile_n=256, tile_k=128, stages=3),
+                 dict(tile_m=128, tile_n=128, tile_k=128, stages=2),
+                 dict(tile_m=64, tile_n=128, tile_k=128, stages=4, transpose_in_kernel=False)],
+    },
+}
+CHECK_TOL = 2e-2  # bf16 inputs, float32 sums: relative to the reference's largest magnitude
 bench.TARGETS.update({  # time ratios (lower is better)
     'gpu_pallas_over_dense_fwd_E64': 1.25,      # >= 0.8 of dense bf16 TFLOP/s
     'gpu_pallas_over_dense_fwd_bwd_E64': 1.25,
@@ -118,58 +119,104 @@ def _safe(res, key, fn):
     return None
 
 
-def _tune(res, p, m, k, n, repeats):
-  """Times every tile variant (gmm forward at E 64, tgmm at E 64); returns the fastest."""
-  lhs, rhs, sizes = _operands(m, k, n, 64, jnp.bfloat16)
-  grad = lhs[:, :n]
-  best = {}
-  for op, variants in (('gmm', GMM_VARIANTS), ('tgmm', TGMM_VARIANTS)):
-    thunks = {}
-    for i, v in enumerate(variants):
-      if op == 'gmm':
-        fn = jax.jit(lambda l, r, v=v: pallas_kernels.gmm(l, r, sizes, tiles={'gmm': v}))
-        args = (lhs, rhs)
-      else:
-        fn = jax.jit(lambda l, g, v=v: pallas_kernels.tgmm(l, g, sizes, tiles={'tgmm': v}))
-        args = (lhs, grad)
-      if _safe(res, f'{p}_tune_{op}_{i}_error', lambda: _block(fn(*args))) is not None:
-        thunks[i] = lambda fn=fn, args=args: fn(*args)
-    secs = bench.time_interleaved(thunks, repeats) if thunks else {}
-    for i, s in secs.items():
-      res[f'{p}_tune_{op}_{i}_tflops'] = 2 * m * k * n / s / 1e12
-    if secs:
-      best[op] = variants[min(secs, key=secs.get)]
-      res[f'{p}_tuned_{op}'] = best[op]
-  return best
-
-
 def _block(x):
   return jax.tree.map(lambda a: a.block_until_ready(), x)
 
 
-def _gmm_figures(res, p, m, k, n, tiles, repeats):
-  """Pallas vs ragged_dot vs a dense matmul of the same FLOPs, forward and forward+backward."""
+def _rel_err(got, want):
+  got, want = jnp.asarray(got, jnp.float32), jnp.asarray(want, jnp.float32)
+  return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+
+
+def _tune(res, p, m, k, n, repeats):
+  """Checks and times every variant (gmm forward and tgmm at E 64); returns per family the
+  fastest correct variant of each op ({family: {op: tiles}})."""
+  lhs, rhs, sizes = _operands(m, k, n, 64, jnp.bfloat16)
+  grad = jax.random.normal(jax.random.key(3), (m, n), jnp.bfloat16)
+  want = {'gmm': jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32),
+          'tgmm': jax.vjp(lambda r: jax.lax.ragged_dot(lhs, r, sizes,
+                                                       preferred_element_type=jnp.float32),
+                          rhs)[1](grad.astype(jnp.float32))[0]}
+  best = {}
+  for family, ops in VARIANTS.items():
+    for op, variants in ops.items():
+      thunks = {}
+      for i, v in enumerate(variants):
+        key = f'{p}_tune_{family}_{op}_{i}'
+        if op == 'gmm':
+          fn = jax.jit(lambda a, b, v=v, f=family: pallas_kernels.gmm(
+              a, b, sizes, target=f, tiles={'gmm': v}))
+          args = (lhs, rhs)
+        else:
+          fn = jax.jit(lambda a, b, v=v, f=family: pallas_kernels.tgmm(
+              a, b, sizes, target=f, tiles={'tgmm': v}))
+          args = (lhs, grad)
+        out = _safe(res, f'{key}_error', lambda fn=fn, args=args: _block(fn(*args)))
+        if out is None:
+          continue
+        res[f'{key}_err'] = _rel_err(out, want[op])
+        if res[f'{key}_err'] <= CHECK_TOL:
+          thunks[i] = lambda fn=fn, args=args: fn(*args)
+      secs = bench.time_interleaved(thunks, repeats) if thunks else {}
+      for i, sec in secs.items():
+        res[f'{p}_tune_{family}_{op}_{i}_tflops'] = 2 * m * k * n / sec / 1e12
+      if secs:
+        best.setdefault(family, {})[op] = variants[min(secs, key=secs.get)]
+  for family, tiles in list(best.items()):
+    if len(tiles) < 2:  # a family needs a correct gmm and tgmm
+      del best[family]
+    else:
+      res[f'{p}_tuned_{family}'] = tiles
+  return best
+
+
+def _gmm_figures(res, p, m, k, n, best, repeats):
+  """Each family's tuned gmm vs ragged_dot vs a dense matmul of the same FLOPs, forward and
+  forward+backward at E 8 and 64 (gradients checked against ragged_dot's at E 64). Returns
+  the family with the fastest correct forward+backward at E 64 (None if none)."""
   lhs0, rhs0, _ = _operands(m, k, n, 8, jnp.bfloat16)
   dense = lambda l, r, s: jnp.dot(l, r, preferred_element_type=jnp.float32).astype(l.dtype)
   thunks = {'dense_fwd': _fwd(dense, lhs0, rhs0[0], None),
             'dense_fwd_bwd': _fwd_bwd(dense, lhs0, rhs0[0], None)}
-  backends = {'pallas': lambda l, r, s: pallas_kernels.gmm(l, r, s, tiles=tiles),
-              'xla': dispatch.gmm_xla}
+  backends = {'xla': dispatch.gmm_xla}
+  for family, tiles in best.items():
+    backends[family] = functools.partial(
+        lambda l, r, s, f, t: pallas_kernels.gmm(l, r, s, target=f, tiles=t), f=family, t=tiles)
+  correct = []
   for g in (8, 64):
     ops = _operands(m, k, n, g, jnp.bfloat16)
     for name, fn in backends.items():
       thunks[f'{name}_fwd_E{g}'] = _fwd(fn, *ops)
       thunks[f'{name}_fwd_bwd_E{g}'] = _fwd_bwd(fn, *ops)
+    if g == 64:
+      want = thunks['xla_fwd_bwd_E64']()
+      for family in best:
+        got = _safe(res, f'{p}_{family}_grad_error', thunks[f'{family}_fwd_bwd_E64'])
+        if got is None:
+          continue
+        errs = [_rel_err(a, b) for a, b in zip(got[1], want[1])]
+        res[f'{p}_{family}_grad_err_E64'] = max(errs)
+        if max(errs) <= CHECK_TOL:
+          correct.append(family)
+  for family in best:
+    if family not in correct:
+      for key in [key for key in thunks if key.startswith(family + '_')]:
+        del thunks[key]
   secs = bench.time_interleaved(thunks, repeats)
   flops = {'fwd': 2 * m * k * n, 'fwd_bwd': 6 * m * k * n}
-  for key, s in secs.items():
-    res[f'{p}_s_{key}'] = s
-    res[f'{p}_tflops_{key}'] = flops[key.split('_', 1)[1].rsplit('_E', 1)[0]] / s / 1e12
+  for key, sec in secs.items():
+    res[f'{p}_s_{key}'] = sec
+    res[f'{p}_tflops_{key}'] = flops[key.split('_', 1)[1].rsplit('_E', 1)[0]] / sec / 1e12
+  if not correct:
+    return None
+  chosen = min(correct, key=lambda f: secs[f'{f}_fwd_bwd_E64'])
+  res[f'{p}_pallas_family'] = chosen
   for kind in ('fwd', 'fwd_bwd'):
     for g in (8, 64):
-      res[f'{p}_pallas_over_xla_{kind}_E{g}'] = secs[f'pallas_{kind}_E{g}'] / secs[f'xla_{kind}_E{g}']
-      res[f'{p}_pallas_over_dense_{kind}_E{g}'] = secs[f'pallas_{kind}_E{g}'] / secs[f'dense_{kind}']
-    res[f'{p}_pallas_{kind}_E64_over_E8'] = secs[f'pallas_{kind}_E64'] / secs[f'pallas_{kind}_E8']
+      res[f'{p}_pallas_over_xla_{kind}_E{g}'] = secs[f'{chosen}_{kind}_E{g}'] / secs[f'xla_{kind}_E{g}']
+      res[f'{p}_pallas_over_dense_{kind}_E{g}'] = secs[f'{chosen}_{kind}_E{g}'] / secs[f'dense_{kind}']
+    res[f'{p}_pallas_{kind}_E64_over_E8'] = secs[f'{chosen}_{kind}_E64'] / secs[f'{chosen}_{kind}_E8']
+  return chosen
 
 
 # For comparison: XLA sort + gathers around the Pallas gmm, gate and up as two gmm calls.
@@ -203,15 +250,18 @@ def _moe_layer(res, p, tokens, d, f, e, top_k, tiles, repeats):
   grad = lambda fn: jax.jit(jax.value_and_grad(fn, argnums=(0, 1)), static_argnums=(2,))
   moe_step, dense_step = grad(moe_loss), jax.jit(jax.value_and_grad(dense_loss, (0, 1)))
   params = {'router': router, 'experts': experts}
-  old = dict(pallas_kernels.TILES[p])
-  pallas_kernels.TILES[p].update(tiles)  # the dispatch path takes TILES' defaults
+  family, tiles = tiles
+  old = (pallas_kernels.ops.GPU_DEFAULT, dict(pallas_kernels.TILES[family]))
+  pallas_kernels.ops.GPU_DEFAULT = family  # the dispatch path takes these defaults
+  pallas_kernels.TILES[family].update(tiles)
   try:
     thunks = {'dense': lambda: dense_step(dense, x)}
     for backend in ('pallas', 'pallas_gmm_only', 'xla'):
       thunks[backend] = functools.partial(moe_step, params, x, backend)
     secs = bench.time_interleaved(thunks, repeats)
   finally:
-    pallas_kernels.TILES[p].update(old)
+    pallas_kernels.ops.GPU_DEFAULT = old[0]
+    pallas_kernels.TILES[family].update(old[1])
   res.update({f'{p}_moe_s_{k}': v for k, v in secs.items()})
   res[f'{p}_moe_layer_over_dense_swiglu'] = secs['pallas'] / secs['dense']
   res[f'{p}_moe_layer_gmm_only_over_dense_swiglu'] = secs['pallas_gmm_only'] / secs['dense']
@@ -232,6 +282,11 @@ def _jax_mgpu_info(res, p, m, k, n, repeats):
     res[f'{p}_info_jax_mgpu_ragged_dot_tflops_fwd_E{g}'] = 2 * m * k * n / secs / 1e12
 
 
+def _progress(res):
+  """Prints the results so far (one JSON line), so a run cut short still shows them."""
+  print('partial results:', json.dumps(res, default=str), flush=True)
+
+
 def _device(res, quick, platform):
   m, k, n = (4096, 256, 512) if quick else (65536, 2048, 1024)
   repeats = 5 if quick else 20
@@ -242,12 +297,18 @@ def _device(res, quick, platform):
     res[f'{platform}_pallas_self_check_error'] = dispatch.SELF_CHECK_ERRORS[platform]
   res[f'{platform}_auto'] = dispatch.resolve_backend('auto')
   res[f'{platform}_gmm_shape'] = dict(rows=m, k=k, n=n)
-  best = _tune(res, platform, m, k, n, repeats) if platform == 'gpu' else {}
-  _safe(res, f'{platform}_gmm_error',
-        lambda: _gmm_figures(res, platform, m, k, n, best, repeats))
+  if platform == 'gpu':
+    best = _tune(res, platform, m, k, n, repeats)
+    _progress(res)
+  else:  # TPU: its one family at TILES' defaults
+    best = {'tpu': {op: {} for op in ('gmm', 'tgmm')}}
+  chosen = _safe(res, f'{platform}_gmm_error',
+                 lambda: _gmm_figures(res, platform, m, k, n, best, repeats))
+  _progress(res)
   moe_shape = (m // 4, k, n, 64, 4)
-  _safe(res, f'{platform}_moe_error',
-        lambda: _moe_layer(res, platform, *moe_shape, best, max(3, repeats // 2)))
+  if chosen:
+    _safe(res, f'{platform}_moe_error', lambda: _moe_layer(
+        res, platform, *moe_shape, (chosen, best[chosen]), max(3, repeats // 2)))
   if platform == 'gpu' and not quick:
     _safe(res, f'{platform}_info_jax_mgpu_error',
           lambda: _jax_mgpu_info(res, platform, m, k, n, repeats))

@@ -5,8 +5,9 @@
     gmm_swiglu(x_MD, gate_GDF, up_GDF, group_sizes_G)   (fused gate/up: one gmm, N = 2F)
 
 Backward of gmm: d_lhs = gmm(g, rhs, transposed) and d_rhs = tgmm(lhs, g). float32
-accumulation whatever the input dtype. `target` picks the kernel family: 'tpu' (Mosaic) or
-'gpu' (Triton-style); None follows jax.default_backend() ('tpu' on TPU, 'gpu' elsewhere).
+accumulation whatever the input dtype. `target` picks the kernel family: 'tpu' (Mosaic),
+'gpu' (Triton) or 'mgpu' (Mosaic GPU: TMA + wgmma, Hopper); None follows
+jax.default_backend() ('tpu' on TPU, GPU_DEFAULT elsewhere).
 `interpret` None means: interpret on CPU (TPU kernels under pltpu.InterpretParams()).
 Tile sizes are parameters; None takes the per-target default in TILES.
 """
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import gmm_gpu, gmm_tpu
+from pallas_kernels import gmm_gpu, gmm_mgpu, gmm_tpu
 
 # Tile defaults per target and op ('gmm': forward and input gradient, 'tgmm': weight
 # gradient). TPU: 128 matches the MXU and the (8, 128) layout, K in steps of 512. GPU (Triton backend): 128x128
@@ -29,8 +30,13 @@ TILES = {
             'tgmm': dict(tile_m=128, tile_n=128, tile_k=512)},
     'gpu': {'gmm': dict(tile_m=128, tile_n=128, tile_k=64, num_warps=4, num_stages=3),
             'tgmm': dict(tile_m=64, tile_n=128, tile_k=128, num_warps=4, num_stages=3)},
+    'mgpu': {'gmm': dict(tile_m=128, tile_n=128, tile_k=64, stages=4),
+             'tgmm': dict(tile_m=64, tile_n=128, tile_k=128, stages=4)},
 }
-KERNELS = {'tpu': gmm_tpu, 'gpu': gmm_gpu}
+KERNELS = {'tpu': gmm_tpu, 'gpu': gmm_gpu, 'mgpu': gmm_mgpu}
+# The kernel family a GPU backend uses when no target is given: 'gpu' (Triton) or 'mgpu'
+# (Mosaic GPU, Hopper wgmma); set from `scripts/benchmark.py kernels` on an H200.
+GPU_DEFAULT = 'gpu'
 
 
 # What `target=None` / `interpret=None` mean. None: follow jax.default_backend() (the TPU
@@ -43,7 +49,7 @@ DEFAULT_INTERPRET: bool | None = None
 def resolve_target(target: str | None) -> str:
   target = target or DEFAULT_TARGET
   if target is None:
-    target = 'tpu' if jax.default_backend() == 'tpu' else 'gpu'
+    target = 'tpu' if jax.default_backend() == 'tpu' else GPU_DEFAULT
   if target not in KERNELS:
     raise ValueError(f'target={target!r}: must be one of {sorted(KERNELS)}')
   return target
@@ -81,37 +87,37 @@ def _rows_below(out_MN, group_sizes_G):
   return jnp.where(rows < jnp.sum(group_sizes_G), out_MN, 0).astype(out_MN.dtype)
 
 
-def _call(target, interpret, op_cfg, n):
-  """Kernel keyword arguments: the op's tiles (tile_n falls back to N if it doesn't divide)
-  and the interpret setting."""
-  kw = dict(op_cfg)
+def _call(cfg, op, dtype, n):
+  """(kernel module, keyword arguments, interpret) of one op: its tiles (tile_n falls back to
+  N if it doesn't divide). 'mgpu' takes 16-bit inputs only (wgmma transposes no others):
+  other dtypes run the 'gpu' (Triton) kernels at their default tiles."""
+  target, interpret, gmm_cfg, tgmm_cfg = cfg
+  kw = dict(gmm_cfg if op == 'gmm' else tgmm_cfg)
+  if target == 'mgpu' and jnp.dtype(dtype).itemsize != 2:
+    target, kw = 'gpu', dict(TILES['gpu'][op])
   if n % kw['tile_n']:
     kw['tile_n'] = n
-  return kw, resolve_interpret(target, interpret)
+  return KERNELS[target], kw, resolve_interpret(target, interpret)
 
 
 def _gmm_impl(lhs_MK, rhs_GKN, group_sizes_G, cfg, transpose_rhs=False):
-  target, interpret, gmm_cfg, _ = cfg
   m = lhs_MK.shape[0]
   n = rhs_GKN.shape[1 if transpose_rhs else 2]
   if m == 0:
     return jnp.zeros((0, n), lhs_MK.dtype)
-  kw, interp = _call(target, interpret, gmm_cfg, n)
-  kernels = KERNELS[target]
+  kernels, kw, interp = _call(cfg, 'gmm', lhs_MK.dtype, n)
   out = kernels.gmm(_pad_rows(lhs_MK, kw['tile_m']), rhs_GKN, group_sizes_G.astype(jnp.int32),
                     transpose_rhs=transpose_rhs, interpret=interp, **kw)[:m]
   return out if getattr(kernels, 'ZERO_FILLED', False) else _rows_below(out, group_sizes_G)
 
 
 def _tgmm_impl(lhs_MK, grad_MN, group_sizes_G, cfg, out_dtype=jnp.float32):
-  target, interpret, _, tgmm_cfg = cfg
   num_groups = group_sizes_G.shape[0]
   m, k = lhs_MK.shape
   n = grad_MN.shape[1]
   if m == 0:
     return jnp.zeros((num_groups, k, n), out_dtype)
-  kw, interp = _call(target, interpret, tgmm_cfg, n)
-  kernels = KERNELS[target]
+  kernels, kw, interp = _call(cfg, 'tgmm', lhs_MK.dtype, n)
   out = kernels.tgmm(_pad_rows(lhs_MK, kw['tile_m']), _pad_rows(grad_MN, kw['tile_m']),
                      group_sizes_G.astype(jnp.int32), out_dtype=out_dtype, interpret=interp,
                      **kw)

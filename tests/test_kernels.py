@@ -47,7 +47,7 @@ def operands(dtype, seed=0):
           cast(rng.normal(size=(M, N))))
 
 
-@pytest.mark.parametrize('target', ['gpu', 'tpu'])
+@pytest.mark.parametrize('target', ['gpu', 'mgpu', 'tpu'])
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
 def test_gmm_forward_and_vjp_match_numpy_and_ragged_dot(target, dtype):
   lhs, rhs, cot = operands(dtype)
@@ -78,7 +78,7 @@ def test_gmm_forward_and_vjp_match_numpy_and_ragged_dot(target, dtype):
       assert not np.any(as64(dr_k[g])), f'{what}: d_rhs of empty group {g} not zero'
 
 
-@pytest.mark.parametrize('target', ['gpu', 'tpu'])
+@pytest.mark.parametrize('target', ['gpu', 'mgpu', 'tpu'])
 def test_tgmm_matches_numpy_per_group(target):
   lhs, _, grad = operands('float32', seed=1)
   sizes = SIZES['ragged_empty']
@@ -188,6 +188,21 @@ def test_pallas_self_check_runs_inside_a_trace_and_catches_a_wrong_kernel(monkey
   dsp.pallas_self_check.cache_clear()
 
 
+@pytest.mark.parametrize('target', ['gpu', 'mgpu'])
+def test_gmm_forward_and_backward_lower_for_cuda_at_moe_size(target):
+  """The compiled GPU kernels (Triton; Mosaic GPU with in-kernel transposes) lower at an
+  MoE-sized bf16 problem (M 65536, K 2048, N 1024, 64 groups): tiles fit shared memory."""
+  from lowering import lower_for
+  shapes = (jax.ShapeDtypeStruct((65536, 2048), jnp.bfloat16),
+            jax.ShapeDtypeStruct((64, 2048, 1024), jnp.bfloat16))
+  sizes = jnp.full((64,), 1024, jnp.int32)
+  loss = lambda l, r: jnp.sum(pk.gmm(l, r, sizes, target=target, interpret=False)
+                              .astype(jnp.float32))
+  text = lower_for('cuda', jax.value_and_grad(loss, (0, 1)), *shapes)
+  marker = {'gpu': 'custom_call @__gpu$xla.gpu.triton(', 'mgpu': 'custom_call @mosaic_gpu_v2('}
+  assert text.count(marker[target]) == 3, 'forward gmm, backward gmm and tgmm kernels'
+
+
 TINY_MOE = ModelConfig(vocab_size=32, d_model=16, num_heads=2, expert_width=16, top_k=2,
                        prelude_layers=0, core_layers=1, core_experts=4, num_loops=2,
                        coda_layers=0, dispatch_tile=8)
@@ -264,13 +279,15 @@ def _gpu_operands(dtype, m=1000, k=256, n=384, seed=0):
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize('target', ['gpu', 'mgpu'])
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
-def test_gpu_gmm_compiled_matches_ragged_dot(dtype):
-  """Default tiles: K in 4 steps of 64, forward and both gradients vs ragged_dot (HIGHEST)."""
+def test_gpu_gmm_compiled_matches_ragged_dot(dtype, target):
+  """Default tiles (K in several steps), rows past the sum, forward and both gradients vs
+  ragged_dot (HIGHEST); 'mgpu' runs float32 through the Triton kernels (16-bit only)."""
   with jax.default_device(_cuda_devices()[0]):
     lhs, rhs, gs = _gpu_operands(dtype)
     loss = lambda f: lambda l, r: jnp.sum(jnp.sin(f(l, r).astype(jnp.float32)))
-    kern = lambda l, r: pk.gmm(l, r, gs, interpret=False)
+    kern = lambda l, r: pk.gmm(l, r, gs, target=target, interpret=False)
     ragged = lambda l, r: jax.lax.ragged_dot(l, r, gs, preferred_element_type=jnp.float32,
                                              precision=jax.lax.Precision.HIGHEST)
     out = jax.jit(kern)(lhs, rhs)
@@ -282,26 +299,6 @@ def test_gpu_gmm_compiled_matches_ragged_dot(dtype):
     g_r = jax.jit(jax.grad(loss(ragged), (0, 1)))(lhs, rhs)
     for a, b, what in zip(g_k, g_r, ('d_lhs', 'd_rhs')):
       assert_close(a, b, tol * 5, f'gpu {what}')
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize('op', ['gmm', 'tgmm'])
-def test_gpu_every_benchmark_tile_variant_is_correct(op):
-  """Every tile variant the kernels benchmark may pick computes the same function (bf16)."""
-  from loopmoe_jax import bench_kernels as bk
-  with jax.default_device(_cuda_devices()[0]):
-    lhs, rhs, gs = _gpu_operands('bfloat16', m=2048, k=256, n=512, seed=3)
-    if op == 'gmm':
-      want = jax.lax.ragged_dot(lhs, rhs, gs, preferred_element_type=jnp.float32)
-      run = lambda v: pk.gmm(lhs, rhs, gs, tiles={'gmm': v}, interpret=False)
-    else:
-      grad = lhs[:, ::-1][:, :rhs.shape[2] // 2]
-      want = jax.vjp(lambda r: jax.lax.ragged_dot(lhs, r, gs, preferred_element_type=jnp.float32),
-                     rhs[:, :, :grad.shape[1]])[1](grad.astype(jnp.float32))[0]
-      run = lambda v: pk.tgmm(lhs, grad, gs, tiles={'tgmm': v}, interpret=False)
-    for v in {'gmm': bk.GMM_VARIANTS, 'tgmm': bk.TGMM_VARIANTS}[op]:
-      assert_close(jax.jit(lambda: run(v))(), want, TOL['bfloat16'], f'{op} {v}')
 
 
 @pytest.mark.gpu
