@@ -286,9 +286,10 @@ BACKENDS = {
 
 # What `auto` picks per platform. CPU: measured here (scripts/benchmark.py model/kernels on
 # 2 CPU cores, jax 0.10.2): 'tiled' stays flat in E, 'xla' (ragged_dot) does masked dense work
-# that grows with E, 'pallas' only interprets on CPU. GPU and TPU: pending measurement on a
-# device (scripts/gpu_check.sh); 'pallas' is the expected winner, 'xla' the fallback when the
-# Pallas self-check fails.
+# that grows with E, 'pallas' only interprets on CPU. GPU: measured on an H200 (jax 0.11.2,
+# scripts/gpu_check.sh): the MoE layer forward+backward at 16384 tokens, top-4 of 64 experts,
+# d 2048, F 1024 took 9.1 ms with 'pallas', 475 ms with 'xla'. TPU: 'pallas' not yet measured.
+# 'xla' is the fallback when the Pallas self-check fails.
 FASTEST = {'cpu': 'tiled', 'gpu': 'pallas', 'tpu': 'pallas'}
 FALLBACK = 'xla'
 
