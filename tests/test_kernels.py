@@ -1,15 +1,21 @@
 """pallas_kernels against slow, obvious references, on CPU in interpret mode.
 
-- gmm (both kernel families: 'gpu' Triton-style under interpret=True, 'tpu' Mosaic under
-  pltpu.InterpretParams()) == a float64 numpy per-group loop == jax.lax.ragged_dot, forward
-  and both gradients, float32 and bf16, on ragged sizes: empty groups, one group taking every
-  row, sizes not a multiple of the tile, sizes summing to less than M (trailing rows zero).
+- gmm (every kernel family: 'gpu' Triton under interpret=True, 'mgpu' Mosaic GPU under its
+  interpreter, persistent and one CTA per tile (16-bit inputs; float32 goes to Triton), 'tpu'
+  Mosaic under pltpu.InterpretParams()) == a float64 numpy per-group loop ==
+  jax.lax.ragged_dot, forward and both gradients, float32 and bf16, K in two tile steps, on
+  ragged sizes: empty groups, one group taking every row, sizes not a multiple of the tile,
+  sizes summing to less than M (trailing rows zero).
 - tgmm == numpy per-group lhs^T @ grad (empty groups give zero blocks).
 - gmm_swiglu (fused gate/up) == separate ragged_dots.
 - route == softmax/sigmoid + jax.lax.top_k (+ bias steering only the choice), counts ==
   bincount, positions == inverse of a stable argsort; permute/combine == gathers by the sort.
 - dispatch 'pallas' == 'reference' (outputs and gradients); 'auto' resolves to 'tiled' on CPU.
-- A LoopedMoE trained 3 SGD steps with dispatch 'pallas' == with 'reference' (losses, params).
+- A LoopedMoE trained 3 SGD steps with dispatch 'pallas' (routing kernel, permute, gmm,
+  combine) == with 'reference' (losses, params); its train step, and an MoE-sized gmm
+  forward+backward, lower to compiled Triton / Mosaic GPU / Mosaic TPU kernels here.
+- The Pallas self-check behind 'auto' executes even inside a trace and fails, with a reason,
+  on a wrong kernel.
 - GPU-marked tests (`-m gpu`, need a CUDA device and run without tests/conftest.py's CPU pin:
   scripts/gpu_check.sh) compile the GPU kernels for real and compare with ragged_dot; on CPU
   CI they skip with the reason printed.
@@ -47,15 +53,22 @@ def operands(dtype, seed=0):
           cast(rng.normal(size=(M, N))))
 
 
-@pytest.mark.parametrize('target', ['gpu', 'mgpu', 'tpu'])
+FAMILIES = {  # name -> (target, tile overrides): every kernel family and the mgpu grid modes
+    'gpu': ('gpu', K_TILES), 'tpu': ('tpu', K_TILES), 'mgpu': ('mgpu', K_TILES),
+    'mgpu_cta_per_tile': ('mgpu', {**K_TILES, 'gmm': {'tile_k': 8, 'persistent': False}}),
+}
+
+
+@pytest.mark.parametrize('family', list(FAMILIES))
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
-def test_gmm_forward_and_vjp_match_numpy_and_ragged_dot(target, dtype):
+def test_gmm_forward_and_vjp_match_numpy_and_ragged_dot(family, dtype):
+  target, tiles = FAMILIES[family]
   lhs, rhs, cot = operands(dtype)
   as64 = lambda a: np.asarray(a.astype(jnp.float32), np.float64)
   for case, sizes in SIZES.items():
     gs = jnp.asarray(sizes, jnp.int32)
     kern = lambda l, r: pk.gmm(l, r, gs, target=target, tile_m=TILE_M, tile_n=TILE_N,
-                               tiles=K_TILES)
+                               tiles=tiles)
     ragged = lambda l, r: jax.lax.ragged_dot(l, r, gs, preferred_element_type=jnp.float32)
 
     @jax.jit
@@ -66,7 +79,7 @@ def test_gmm_forward_and_vjp_match_numpy_and_ragged_dot(target, dtype):
 
     out_k, (dl_k, dr_k), out_r, (dl_r, dr_r) = both(lhs, rhs, cot)
     assert out_k.dtype == lhs.dtype and dl_k.dtype == lhs.dtype and dr_k.dtype == rhs.dtype
-    tol, what = TOL[dtype], f'{target} {dtype} {case}'
+    tol, what = TOL[dtype], f'{family} {dtype} {case}'
     want = gmm_numpy(as64(lhs), as64(rhs), sizes)
     assert_close(out_k, want, tol, f'{what}: gmm vs numpy')
     assert_close(out_k, out_r, tol, f'{what}: gmm vs ragged_dot')
