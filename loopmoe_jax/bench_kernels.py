@@ -128,15 +128,16 @@ def _rel_err(got, want):
 
 
 def _tune(res, p, m, k, n, repeats):
-  """Checks and times every variant (gmm forward and tgmm at E 64); returns per family the
-  fastest correct variant of each op ({family: {op: tiles}})."""
+  """Checks and times every variant (gmm forward and tgmm at E 64). Returns the candidates
+  {name: {op: tiles with their 'family'}}: per family its fastest correct variant of each
+  op, and 'mixed' (the fastest gmm and the fastest tgmm of any family) when that differs."""
   lhs, rhs, sizes = _operands(m, k, n, 64, jnp.bfloat16)
   grad = jax.random.normal(jax.random.key(3), (m, n), jnp.bfloat16)
   want = {'gmm': jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32),
           'tgmm': jax.vjp(lambda r: jax.lax.ragged_dot(lhs, r, sizes,
                                                        preferred_element_type=jnp.float32),
                           rhs)[1](grad.astype(jnp.float32))[0]}
-  best = {}
+  best, fastest = {}, {}
   for family, ops in VARIANTS.items():
     for op, variants in ops.items():
       thunks = {}
@@ -160,27 +161,33 @@ def _tune(res, p, m, k, n, repeats):
       for i, sec in secs.items():
         res[f'{p}_tune_{family}_{op}_{i}_tflops'] = 2 * m * k * n / sec / 1e12
       if secs:
-        best.setdefault(family, {})[op] = variants[min(secs, key=secs.get)]
+        i = min(secs, key=secs.get)
+        best.setdefault(family, {})[op] = dict(variants[i], family=family)
+        if secs[i] < fastest.get(op, (None, np.inf))[1]:
+          fastest[op] = (best[family][op], secs[i])
   for family, tiles in list(best.items()):
     if len(tiles) < 2:  # a family needs a correct gmm and tgmm
       del best[family]
-    else:
-      res[f'{p}_tuned_{family}'] = tiles
+  mixed = {op: tiles for op, (tiles, _) in fastest.items()}
+  if len(mixed) == 2 and mixed['gmm']['family'] != mixed['tgmm']['family']:
+    best['mixed'] = mixed
+  for name, tiles in best.items():
+    res[f'{p}_tuned_{name}'] = tiles
   return best
 
 
 def _gmm_figures(res, p, m, k, n, best, repeats):
-  """Each family's tuned gmm vs ragged_dot vs a dense matmul of the same FLOPs, forward and
+  """Each candidate's tuned gmm vs ragged_dot vs a dense matmul of the same FLOPs, forward and
   forward+backward at E 8 and 64 (gradients checked against ragged_dot's at E 64). Returns
-  the family with the fastest correct forward+backward at E 64 (None if none)."""
+  the candidate with the fastest correct forward+backward at E 64 (None if none)."""
   lhs0, rhs0, _ = _operands(m, k, n, 8, jnp.bfloat16)
   dense = lambda l, r, s: jnp.dot(l, r)  # bf16 in and out (float32 sums), bf16 gradients
   thunks = {'dense_fwd': _fwd(dense, lhs0, rhs0[0], None),
             'dense_fwd_bwd': _fwd_bwd(dense, lhs0, rhs0[0], None)}
   backends = {'xla': dispatch.gmm_xla}
-  for family, tiles in best.items():
-    backends[family] = functools.partial(
-        lambda l, r, s, f, t: pallas_kernels.gmm(l, r, s, target=f, tiles=t), f=family, t=tiles)
+  for name, tiles in best.items():
+    backends[name] = functools.partial(
+        lambda l, r, s, t: pallas_kernels.gmm(l, r, s, tiles=t), t=tiles)
   correct = []
   for g in (8, 64):
     ops = _operands(m, k, n, g, jnp.bfloat16)
@@ -209,12 +216,14 @@ def _gmm_figures(res, p, m, k, n, best, repeats):
   if not correct:
     return None
   chosen = min(correct, key=lambda f: secs[f'{f}_fwd_bwd_E64'])
-  res[f'{p}_pallas_family'] = chosen
+  res[f'{p}_pallas_choice'] = chosen
   for kind in ('fwd', 'fwd_bwd'):
     for g in (8, 64):
-      res[f'{p}_pallas_over_xla_{kind}_E{g}'] = secs[f'{chosen}_{kind}_E{g}'] / secs[f'xla_{kind}_E{g}']
-      res[f'{p}_pallas_over_dense_{kind}_E{g}'] = secs[f'{chosen}_{kind}_E{g}'] / secs[f'dense_{kind}']
-    res[f'{p}_pallas_{kind}_E64_over_E8'] = secs[f'{chosen}_{kind}_E64'] / secs[f'{chosen}_{kind}_E8']
+      mine = secs[f'{chosen}_{kind}_E{g}']
+      res[f'{p}_pallas_over_xla_{kind}_E{g}'] = mine / secs[f'xla_{kind}_E{g}']
+      res[f'{p}_pallas_over_dense_{kind}_E{g}'] = mine / secs[f'dense_{kind}']
+    res[f'{p}_pallas_{kind}_E64_over_E8'] = (secs[f'{chosen}_{kind}_E64']
+                                            / secs[f'{chosen}_{kind}_E8'])
   return chosen
 
 
@@ -249,18 +258,20 @@ def _moe_layer(res, p, tokens, d, f, e, top_k, tiles, repeats):
   grad = lambda fn: jax.jit(jax.value_and_grad(fn, argnums=(0, 1)), static_argnums=(2,))
   moe_step, dense_step = grad(moe_loss), jax.jit(jax.value_and_grad(dense_loss, (0, 1)))
   params = {'router': router, 'experts': experts}
-  family, tiles = tiles
-  old = (pallas_kernels.ops.GPU_DEFAULT, dict(pallas_kernels.TILES[family]))
-  pallas_kernels.ops.GPU_DEFAULT = family  # the dispatch path takes these defaults
-  pallas_kernels.TILES[family].update(tiles)
+  ops = pallas_kernels.ops
+  old = (dict(ops.GPU_DEFAULT), {f: dict(t) for f, t in ops.TILES.items()})
+  for op, op_tiles in tiles.items():  # the dispatch path takes these defaults
+    ops.GPU_DEFAULT[op] = op_tiles['family']
+    ops.TILES[op_tiles['family']][op] = {k: v for k, v in op_tiles.items() if k != 'family'}
   try:
     thunks = {'dense': lambda: dense_step(dense, x)}
     for backend in ('pallas', 'pallas_gmm_only', 'xla'):
       thunks[backend] = functools.partial(moe_step, params, x, backend)
     secs = bench.time_interleaved(thunks, repeats)
   finally:
-    pallas_kernels.ops.GPU_DEFAULT = old[0]
-    pallas_kernels.TILES[family].update(old[1])
+    ops.GPU_DEFAULT.update(old[0])
+    for family, family_tiles in old[1].items():
+      ops.TILES[family].update(family_tiles)
   res.update({f'{p}_moe_s_{k}': v for k, v in secs.items()})
   res[f'{p}_moe_layer_over_dense_swiglu'] = secs['pallas'] / secs['dense']
   res[f'{p}_moe_layer_gmm_only_over_dense_swiglu'] = secs['pallas_gmm_only'] / secs['dense']
@@ -300,14 +311,14 @@ def _device(res, quick, platform):
     best = _tune(res, platform, m, k, n, repeats)
     _progress(res)
   else:  # TPU: its one family at TILES' defaults
-    best = {'tpu': {op: {} for op in ('gmm', 'tgmm')}}
+    best = {'tpu': {op: {'family': 'tpu'} for op in ('gmm', 'tgmm')}}
   chosen = _safe(res, f'{platform}_gmm_error',
                  lambda: _gmm_figures(res, platform, m, k, n, best, repeats))
   _progress(res)
   moe_shape = (m // 4, k, n, 64, 4)
   if chosen:
     _safe(res, f'{platform}_moe_error', lambda: _moe_layer(
-        res, platform, *moe_shape, (chosen, best[chosen]), max(3, repeats // 2)))
+        res, platform, *moe_shape, best[chosen], max(3, repeats // 2)))
   if platform == 'gpu' and not quick:
     _safe(res, f'{platform}_info_jax_mgpu_error',
           lambda: _jax_mgpu_info(res, platform, m, k, n, repeats))

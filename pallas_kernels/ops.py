@@ -36,26 +36,38 @@ TILES = {
              'tgmm': dict(tile_m=64, tile_n=128, tile_k=128, stages=4)},
 }
 KERNELS = {'tpu': gmm_tpu, 'gpu': gmm_gpu, 'mgpu': gmm_mgpu}
-# The kernel family a GPU backend uses when no target is given: 'gpu' (Triton) or 'mgpu'
-# (Mosaic GPU, Hopper wgmma). 'mgpu' measured faster on an H200 (forward+backward at E 64:
-# 2.44 ms vs 2.88 ms for Triton, same inputs, one run).
-GPU_DEFAULT = 'mgpu'
+# The kernel family per op a GPU backend uses when no target is given: 'gpu' (Triton) or
+# 'mgpu' (Mosaic GPU, Hopper wgmma). Measured on an H200 (above): the Mosaic GPU gmm (295
+# TFLOP/s) beats Triton's (224-243); for tgmm Triton's (222-234) beat Mosaic GPU's (173-222)
+# in both runs that timed the two.
+GPU_DEFAULT = {'gmm': 'mgpu', 'tgmm': 'gpu'}
+OPS = ('gmm', 'tgmm')
 
 
 # What `target=None` / `interpret=None` mean. None: follow jax.default_backend() (TPU: 'tpu';
-# GPU: GPU_DEFAULT; CPU: 'gpu' interpreted, the quickest family to interpret). Setting them forces every kernel
-# (tests set 'tpu' / False to lower compiled kernels for a device that is not here).
+# GPU: GPU_DEFAULT per op; CPU: 'gpu' interpreted, the quickest family to interpret). Setting
+# them forces every kernel (tests set 'tpu' / False to lower compiled kernels for a device
+# that is not here).
 DEFAULT_TARGET: str | None = None
 DEFAULT_INTERPRET: bool | None = None
 
 
-def resolve_target(target: str | None) -> str:
+def families(target: str | None) -> dict[str, str]:
+  """The kernel family of each op: `target` for both, else the backend's default."""
   target = target or DEFAULT_TARGET
   if target is None:
-    target = {'tpu': 'tpu', 'gpu': GPU_DEFAULT}.get(jax.default_backend(), 'gpu')
+    backend = jax.default_backend()
+    if backend == 'gpu':
+      return dict(GPU_DEFAULT)
+    target = 'tpu' if backend == 'tpu' else 'gpu'
   if target not in KERNELS:
     raise ValueError(f'target={target!r}: must be one of {sorted(KERNELS)}')
-  return target
+  return {op: target for op in OPS}
+
+
+def resolve_target(target: str | None) -> str:
+  """One family for kernels that have no per-op choice (routing, permute: 'tpu' or not)."""
+  return families(target)['gmm']
 
 
 def resolve_interpret(target: str, interpret):
@@ -68,15 +80,21 @@ def resolve_interpret(target: str, interpret):
   return interpret
 
 
-def tiling(target: str, tile_m=None, tile_n=None, overrides=None):
-  """The hashable per-op tile settings: TILES[target], then `overrides` ({'gmm': {...},
-  'tgmm': {...}}), then tile_m / tile_n for both ops."""
-  ops = {}
-  for op, defaults in TILES[target].items():
-    cfg = dict(defaults, **(overrides or {}).get(op, {}))
+def tiling(target: str | None, tile_m=None, tile_n=None, overrides=None):
+  """Per op, its family and tiles as a hashable tuple: the family from `overrides`
+  ({'gmm': {'family': ..., 'tile_m': ...}, 'tgmm': {...}}), else `families(target)`; the
+  tiles TILES[family][op], then the overrides, then tile_m / tile_n."""
+  default = families(target)
+  ops = []
+  for op in OPS:
+    cfg = dict((overrides or {}).get(op, {}))
+    family = cfg.pop('family', default[op])
+    if family not in KERNELS:
+      raise ValueError(f'family={family!r} for {op}: must be one of {sorted(KERNELS)}')
+    cfg = dict(TILES[family][op], **cfg, family=family)
     cfg.update({k: v for k, v in (('tile_m', tile_m), ('tile_n', tile_n)) if v})
-    ops[op] = tuple(sorted(cfg.items()))
-  return ops['gmm'], ops['tgmm']
+    ops.append(tuple(sorted(cfg.items())))
+  return tuple(ops)
 
 
 def _pad_rows(x, multiple):
@@ -94,13 +112,14 @@ def _call(cfg, op, dtype, n):
   """(kernel module, keyword arguments, interpret) of one op: its tiles (tile_n falls back to
   N if it doesn't divide). 'mgpu' takes 16-bit inputs only (wgmma transposes no others):
   other dtypes run the 'gpu' (Triton) kernels at their default tiles."""
-  target, interpret, gmm_cfg, tgmm_cfg = cfg
+  interpret, gmm_cfg, tgmm_cfg = cfg
   kw = dict(gmm_cfg if op == 'gmm' else tgmm_cfg)
-  if target == 'mgpu' and jnp.dtype(dtype).itemsize != 2:
-    target, kw = 'gpu', dict(TILES['gpu'][op])
+  family = kw.pop('family')
+  if family == 'mgpu' and jnp.dtype(dtype).itemsize != 2:
+    family, kw = 'gpu', dict(TILES['gpu'][op])
   if n % kw['tile_n']:
     kw['tile_n'] = n
-  return KERNELS[target], kw, resolve_interpret(target, interpret)
+  return KERNELS[family], kw, resolve_interpret(family, interpret)
 
 
 def _gmm_impl(lhs_MK, rhs_GKN, group_sizes_G, cfg, transpose_rhs=False):
@@ -157,20 +176,19 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, target: str | None = None, interpret=
 
   lhs [M, K] rows sorted by group; rhs [G, K, N]; group_sizes [G] int summing to at most M;
   rows past the sum are zero. Output dtype = lhs dtype, float32 accumulation. `tiles`
-  overrides TILES per op ({'gmm': {...}, 'tgmm': {...}}); tile_m / tile_n set both ops."""
-  target = resolve_target(target)
+  overrides TILES per op ({'gmm': {...}, 'tgmm': {...}}, each may name its 'family');
+  tile_m / tile_n set both ops."""
   with jax.named_scope('gmm'):
     return _gmm(lhs_MK, rhs_GKN, group_sizes_G,
-                (target, interpret) + tiling(target, tile_m, tile_n, tiles))
+                (interpret,) + tiling(target, tile_m, tile_n, tiles))
 
 
 def tgmm(lhs_MK, grad_MN, group_sizes_G, *, target: str | None = None, interpret=None,
          tile_m: int | None = None, tile_n: int | None = None, tiles=None):
   """Per-group lhs^T @ grad ([G, K, N] float32): the weight gradient of gmm."""
-  target = resolve_target(target)
   with jax.named_scope('tgmm'):
     return _tgmm_impl(lhs_MK, grad_MN, group_sizes_G,
-                      (target, interpret) + tiling(target, tile_m, tile_n, tiles))
+                      (interpret,) + tiling(target, tile_m, tile_n, tiles))
 
 
 def gmm_swiglu(x_MD, gate_GDF, up_GDF, group_sizes_G, **kw):

@@ -56,7 +56,21 @@ def operands(dtype, seed=0):
 FAMILIES = {  # name -> (target, tile overrides): every kernel family and the mgpu grid modes
     'gpu': ('gpu', K_TILES), 'tpu': ('tpu', K_TILES), 'mgpu': ('mgpu', K_TILES),
     'mgpu_cta_per_tile': ('mgpu', {**K_TILES, 'gmm': {'tile_k': 8, 'persistent': False}}),
+    # the GPU default: Mosaic GPU forward and input gradient, Triton weight gradient
+    'mixed': (None, {'gmm': {'family': 'mgpu', 'tile_k': 8},
+                     'tgmm': {'family': 'gpu', 'tile_k': 8}}),
 }
+
+
+def test_kernel_family_per_op_and_bad_names():
+  assert [dict(cfg)['family'] for cfg in pk.ops.tiling('mgpu')] == ['mgpu', 'mgpu']
+  fams = [dict(cfg)['family'] for cfg in pk.ops.tiling(None, overrides={'tgmm': {'family': 'tpu'}})]
+  assert fams == ['gpu', 'tpu']  # CPU default 'gpu'; the override names its own family
+  with pytest.raises(ValueError, match="family='cuda'"):
+    pk.gmm(jnp.zeros((8, 4)), jnp.zeros((2, 4, 4)), jnp.array([4, 4]),
+           tiles={'gmm': {'family': 'cuda'}})
+  with pytest.raises(ValueError, match="target='triton'"):
+    pk.gmm(jnp.zeros((8, 4)), jnp.zeros((2, 4, 4)), jnp.array([4, 4]), target='triton')
 
 
 @pytest.mark.parametrize('family', list(FAMILIES))
@@ -339,7 +353,8 @@ def test_gpu_route_compiled_matches_top_k():
     probs = jax.nn.softmax(logits)
     w_want, e_want = jax.lax.top_k(probs, 6)
     np.testing.assert_array_equal(got['experts_Tk'], e_want)
-    np.testing.assert_array_equal(got['counts_E'], np.bincount(np.asarray(e_want).ravel(), minlength=60))
+    np.testing.assert_array_equal(got['counts_E'],
+                                  np.bincount(np.asarray(e_want).ravel(), minlength=60))
     order = np.argsort(np.asarray(e_want).ravel(), kind='stable')
     np.testing.assert_array_equal(np.asarray(got['positions_Tk']).ravel()[order], np.arange(4100 * 6))
     assert_close(got['weights_Tk'], w_want / w_want.sum(-1, keepdims=True), 1e-5, 'weights')
