@@ -4,9 +4,9 @@
 (N tiles innermost; measured faster on an H200: 295 vs 236 TFLOP/s), a work item being one
 (row tile, group) pair that shares rows (metadata.work_items over the groups plus one virtual
 group for the rows past the group-size sum, which is stored as zeros). K streams through a
-TMA pipeline (`max_concurrent_steps` stages) into wgmma with a float32 accumulator; the rows of the tile
-that belong to the item's group go out by TMA stores of static power-of-two row counts (the
-binary digits of the dynamic count), so every output row has exactly one writer.
+TMA pipeline (`max_concurrent_steps` stages) into wgmma with a float32 accumulator; the rows
+of the tile that belong to the item's group go out by TMA stores of static power-of-two row
+counts (the binary digits of the dynamic count), so every output row has exactly one writer.
 `tgmm`: one CTA per (K tile, N tile, group); the group's row tiles stream through a pipeline of
 dynamic length, rows of neighbouring groups in the two edge tiles are zeroed in shared memory
 before lhs^T @ grad goes to wgmma; empty groups store zeros.
