@@ -96,6 +96,7 @@ VARIANTS = {
                 dict(tile_m=128, tile_n=128, tile_k=64, stages=2),
                 dict(tile_m=64, tile_n=128, tile_k=64, stages=4)],
         'tgmm': [dict(tile_m=64, tile_n=128, tile_k=128, stages=4),
+                 dict(tile_m=64, tile_n=128, tile_k=128, stages=4, persistent=True),
                  dict(tile_m=64, tile_n=128, tile_k=128, stages=2),
                  dict(tile_m=64, tile_n=128, tile_k=128, stages=4, transpose_in_kernel=False)],
     },

@@ -7,7 +7,8 @@ group for the rows past the group-size sum, which is stored as zeros). K streams
 TMA pipeline (`max_concurrent_steps` stages) into wgmma with a float32 accumulator; the rows
 of the tile that belong to the item's group go out by TMA stores of static power-of-two row
 counts (the binary digits of the dynamic count), so every output row has exactly one writer.
-`tgmm`: one CTA per (K tile, N tile, group); the group's row tiles stream through a pipeline of
+`tgmm`: one CTA per (K tile, N tile, group) (or persistent, as above; not yet timed on a
+device); the group's row tiles stream through a pipeline of
 dynamic length, rows of neighbouring groups in the two edge tiles are zeroed in shared memory
 before lhs^T @ grad goes to wgmma; empty groups store zeros.
 16-bit inputs (wgmma transposes no others; ops.py sends other dtypes to the Triton family).
@@ -146,10 +147,23 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, tile_m: int = 128, tile_n: int = 128,
   )(group, tile, (first - row0).astype(jnp.int32), count.astype(jnp.int32), lhs_MK, rhs_GKN)
 
 
-def _tgmm_kernel(starts_gmem, ends_gmem, lhs_gmem, grad_gmem, out_gmem, *, tile_m, tile_k,
-                 tile_n, stages, lhs_transposed):
+def _tgmm_kernel(*refs, num_k, num_n, persistent, **kw):
+  """One (K tile, N tile, group) per CTA, or, `persistent`, one CTA per SM looping over them
+  (group outermost, N innermost: CTAs running together read the same group's rows)."""
+  if not persistent:
+    _tgmm_block(lax.axis_index('k'), lax.axis_index('n'), lax.axis_index('g'), *refs, **kw)
+    return
+  num_groups = refs[0].shape[0]
+
+  @plgpu.nd_loop((num_groups * num_k * num_n,), collective_axes='sm')
+  def _loop(info):
+    (idx,) = info.index
+    _tgmm_block((idx // num_n) % num_k, idx % num_n, idx // (num_n * num_k), *refs, **kw)
+
+
+def _tgmm_block(k_tile, n_tile, g, starts_gmem, ends_gmem, lhs_gmem, grad_gmem, out_gmem, *,
+                tile_m, tile_k, tile_n, stages, lhs_transposed):
   """lhs_gmem is [M, K], or [K, M] when `lhs_transposed` (then wgmma takes it as is)."""
-  k_tile, n_tile, g = lax.axis_index('k'), lax.axis_index('n'), lax.axis_index('g')
   start, end = starts_gmem[g], ends_gmem[g]
   first = start // tile_m
   num_chunks = jnp.where(end > start, (end + tile_m - 1) // tile_m - first, 0)
@@ -197,10 +211,11 @@ def _tgmm_kernel(starts_gmem, ends_gmem, lhs_gmem, grad_gmem, out_gmem, *, tile_
 
 
 def tgmm(lhs_MK, grad_MN, group_sizes_G, *, tile_m: int = 64, tile_n: int = 128,
-         tile_k: int = 128, stages: int = 4, transpose_in_kernel: bool = True,
-         out_dtype=jnp.float32, interpret=False):
+         tile_k: int = 128, stages: int = 4, persistent: bool = False,
+         transpose_in_kernel: bool = True, out_dtype=jnp.float32, interpret=False):
   """Per-group lhs^T @ grad -> [G, K, N]; empty groups give zeros. M a multiple of tile_m.
-  `transpose_in_kernel` False (and always in interpret mode) transposes lhs in XLA first."""
+  `transpose_in_kernel` False (and always in interpret mode) transposes lhs in XLA first.
+  `persistent`: one CTA per SM."""
   _, k = lhs_MK.shape
   n = grad_MN.shape[1]
   tile_n, tile_k = _fit(tile_n, n), _fit(tile_k, k)
@@ -208,9 +223,12 @@ def tgmm(lhs_MK, grad_MN, group_sizes_G, *, tile_m: int = 64, tile_n: int = 128,
   starts, ends = metadata.group_bounds(group_sizes_G)
   lhs_transposed = bool(interpret) or not transpose_in_kernel
   kernel = functools.partial(_tgmm_kernel, tile_m=tile_m, tile_k=tile_k, tile_n=tile_n,
-                             stages=stages, lhs_transposed=lhs_transposed)
+                             stages=stages, lhs_transposed=lhs_transposed, num_k=k // tile_k,
+                             num_n=n // tile_n, persistent=persistent)
+  grid = (((_num_sms(),), ('sm',)) if persistent
+          else ((k // tile_k, n // tile_n, num_groups), ('k', 'n', 'g')))
   return plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
-      grid=(k // tile_k, n // tile_n, num_groups), grid_names=('k', 'n', 'g'),
+      grid=grid[0], grid_names=grid[1],
       compiler_params=_params(), interpret=_interpret(interpret),
   )(starts, ends, lhs_MK.T if lhs_transposed else lhs_MK, grad_MN)

@@ -54,8 +54,10 @@ def operands(dtype, seed=0):
 
 
 FAMILIES = {  # name -> (target, tile overrides): every kernel family and the mgpu grid modes
-    'gpu': ('gpu', K_TILES), 'tpu': ('tpu', K_TILES), 'mgpu': ('mgpu', K_TILES),
-    'mgpu_cta_per_tile': ('mgpu', {**K_TILES, 'gmm': {'tile_k': 8, 'persistent': False}}),
+    'gpu': ('gpu', K_TILES), 'tpu': ('tpu', K_TILES),
+    'mgpu': ('mgpu', {op: {'tile_k': 8, 'persistent': True} for op in ('gmm', 'tgmm')}),
+    'mgpu_cta_per_tile': ('mgpu', {op: {'tile_k': 8, 'persistent': False}
+                                   for op in ('gmm', 'tgmm')}),
     # the GPU default: Mosaic GPU forward and input gradient, Triton weight gradient
     'mixed': (None, {'gmm': {'family': 'mgpu', 'tile_k': 8},
                      'tgmm': {'family': 'gpu', 'tile_k': 8}}),
