@@ -27,11 +27,6 @@ def _params(num_warps, num_stages):
   return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _fit(tile: int, dim: int) -> int:
-  """The tile if it divides dim, else dim itself (one block spans it)."""
-  return tile if dim % tile == 0 else dim
-
-
 def _gmm_kernel(lo_ref, hi_ref, starts_ref, ends_ref, lhs_ref, rhs_ref, out_ref, *, tile_m,
                 tile_k, num_k, transpose_rhs):
   n_tile, m_tile = pl.program_id(0), pl.program_id(1)
@@ -66,7 +61,7 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, tile_m: int = 128, tile_n: int = 128,
   multiple of tile_m (ops.py pads); tile_n / tile_k fall back to N / K if they don't divide."""
   m, k = lhs_MK.shape
   n = rhs_GKN.shape[1 if transpose_rhs else 2]
-  tile_n, tile_k = _fit(tile_n, n), _fit(tile_k, k)
+  tile_n, tile_k = metadata.fit_tile(tile_n, n), metadata.fit_tile(tile_k, k)
   lo, hi = metadata.tile_group_range(group_sizes_G, m, tile_m)
   starts, ends = metadata.group_bounds(group_sizes_G)
   whole = lambda a: pl.BlockSpec(a.shape, lambda j, i: (0,) * a.ndim)
@@ -106,7 +101,7 @@ def tgmm(lhs_MK, grad_MN, group_sizes_G, *, tile_m: int = 64, tile_n: int = 128,
   """Per-group lhs^T @ grad -> [G, K, N]; empty groups give zeros. M a multiple of tile_m."""
   m, k = lhs_MK.shape
   n = grad_MN.shape[1]
-  tile_n, tile_k = _fit(tile_n, n), _fit(tile_k, k)
+  tile_n, tile_k = metadata.fit_tile(tile_n, n), metadata.fit_tile(tile_k, k)
   num_groups = group_sizes_G.shape[0]
   starts, ends = metadata.group_bounds(group_sizes_G)
   whole = lambda a: pl.BlockSpec(a.shape, lambda j, a_, g: (0,) * a.ndim)

@@ -46,10 +46,6 @@ def _num_sms() -> int:
   return getattr(jax.devices()[0], 'core_count', None) or 4
 
 
-def _fit(tile: int, dim: int) -> int:
-  return tile if dim % tile == 0 else dim
-
-
 def _store_rows(o_smem, out_gmem, first, count, row0, col0, tile_m, tile_n):
   """TMA-stores rows [first, first + count) of o_smem to out rows row0 + first + ..., as
   static power-of-two row counts (count is dynamic, 0..tile_m)."""
@@ -129,7 +125,7 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, tile_m: int = 128, tile_n: int = 128,
   m, k = lhs_MK.shape
   num_groups = rhs_GKN.shape[0]
   n = rhs_GKN.shape[1 if transpose_rhs else 2]
-  tile_n, tile_k = _fit(tile_n, n), _fit(tile_k, k)
+  tile_n, tile_k = metadata.fit_tile(tile_n, n), metadata.fit_tile(tile_k, k)
   sizes = group_sizes_G.astype(jnp.int32)
   sizes = jnp.concatenate([sizes, (m - jnp.sum(sizes))[None]])  # + the tail as a group
   group, tile, valid, starts, ends = metadata.work_items(sizes, m, tile_m)
@@ -218,7 +214,7 @@ def tgmm(lhs_MK, grad_MN, group_sizes_G, *, tile_m: int = 64, tile_n: int = 128,
   `persistent`: one CTA per SM."""
   _, k = lhs_MK.shape
   n = grad_MN.shape[1]
-  tile_n, tile_k = _fit(tile_n, n), _fit(tile_k, k)
+  tile_n, tile_k = metadata.fit_tile(tile_n, n), metadata.fit_tile(tile_k, k)
   num_groups = group_sizes_G.shape[0]
   starts, ends = metadata.group_bounds(group_sizes_G)
   lhs_transposed = bool(interpret) or not transpose_in_kernel

@@ -10,6 +10,16 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 
+def fit_tile(tile: int, dim: int) -> int:
+  """The tile if it divides dim, else dim itself (one block spans it)."""
+  return tile if dim % tile == 0 else dim
+
+
+def next_pow2(n: int) -> int:
+  """The smallest power of two >= n (1 for n <= 1): Triton block shapes."""
+  return 1 << max(n - 1, 0).bit_length()
+
+
 def group_bounds(group_sizes_G):
   """(starts_G, ends_G) int32 row bounds of every group."""
   sizes = group_sizes_G.astype(jnp.int32)

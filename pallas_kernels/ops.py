@@ -85,6 +85,9 @@ def tiling(target: str | None, tile_m=None, tile_n=None, overrides=None):
   ({'gmm': {'family': ..., 'tile_m': ...}, 'tgmm': {...}}), else `families(target)`; the
   tiles TILES[family][op], then the overrides, then tile_m / tile_n."""
   default = families(target)
+  unknown = set(overrides or {}) - set(OPS)
+  if unknown:
+    raise ValueError(f'tiles: unknown op(s) {sorted(unknown)}; the ops are {list(OPS)}')
   ops = []
   for op in OPS:
     cfg = dict((overrides or {}).get(op, {}))

@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.metadata import next_pow2
 from pallas_kernels.ops import resolve_interpret, resolve_target
 
 GPU_BLOCK_ROWS = 8     # output rows per Triton program (a loop of scalar-indexed row copies)
@@ -43,7 +44,7 @@ def _pow2_below(n: int) -> int:
 
 def _gpu_width(d: int) -> tuple[int, int]:
   """(padded D, slab width): a slab is a power of two dividing padded D, at most GPU_BLOCK_D."""
-  unit = min(1 << (d - 1).bit_length(), 128)
+  unit = min(next_pow2(d), 128)
   d_pad = -(-d // unit) * unit
   return d_pad, min(GPU_BLOCK_D, d_pad & -d_pad)
 
@@ -72,7 +73,7 @@ def _gather_gpu(x_ND, idx_RJ, w_RJ, out_dtype, interpret):
   (n, d), (r, num_j) = x_ND.shape, idx_RJ.shape
   d_pad, block_d = _gpu_width(d)
   x = jnp.pad(x_ND, ((0, 0), (0, d_pad - d))) if d_pad != d else x_ND
-  block_r = min(GPU_BLOCK_ROWS, 1 << (r - 1).bit_length())
+  block_r = min(GPU_BLOCK_ROWS, next_pow2(r))
   weighted = w_RJ is not None
   scalars = [idx_RJ.reshape(-1)] + ([w_RJ.reshape(-1).astype(jnp.float32)] if weighted else [])
   whole = lambda a: pl.BlockSpec(a.shape, lambda i, c: (0,) * a.ndim)

@@ -25,11 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import ops
-
-
-def _pow2(n: int) -> int:
-  return 1 << max(n - 1, 0).bit_length()
+from pallas_kernels import metadata, ops
 
 
 def _columns(values, width):
@@ -89,8 +85,9 @@ def _route_kernel(logits_ref, bias_ref, experts_ref, weights_ref, scores_ref, ra
 def _route_impl(logits_TE, bias_E, cfg):
   top_k, renormalize, score, block_t, target, interpret = cfg
   t, e = logits_TE.shape
-  block_t = min(_pow2(block_t), max(16, _pow2(t)))
-  pad_t, ep, kp = -t % block_t, max(16, _pow2(e)), _pow2(top_k)
+  pow2 = metadata.next_pow2
+  block_t = min(pow2(block_t), max(16, pow2(t)))
+  pad_t, ep, kp = -t % block_t, max(16, pow2(e)), pow2(top_k)
   logits = jnp.pad(logits_TE, ((0, 0), (0, ep - e)), constant_values=-jnp.inf)
   logits = jnp.pad(logits, ((0, pad_t), (0, 0)))
   bias = jnp.pad(bias_E.reshape(1, e), ((0, 0), (0, ep - e)), constant_values=-jnp.inf)

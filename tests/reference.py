@@ -18,6 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 
 def rms_norm(x, scale, eps):
@@ -162,6 +163,20 @@ def gmm_numpy(lhs, rhs, sizes):
     out[start:start + n] = lhs[start:start + n] @ rhs[g]
     start += n
   return out
+
+
+def cuda_devices():
+  """The CUDA devices here ([] on a CPU-only jax)."""
+  try:
+    return jax.devices('gpu')
+  except RuntimeError:
+    return []
+
+
+requires_gpu = pytest.mark.skipif(
+    not cuda_devices(),
+    reason='needs a CUDA device; tests/conftest.py pins CPU, so run scripts/gpu_check.sh '
+           '(pytest --noconftest -m gpu) on a GPU machine')
 
 
 def as64(a):

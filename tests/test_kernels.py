@@ -34,7 +34,7 @@ from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.dispatch import dispatch, resolve_backend
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.moe import route as moe_route
-from reference import assert_close, gmm_numpy
+from reference import assert_close, cuda_devices, gmm_numpy, requires_gpu
 
 TOL = {'float32': 1e-5, 'bfloat16': 2e-2}
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
@@ -71,6 +71,8 @@ def test_kernel_family_per_op_and_bad_names():
   with pytest.raises(ValueError, match="family='cuda'"):
     pk.gmm(jnp.zeros((8, 4)), jnp.zeros((2, 4, 4)), jnp.array([4, 4]),
            tiles={'gmm': {'family': 'cuda'}})
+  with pytest.raises(ValueError, match=r"unknown op\(s\) \['gmn'\]"):
+    pk.gmm(jnp.zeros((8, 4)), jnp.zeros((2, 4, 4)), jnp.array([4, 4]), tiles={'gmn': {}})
   with pytest.raises(ValueError, match="target='triton'"):
     pk.gmm(jnp.zeros((8, 4)), jnp.zeros((2, 4, 4)), jnp.array([4, 4]), target='triton')
 
@@ -285,19 +287,6 @@ def test_model_train_step_with_pallas_lowers_for_the_device(platform, monkeypatc
 
 # GPU: compiled kernels (not interpreted) on a CUDA device ---------------------------------------
 
-def _cuda_devices():
-  try:
-    return jax.devices('gpu')
-  except RuntimeError:
-    return []
-
-
-requires_gpu = pytest.mark.skipif(
-    not _cuda_devices(),
-    reason='needs a CUDA device; tests/conftest.py pins CPU, so run scripts/gpu_check.sh '
-           '(pytest --noconftest -m gpu) on a GPU machine')
-
-
 def _gpu_operands(dtype, m=1000, k=256, n=384, seed=0):
   sizes = [0, 300, 1, 0, 64, 500, 0, 100]  # sum 965 < m; empty groups; tile-crossing edges
   rng = np.random.default_rng(seed)
@@ -313,7 +302,7 @@ def _gpu_operands(dtype, m=1000, k=256, n=384, seed=0):
 def test_gpu_gmm_compiled_matches_ragged_dot(dtype, target):
   """Default tiles (K in several steps), rows past the sum, forward and both gradients vs
   ragged_dot (HIGHEST); 'mgpu' runs float32 through the Triton kernels (16-bit only)."""
-  with jax.default_device(_cuda_devices()[0]):
+  with jax.default_device(cuda_devices()[0]):
     lhs, rhs, gs = _gpu_operands(dtype)
     loss = lambda f: lambda l, r: jnp.sum(jnp.sin(f(l, r).astype(jnp.float32)))
     kern = lambda l, r: pk.gmm(l, r, gs, target=target, interpret=False)
@@ -335,7 +324,7 @@ def test_gpu_gmm_compiled_matches_ragged_dot(dtype, target):
 def test_gpu_model_trained_with_pallas_matches_reference():
   """3 SGD steps of a tiny LoopedMoE on the GPU, compiled kernels: 'pallas' == 'reference'
   (float32 params; Triton's float32 dots run as tf32, hence 2e-3)."""
-  with jax.default_device(_cuda_devices()[0]):
+  with jax.default_device(cuda_devices()[0]):
     results = _trained(TINY_MOE.replace(d_model=64, expert_width=64), ('pallas', 'reference'))
   (loss_p, par_p), (loss_r, par_r) = results['pallas'], results['reference']
   np.testing.assert_allclose(loss_p, loss_r, rtol=2e-3)
@@ -349,7 +338,7 @@ def test_gpu_model_trained_with_pallas_matches_reference():
 def test_gpu_route_compiled_matches_top_k():
   """Compiled routing kernel: experts == top_k, counts == bincount, positions == the inverse
   of a stable argsort, weights and their gradient == plain JAX (E 60: padded to 64 inside)."""
-  with jax.default_device(_cuda_devices()[0]):
+  with jax.default_device(cuda_devices()[0]):
     logits = jax.random.normal(jax.random.key(0), (4100, 60))
     got = pk.route(logits, 6, interpret=False)
     probs = jax.nn.softmax(logits)

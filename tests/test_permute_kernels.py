@@ -24,7 +24,7 @@ import pytest
 
 import pallas_kernels as pk
 from lowering import lower_for
-from reference import as64, assert_close
+from reference import as64, assert_close, cuda_devices, requires_gpu
 
 P = importlib.import_module('pallas_kernels.permute')
 TOL = {'float32': 1e-6, 'bfloat16': 2e-2}
@@ -68,19 +68,12 @@ def test_permute_combine_and_vjps_match_numpy(target, dtype, case, monkeypatch):
   _check(target, dtype, *CASES[case], what=case)
 
 
-def _cuda_devices():
-  try:
-    return jax.devices('gpu')
-  except RuntimeError:
-    return []
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _cuda_devices(), reason='needs a CUDA device (scripts/gpu_check.sh)')
+@requires_gpu
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
 def test_gpu_compiled_permute_combine_match_numpy(dtype):
   """Compiled Triton kernels (no interpreter) on the GPU, small ragged and MoE-sized."""
-  with jax.default_device(_cuda_devices()[0]):
+  with jax.default_device(cuda_devices()[0]):
     for t, k, d, e in list(CASES.values()) + [(4096, 4, 1024, 64)]:
       _check('gpu', dtype, t, k, d, e, what=f'gpu T{t} k{k} D{d}')
 
