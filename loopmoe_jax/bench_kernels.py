@@ -100,6 +100,14 @@ VARIANTS = {
                  dict(tile_m=64, tile_n=128, tile_k=128, stages=2),
                  dict(tile_m=64, tile_n=128, tile_k=128, stages=4, transpose_in_kernel=False)],
     },
+    'mgpu_ws': {  # warp-specialised Mosaic GPU (tile_n / tile_k: one warpgroup's share)
+        'gmm': [dict(tile_m=128, tile_n=128, tile_k=64, stages=3),
+                dict(tile_m=128, tile_n=64, tile_k=64, stages=4),
+                dict(tile_m=64, tile_n=128, tile_k=64, stages=4)],
+        'tgmm': [dict(tile_m=64, tile_n=128, tile_k=128, stages=3),
+                 dict(tile_m=64, tile_n=128, tile_k=64, stages=4),
+                 dict(tile_m=128, tile_n=128, tile_k=64, stages=2)],
+    },
 }
 CHECK_TOL = 2e-2  # bf16 inputs, float32 sums: relative to the reference's largest magnitude
 bench.TARGETS.update({  # time ratios (lower is better)

@@ -30,23 +30,23 @@ from pallas_kernels import metadata
 ZERO_FILLED = True  # every output element is written (ops.py needs no extra masking pass)
 
 
-def _params():
+def compiler_params():
   return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 
 
-def _interpret(interpret):
+def interpret_params(interpret):
   if interpret is True:
     from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=import-outside-toplevel
     return params.InterpretGPUParams()
   return interpret or None
 
 
-def _num_sms() -> int:
+def num_sms() -> int:
   """Multiprocessors of the default device (4 when it reports none, e.g. the CPU)."""
   return getattr(jax.devices()[0], 'core_count', None) or 4
 
 
-def _store_rows(o_smem, out_gmem, first, count, row0, col0, tile_m, tile_n):
+def store_rows(o_smem, out_gmem, first, count, row0, col0, tile_m, tile_n):
   """TMA-stores rows [first, first + count) of o_smem to out rows row0 + first + ..., as
   static power-of-two row counts (count is dynamic, 0..tile_m)."""
   size = tile_m
@@ -108,8 +108,21 @@ def _gmm_block(n_tile, item, group_gmem, tile_gmem, first_gmem, count_gmem, lhs_
         o_smem[...] = jnp.zeros((tile_m, tile_n), o_smem.dtype)
 
       plgpu.commit_smem()
-      _store_rows(o_smem, out_gmem, first, count, tile * tile_m, n_tile * tile_n, tile_m, tile_n)
+      store_rows(o_smem, out_gmem, first, count, tile * tile_m, n_tile * tile_n, tile_m, tile_n)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def row_items(group_sizes_G, m: int, tile_m: int):
+  """Work items of a gmm over m rows (metadata.work_items with the rows past the group-size
+  sum as one more group, index G): int32 group_I, tile_I, first_I (first row of the item
+  within its tile) and count_I (its rows; 0 for padding items)."""
+  sizes = group_sizes_G.astype(jnp.int32)
+  sizes = jnp.concatenate([sizes, (m - jnp.sum(sizes))[None]])  # + the tail as a group
+  group, tile, valid, starts, ends = metadata.work_items(sizes, m, tile_m)
+  row0 = tile * tile_m
+  first = jnp.maximum(starts[group], row0)
+  count = jnp.where(valid, jnp.minimum(ends[group], row0 + tile_m) - first, 0)
+  return group, tile, (first - row0).astype(jnp.int32), count.astype(jnp.int32)
 
 
 def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, tile_m: int = 128, tile_n: int = 128,
@@ -126,21 +139,16 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, tile_m: int = 128, tile_n: int = 128,
   num_groups = rhs_GKN.shape[0]
   n = rhs_GKN.shape[1 if transpose_rhs else 2]
   tile_n, tile_k = metadata.fit_tile(tile_n, n), metadata.fit_tile(tile_k, k)
-  sizes = group_sizes_G.astype(jnp.int32)
-  sizes = jnp.concatenate([sizes, (m - jnp.sum(sizes))[None]])  # + the tail as a group
-  group, tile, valid, starts, ends = metadata.work_items(sizes, m, tile_m)
-  row0 = tile * tile_m
-  first = jnp.maximum(starts[group], row0)
-  count = jnp.where(valid, jnp.minimum(ends[group], row0 + tile_m) - first, 0)
+  items = row_items(group_sizes_G, m, tile_m)
   kernel = functools.partial(_gmm_kernel, tile_m=tile_m, tile_n=tile_n, tile_k=tile_k,
                              stages=stages, transpose_rhs=transpose_rhs,
                              num_groups=num_groups, num_n=n // tile_n, persistent=persistent)
-  grid = ((_num_sms(),), ('sm',)) if persistent else ((n // tile_n, group.shape[0]), ('n', 'i'))
+  grid = ((num_sms(),), ('sm',)) if persistent else ((n // tile_n, items[0].shape[0]), ('n', 'i'))
   return plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((m, n), out_dtype or lhs_MK.dtype),
       grid=grid[0], grid_names=grid[1],
-      compiler_params=_params(), interpret=_interpret(interpret),
-  )(group, tile, (first - row0).astype(jnp.int32), count.astype(jnp.int32), lhs_MK, rhs_GKN)
+      compiler_params=compiler_params(), interpret=interpret_params(interpret),
+  )(*items, lhs_MK, rhs_GKN)
 
 
 def _tgmm_kernel(*refs, num_k, num_n, persistent, **kw):
@@ -221,10 +229,10 @@ def tgmm(lhs_MK, grad_MN, group_sizes_G, *, tile_m: int = 64, tile_n: int = 128,
   kernel = functools.partial(_tgmm_kernel, tile_m=tile_m, tile_k=tile_k, tile_n=tile_n,
                              stages=stages, lhs_transposed=lhs_transposed, num_k=k // tile_k,
                              num_n=n // tile_n, persistent=persistent)
-  grid = (((_num_sms(),), ('sm',)) if persistent
+  grid = (((num_sms(),), ('sm',)) if persistent
           else ((k // tile_k, n // tile_n, num_groups), ('k', 'n', 'g')))
   return plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
       grid=grid[0], grid_names=grid[1],
-      compiler_params=_params(), interpret=_interpret(interpret),
+      compiler_params=compiler_params(), interpret=interpret_params(interpret),
   )(starts, ends, lhs_MK.T if lhs_transposed else lhs_MK, grad_MN)

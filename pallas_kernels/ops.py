@@ -6,7 +6,8 @@
 
 Backward of gmm: d_lhs = gmm(g, rhs, transposed) and d_rhs = tgmm(lhs, g). float32
 accumulation whatever the input dtype. `target` picks the kernel family: 'tpu' (Mosaic),
-'gpu' (Triton) or 'mgpu' (Mosaic GPU: TMA + wgmma, Hopper); None follows
+'gpu' (Triton), 'mgpu' (Mosaic GPU: TMA + wgmma, Hopper) or 'mgpu_ws' (the same,
+warp-specialised); None follows
 jax.default_backend() ('tpu' on TPU, GPU_DEFAULT on GPU, interpreted 'gpu' on CPU).
 `interpret` None means: interpret on CPU (TPU kernels under pltpu.InterpretParams()).
 Tile sizes are parameters; None takes the per-target default in TILES.
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import gmm_gpu, gmm_mgpu, gmm_tpu
+from pallas_kernels import gmm_gpu, gmm_mgpu, gmm_mgpu_ws, gmm_tpu
 
 # Tile defaults per target and op ('gmm': forward and input gradient, 'tgmm': weight
 # gradient). TPU: 128 matches the MXU and the (8, 128) layout, K in steps of 512 (not yet run
@@ -34,8 +35,13 @@ TILES = {
             'tgmm': dict(tile_m=64, tile_n=256, tile_k=128, num_warps=8, num_stages=3)},
     'mgpu': {'gmm': dict(tile_m=128, tile_n=128, tile_k=64, stages=5, persistent=True),
              'tgmm': dict(tile_m=64, tile_n=128, tile_k=128, stages=4)},
+    # warp-specialised (tile_n / tile_k: one of the two compute warpgroups' share); not yet
+    # timed on a device
+    'mgpu_ws': {'gmm': dict(tile_m=128, tile_n=128, tile_k=64, stages=3),
+                'tgmm': dict(tile_m=64, tile_n=128, tile_k=128, stages=3)},
 }
-KERNELS = {'tpu': gmm_tpu, 'gpu': gmm_gpu, 'mgpu': gmm_mgpu}
+KERNELS = {'tpu': gmm_tpu, 'gpu': gmm_gpu, 'mgpu': gmm_mgpu, 'mgpu_ws': gmm_mgpu_ws}
+SIXTEEN_BIT_ONLY = ('mgpu', 'mgpu_ws')  # wgmma transposes no other operands
 # The kernel family per op a GPU backend uses when no target is given: 'gpu' (Triton) or
 # 'mgpu' (Mosaic GPU, Hopper wgmma). Measured on an H200 (above): the Mosaic GPU gmm (295
 # TFLOP/s) beats Triton's (224-243); for tgmm Triton's (222-234) beat Mosaic GPU's (173-222)
@@ -113,12 +119,12 @@ def _rows_below(out_MN, group_sizes_G):
 
 def _call(cfg, op, dtype, n):
   """(kernel module, keyword arguments, interpret) of one op: its tiles (tile_n falls back to
-  N if it doesn't divide). 'mgpu' takes 16-bit inputs only (wgmma transposes no others):
-  other dtypes run the 'gpu' (Triton) kernels at their default tiles."""
+  N if it doesn't divide). The Mosaic GPU families take 16-bit inputs only: other dtypes run
+  the 'gpu' (Triton) kernels at their default tiles."""
   interpret, gmm_cfg, tgmm_cfg = cfg
   kw = dict(gmm_cfg if op == 'gmm' else tgmm_cfg)
   family = kw.pop('family')
-  if family == 'mgpu' and jnp.dtype(dtype).itemsize != 2:
+  if family in SIXTEEN_BIT_ONLY and jnp.dtype(dtype).itemsize != 2:
     family, kw = 'gpu', dict(TILES['gpu'][op])
   if n % kw['tile_n']:
     kw['tile_n'] = n

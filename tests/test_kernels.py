@@ -1,7 +1,8 @@
 """pallas_kernels against slow, obvious references, on CPU in interpret mode.
 
 - gmm (every kernel family: 'gpu' Triton under interpret=True, 'mgpu' Mosaic GPU under its
-  interpreter, persistent and one CTA per tile (16-bit inputs; float32 goes to Triton), 'tpu'
+  interpreter, persistent and one CTA per tile, 'mgpu_ws' warp-specialised (Mosaic GPU: 16-bit
+  inputs; float32 goes to Triton), 'tpu'
   Mosaic under pltpu.InterpretParams()) == a float64 numpy per-group loop ==
   jax.lax.ragged_dot, forward and both gradients, float32 and bf16, K in two tile steps, on
   ragged sizes: empty groups, one group taking every row, sizes not a multiple of the tile,
@@ -58,6 +59,8 @@ FAMILIES = {  # name -> (target, tile overrides): every kernel family and the mg
     'mgpu': ('mgpu', {op: {'tile_k': 8, 'persistent': True} for op in ('gmm', 'tgmm')}),
     'mgpu_cta_per_tile': ('mgpu', {op: {'tile_k': 8, 'persistent': False}
                                    for op in ('gmm', 'tgmm')}),
+    # warp-specialised Mosaic GPU: the CTA tile is split between two compute warpgroups
+    'mgpu_ws': ('mgpu_ws', K_TILES),
     # the GPU default: Mosaic GPU forward and input gradient, Triton weight gradient
     'mixed': (None, {'gmm': {'family': 'mgpu', 'tile_k': 8},
                      'tgmm': {'family': 'gpu', 'tile_k': 8}}),
@@ -219,10 +222,11 @@ def test_pallas_self_check_runs_inside_a_trace_and_catches_a_wrong_kernel(monkey
   dsp.pallas_self_check.cache_clear()
 
 
-@pytest.mark.parametrize('target', ['gpu', 'mgpu'])
+@pytest.mark.parametrize('target', ['gpu', 'mgpu', 'mgpu_ws'])
 def test_gmm_forward_and_backward_lower_for_cuda_at_moe_size(target):
-  """The compiled GPU kernels (Triton; Mosaic GPU with in-kernel transposes) lower at an
-  MoE-sized bf16 problem (M 65536, K 2048, N 1024, 64 groups): tiles fit shared memory."""
+  """The compiled GPU kernels (Triton; Mosaic GPU with in-kernel transposes, plain and
+  warp-specialised) lower at an MoE-sized bf16 problem (M 65536, K 2048, N 1024, 64 groups):
+  the default tiles fit shared memory (Mosaic GPU checks it while lowering)."""
   from lowering import lower_for
   shapes = (jax.ShapeDtypeStruct((65536, 2048), jnp.bfloat16),
             jax.ShapeDtypeStruct((64, 2048, 1024), jnp.bfloat16))
@@ -230,8 +234,31 @@ def test_gmm_forward_and_backward_lower_for_cuda_at_moe_size(target):
   loss = lambda l, r: jnp.sum(pk.gmm(l, r, sizes, target=target, interpret=False)
                               .astype(jnp.float32))
   text = lower_for('cuda', jax.value_and_grad(loss, (0, 1)), *shapes)
-  marker = {'gpu': 'custom_call @__gpu$xla.gpu.triton(', 'mgpu': 'custom_call @mosaic_gpu_v2('}
+  marker = {'gpu': 'custom_call @__gpu$xla.gpu.triton(', 'mgpu': 'custom_call @mosaic_gpu_v2(',
+            'mgpu_ws': 'custom_call @mosaic_gpu_v2('}
   assert text.count(marker[target]) == 3, 'forward gmm, backward gmm and tgmm kernels'
+
+
+@pytest.mark.parametrize('family', ['mgpu', 'mgpu_ws'])
+def test_every_benchmark_variant_lowers_for_cuda(family):
+  """Every Mosaic GPU tile variant `scripts/benchmark.py kernels` times on a GPU fits shared
+  memory at the benchmark's shape (else the device run would lose it to a compile error)."""
+  from lowering import lower_for
+  from loopmoe_jax.bench_kernels import VARIANTS
+  lhs = jax.ShapeDtypeStruct((65536, 2048), jnp.bfloat16)
+  rhs = jax.ShapeDtypeStruct((64, 2048, 1024), jnp.bfloat16)
+  grad = jax.ShapeDtypeStruct((65536, 1024), jnp.bfloat16)
+  sizes = jnp.full((64,), 1024, jnp.int32)
+  for tiles in VARIANTS[family]['gmm']:
+    kw = dict(target=family, interpret=False, tiles={'gmm': tiles})
+    lower_for('cuda', lambda l, r, kw=kw: pk.gmm(l, r, sizes, **kw), lhs, rhs)
+    # the input gradient: transposed rhs, N = 2048
+    lower_for('cuda', lambda g, r, kw=kw: jax.vjp(lambda l: pk.gmm(l, r, sizes, **kw),
+                                                  jnp.zeros(lhs.shape, lhs.dtype))[1](g),
+              grad, rhs)
+  for tiles in VARIANTS[family]['tgmm']:
+    lower_for('cuda', lambda l, g, t=tiles: pk.tgmm(l, g, sizes, target=family, interpret=False,
+                                                    tiles={'tgmm': t}), lhs, grad)
 
 
 TINY_MOE = ModelConfig(vocab_size=32, d_model=16, num_heads=2, expert_width=16, top_k=2,
