@@ -106,6 +106,37 @@ def tiling(target: str | None, tile_m=None, tile_n=None, overrides=None):
   return tuple(ops)
 
 
+def _shape_error(op: str, what: str):
+  return ValueError(f'pallas_kernels.{op}: {what}')
+
+
+def _check_sizes(op: str, group_sizes_G, num_groups: int | None):
+  if group_sizes_G.ndim != 1 or not jnp.issubdtype(group_sizes_G.dtype, jnp.integer):
+    raise _shape_error(op, f'group_sizes must be a 1-D integer array, got shape '
+                           f'{group_sizes_G.shape} dtype {group_sizes_G.dtype}')
+  if num_groups is not None and group_sizes_G.shape[0] != num_groups:
+    raise _shape_error(op, f'group_sizes has {group_sizes_G.shape[0]} groups but rhs has '
+                           f'{num_groups} (rhs.shape[0])')
+
+
+def _check_gmm(op: str, lhs_MK, rhs_GKN, group_sizes_G):
+  if lhs_MK.ndim != 2 or rhs_GKN.ndim != 3:
+    raise _shape_error(op, f'lhs must be [M, K] and rhs [G, K, N], got lhs.shape '
+                           f'{lhs_MK.shape} rhs.shape {rhs_GKN.shape}')
+  if lhs_MK.shape[1] != rhs_GKN.shape[1]:
+    raise _shape_error(op, f'contracting dimensions differ: lhs.shape[1] = {lhs_MK.shape[1]}, '
+                           f'rhs.shape[1] = {rhs_GKN.shape[1]}')
+  _check_sizes(op, group_sizes_G, rhs_GKN.shape[0])
+
+
+def clip_sizes(group_sizes_G, num_rows: int):
+  """int32 group sizes with negatives taken as 0 and the groups ending at num_rows at the
+  latest (rows of a group past the end are dropped), so every kernel sees sum <= num_rows."""
+  sizes = jnp.maximum(group_sizes_G.astype(jnp.int32), 0)
+  ends = jnp.minimum(jnp.cumsum(sizes), num_rows)
+  return jnp.diff(ends, prepend=0).astype(jnp.int32)
+
+
 def _pad_rows(x, multiple):
   pad = -x.shape[0] % multiple
   return jnp.pad(x, ((0, pad), (0, 0))) if pad else x
@@ -183,26 +214,38 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, target: str | None = None, interpret=
         tile_m: int | None = None, tile_n: int | None = None, tiles=None):
   """Grouped matmul with `jax.lax.ragged_dot` semantics, differentiable in lhs and rhs.
 
-  lhs [M, K] rows sorted by group; rhs [G, K, N]; group_sizes [G] int summing to at most M;
-  rows past the sum are zero. Output dtype = lhs dtype, float32 accumulation. `tiles`
-  overrides TILES per op ({'gmm': {...}, 'tgmm': {...}}, each may name its 'family');
-  tile_m / tile_n set both ops."""
+  lhs [M, K] rows sorted by group; rhs [G, K, N]; group_sizes [G] int summing to at most M
+  (rows past the sum are zero; see clip_sizes for other sizes). Bad shapes raise a
+  ValueError naming them. Output dtype: the promoted input dtype, float32 accumulation. `tiles` overrides TILES per op ({'gmm': {...}, 'tgmm': {...}}, each may name
+  its 'family'); tile_m / tile_n set both ops."""
+  _check_gmm('gmm', lhs_MK, rhs_GKN, group_sizes_G)
+  dtype = jnp.result_type(lhs_MK, rhs_GKN)  # mixed dtypes promote, as in ragged_dot
+  lhs_MK, rhs_GKN = lhs_MK.astype(dtype), rhs_GKN.astype(dtype)
   with jax.named_scope('gmm'):
-    return _gmm(lhs_MK, rhs_GKN, group_sizes_G,
+    return _gmm(lhs_MK, rhs_GKN, clip_sizes(group_sizes_G, lhs_MK.shape[0]),
                 (interpret,) + tiling(target, tile_m, tile_n, tiles))
 
 
 def tgmm(lhs_MK, grad_MN, group_sizes_G, *, target: str | None = None, interpret=None,
          tile_m: int | None = None, tile_n: int | None = None, tiles=None):
   """Per-group lhs^T @ grad ([G, K, N] float32): the weight gradient of gmm."""
+  if lhs_MK.ndim != 2 or grad_MN.ndim != 2 or lhs_MK.shape[0] != grad_MN.shape[0]:
+    raise _shape_error('tgmm', f'lhs must be [M, K] and grad [M, N] with the same M, got '
+                               f'lhs.shape {lhs_MK.shape} grad.shape {grad_MN.shape}')
+  _check_sizes('tgmm', group_sizes_G, None)
+  dtype = jnp.result_type(lhs_MK, grad_MN)
+  lhs_MK, grad_MN = lhs_MK.astype(dtype), grad_MN.astype(dtype)
   with jax.named_scope('tgmm'):
-    return _tgmm_impl(lhs_MK, grad_MN, group_sizes_G,
+    return _tgmm_impl(lhs_MK, grad_MN, clip_sizes(group_sizes_G, lhs_MK.shape[0]),
                       (interpret,) + tiling(target, tile_m, tile_n, tiles))
 
 
 def gmm_swiglu(x_MD, gate_GDF, up_GDF, group_sizes_G, **kw):
   """silu(x @ gate[g]) * (x @ up[g]) with the gate and up projections fused into one gmm
   (weights concatenated along N, so x is read once)."""
+  if gate_GDF.shape != up_GDF.shape:
+    raise _shape_error('gmm_swiglu', f'gate and up shapes differ: {gate_GDF.shape} and '
+                                     f'{up_GDF.shape}')
   f = gate_GDF.shape[2]
   with jax.named_scope('gate_up'):
     h_MF2 = gmm(x_MD, jnp.concatenate([gate_GDF, up_GDF], axis=2), group_sizes_G, **kw)

@@ -35,7 +35,7 @@ from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.dispatch import dispatch, resolve_backend
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.moe import route as moe_route
-from reference import assert_close, cuda_devices, gmm_numpy, requires_gpu
+from reference import as64, assert_close, cuda_devices, gmm_numpy, requires_gpu
 
 TOL = {'float32': 1e-5, 'bfloat16': 2e-2}
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
@@ -80,12 +80,40 @@ def test_kernel_family_per_op_and_bad_names():
     pk.gmm(jnp.zeros((8, 4)), jnp.zeros((2, 4, 4)), jnp.array([4, 4]), target='triton')
 
 
+def test_bad_operands_raise_naming_the_problem():
+  lhs, rhs, sizes = jnp.zeros((8, 4)), jnp.zeros((2, 4, 3)), jnp.array([4, 4])
+  cases = [(lambda: pk.gmm(lhs, jnp.zeros((2, 5, 3)), sizes), r'lhs.shape\[1\] = 4, rhs.shape\[1\] = 5'),
+           (lambda: pk.gmm(lhs, rhs, jnp.array([4, 2, 2])), 'group_sizes has 3 groups but rhs has 2'),
+           (lambda: pk.gmm(lhs[0], rhs, sizes), r'lhs must be \[M, K\]'),
+           (lambda: pk.gmm(lhs, rhs, jnp.array([4.0, 4.0])), 'group_sizes must be a 1-D integer'),
+           (lambda: pk.tgmm(lhs, jnp.zeros((7, 3)), sizes), r'grad.shape \(7, 3\)'),
+           (lambda: pk.gmm_swiglu(lhs, rhs, rhs[:, :, :2], sizes), 'gate and up shapes differ')]
+  for fn, match in cases:
+    with pytest.raises(ValueError, match=match):
+      fn()
+
+
+def test_sizes_past_the_rows_are_clipped_and_mixed_dtypes_promote():
+  """Sizes summing past M end the groups at row M (negative sizes count as 0): the same as
+  ragged_dot on the clipped sizes and as numpy; bf16 x float32 promotes like ragged_dot."""
+  lhs, rhs, _ = operands('float32', seed=3)
+  sizes = [30, -5, 40, 0, 25, 9]  # cumulative 30, 30, 70, 70, 95 > M = 80
+  clipped = [30, 0, 40, 0, 10, 0]
+  np.testing.assert_array_equal(pk.ops.clip_sizes(jnp.asarray(sizes), M), clipped)
+  got = pk.gmm(lhs, rhs, jnp.asarray(sizes), tile_m=TILE_M, tile_n=TILE_N)
+  assert_close(got, gmm_numpy(as64(lhs), as64(rhs), clipped), TOL['float32'], 'clipped sizes')
+  mixed = pk.gmm(lhs.astype(jnp.bfloat16), rhs, jnp.asarray(clipped), tile_m=TILE_M,
+                 tile_n=TILE_N)
+  want = jax.lax.ragged_dot(lhs.astype(jnp.bfloat16), rhs, jnp.asarray(clipped))
+  assert mixed.dtype == want.dtype == jnp.float32
+  assert_close(mixed, want, TOL['float32'], 'bf16 x float32')
+
+
 @pytest.mark.parametrize('family', list(FAMILIES))
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
 def test_gmm_forward_and_vjp_match_numpy_and_ragged_dot(family, dtype):
   target, tiles = FAMILIES[family]
   lhs, rhs, cot = operands(dtype)
-  as64 = lambda a: np.asarray(a.astype(jnp.float32), np.float64)
   for case, sizes in SIZES.items():
     gs = jnp.asarray(sizes, jnp.int32)
     kern = lambda l, r: pk.gmm(l, r, gs, target=target, tile_m=TILE_M, tile_n=TILE_N,
