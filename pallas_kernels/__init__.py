@@ -1,4 +1,4 @@
-"""Pallas routing and dispatch kernels (TPU Mosaic, GPU Triton-style), differentiable ops.
+"""Pallas routing and dispatch kernels (TPU Mosaic; GPU Triton and Mosaic GPU), differentiable ops.
 
 Public API:
   gmm(lhs_MK, rhs_GKN, group_sizes_G, ...)   grouped matmul, jax.lax.ragged_dot semantics

@@ -165,7 +165,11 @@ def route(logits_TE, top_k: int, *, renormalize: bool = True, bias_E=None,
   (Mosaic) or 'gpu' (Triton), None: ops.resolve_target. `interpret` None: interpret on CPU."""
   if score not in ('softmax', 'sigmoid'):
     raise ValueError(f'score={score!r}: must be softmax or sigmoid')
+  if logits_TE.ndim != 2:
+    raise ValueError(f'logits must be [T, E], got shape {logits_TE.shape}')
   t, e = logits_TE.shape
+  if bias_E is not None and bias_E.shape != (e,):
+    raise ValueError(f'bias_E shape {bias_E.shape}: must be ({e},), one per expert')
   if not 0 < top_k <= e:
     raise ValueError(f'top_k={top_k}: must be in [1, {e}]')
   bias = jnp.zeros((e,), jnp.float32) if bias_E is None else bias_E.astype(jnp.float32)

@@ -131,3 +131,16 @@ def test_lowers_forward_and_grad(platform, target, dtype, d):
   assert grad.count(CALL[platform]) == 4, 'forward kernels + one gather per backward'
   if platform == 'cuda':
     assert 'mosaic_gpu' not in grad, 'GPU kernels must lower through Triton'
+
+
+def test_bad_operands_raise_naming_them():
+  x, pos, w = jnp.zeros((4, 8)), jnp.zeros((4, 2), jnp.int32), jnp.zeros((4, 2))
+  cases = [(lambda: pk.permute(x[:3], pos), r'x must be 2-D with 4 rows'),
+           (lambda: pk.permute(x, pos.astype(jnp.float32)), 'positions must be a'),
+           (lambda: pk.combine(jnp.zeros((7, 8)), pos, w), r'out must be 2-D with 8 rows'),
+           (lambda: pk.combine(jnp.zeros((8, 8)), pos, w[:, :1]), 'weights shape'),
+           (lambda: pk.route(jnp.zeros((4, 6)), 2, bias_E=jnp.zeros(5)), r'bias_E shape \(5,\)'),
+           (lambda: pk.route(jnp.zeros((4, 6)), 7), r'top_k=7')]
+  for fn, match in cases:
+    with pytest.raises(ValueError, match=match):
+      fn()
