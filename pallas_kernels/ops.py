@@ -216,8 +216,9 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, target: str | None = None, interpret=
 
   lhs [M, K] rows sorted by group; rhs [G, K, N]; group_sizes [G] int summing to at most M
   (rows past the sum are zero; see clip_sizes for other sizes). Bad shapes raise a
-  ValueError naming them. Output dtype: the promoted input dtype, float32 accumulation. `tiles` overrides TILES per op ({'gmm': {...}, 'tgmm': {...}}, each may name
-  its 'family'); tile_m / tile_n set both ops."""
+  ValueError naming them. Output dtype: the promoted input dtype, float32 accumulation.
+  `tiles` overrides TILES per op ({'gmm': {...}, 'tgmm': {...}}, each may name its
+  'family'); tile_m / tile_n set both ops."""
   _check_gmm('gmm', lhs_MK, rhs_GKN, group_sizes_G)
   dtype = jnp.result_type(lhs_MK, rhs_GKN)  # mixed dtypes promote, as in ragged_dot
   lhs_MK, rhs_GKN = lhs_MK.astype(dtype), rhs_GKN.astype(dtype)
