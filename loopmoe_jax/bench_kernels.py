@@ -9,10 +9,15 @@ CPU (always; keys start with cpu_):
   cpu_tiled_tile64_E64_over_dense for information). Tile 128 (gmm_tiled's default).
 GPU/TPU (when the default backend is one; keys start with the platform): the Pallas gmm and
 ragged_dot forward and forward+backward at E 8 and 64, `{p}_pallas_over_xla_E{E}` and
-`{p}_pallas_E64_over_E8`, plus the Pallas self-check and what `auto` resolves to.
+`{p}_pallas_E64_over_E8`, plus the Pallas self-check and what `auto` resolves to. On a GPU
+every tile variant of every kernel family (Triton, Mosaic GPU, warp-specialised Mosaic GPU)
+is checked against ragged_dot and timed first. The MoE layer (forward+backward) over a dense
+SwiGLU, its error against the xla dispatch, and each Pallas stage's share of its time
+(`{p}_moe_stage_share`: route, permute, gate_up, down, combine, each timed alone).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from typing import Any
@@ -240,6 +245,49 @@ def _gmm_figures(res, p, m, k, n, best, repeats):
 GMM_ONLY = dispatch._grouped(dispatch.gmm_pallas)  # pylint: disable=protected-access
 
 
+@contextlib.contextmanager
+def _kernel_defaults(tiles):
+  """Makes `tiles` ({op: tiles with their 'family'}) the GPU defaults of pallas_kernels while
+  the block runs (the model's dispatch path takes no tiles of its own)."""
+  ops = pallas_kernels.ops
+  old = (dict(ops.GPU_DEFAULT), {f: dict(t) for f, t in ops.TILES.items()})
+  for op, op_tiles in tiles.items():
+    ops.GPU_DEFAULT[op] = op_tiles['family']
+    ops.TILES[op_tiles['family']][op] = {k: v for k, v in op_tiles.items() if k != 'family'}
+  try:
+    yield
+  finally:
+    ops.GPU_DEFAULT.update(old[0])
+    for family, family_tiles in old[1].items():
+      ops.TILES[family].update(family_tiles)
+
+
+def _stage_thunks(x, router, experts, top_k):
+  """Forward+backward of each stage of the all-Pallas MoE layer on its own (inputs made
+  outside the timed call), so their times show where the layer's time goes."""
+  pk = pallas_kernels
+  logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32))
+  plan = jax.jit(lambda l: pk.route(l, top_k))(logits)
+  sizes, pos, wts = plan['counts_E'], plan['positions_Tk'], plan['weights_Tk']
+  x_M = jax.jit(pk.permute)(x, pos)
+  h_M = jax.jit(pk.gmm_swiglu)(x_M, experts['gate'], experts['up'], sizes)
+  y_M = jax.jit(pk.gmm)(h_M, experts['down'], sizes)
+  square = lambda a: jnp.sum(jnp.asarray(a, jnp.float32) ** 2)
+  stages = {
+      'route': (lambda l: square(pk.route(l, top_k)['weights_Tk']), (logits,)),
+      'permute': (lambda a: square(pk.permute(a, pos)), (x,)),
+      'gate_up': (lambda a, g, u: square(pk.gmm_swiglu(a, g, u, sizes)),
+                  (x_M, experts['gate'], experts['up'])),
+      'down': (lambda a, w: square(pk.gmm(a, w, sizes)), (h_M, experts['down'])),
+      'combine': (lambda a, w: square(pk.combine(a, pos, w)), (y_M, wts)),
+  }
+  thunks = {}
+  for name, (loss, args) in stages.items():
+    step = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args)))))
+    thunks[f'stage_{name}'] = functools.partial(step, *args)
+  return thunks
+
+
 def _moe_layer(res, p, tokens, d, f, e, top_k, tiles, repeats):
   """MoE layer (router, top-k, dispatch, SwiGLU experts, combine) forward+backward over a
   dense SwiGLU of the same active width (top_k * f) on the same tokens."""
@@ -267,21 +315,18 @@ def _moe_layer(res, p, tokens, d, f, e, top_k, tiles, repeats):
   grad = lambda fn: jax.jit(jax.value_and_grad(fn, argnums=(0, 1)), static_argnums=(2,))
   moe_step, dense_step = grad(moe_loss), jax.jit(jax.value_and_grad(dense_loss, (0, 1)))
   params = {'router': router, 'experts': experts}
-  ops = pallas_kernels.ops
-  old = (dict(ops.GPU_DEFAULT), {f: dict(t) for f, t in ops.TILES.items()})
-  for op, op_tiles in tiles.items():  # the dispatch path takes these defaults
-    ops.GPU_DEFAULT[op] = op_tiles['family']
-    ops.TILES[op_tiles['family']][op] = {k: v for k, v in op_tiles.items() if k != 'family'}
-  try:
+  with _kernel_defaults(tiles):  # the dispatch path takes these tiles
     thunks = {'dense': lambda: dense_step(dense, x)}
     for backend in ('pallas', 'pallas_gmm_only', 'xla'):
       thunks[backend] = functools.partial(moe_step, params, x, backend)
+    thunks.update(_stage_thunks(x, router, experts, top_k))
+    want = jax.tree.leaves(thunks['xla']())  # loss and gradients: pallas == ragged_dot's
+    res[f'{p}_moe_pallas_err'] = max(
+        _rel_err(a, b) for a, b in zip(jax.tree.leaves(thunks['pallas']()), want))
     secs = bench.time_interleaved(thunks, repeats)
-  finally:
-    ops.GPU_DEFAULT.update(old[0])
-    for family, family_tiles in old[1].items():
-      ops.TILES[family].update(family_tiles)
   res.update({f'{p}_moe_s_{k}': v for k, v in secs.items()})
+  res[f'{p}_moe_stage_share'] = {k.split('_', 1)[1]: v / secs['pallas']
+                                 for k, v in secs.items() if k.startswith('stage_')}
   res[f'{p}_moe_layer_over_dense_swiglu'] = secs['pallas'] / secs['dense']
   res[f'{p}_moe_layer_gmm_only_over_dense_swiglu'] = secs['pallas_gmm_only'] / secs['dense']
   res[f'{p}_moe_layer_xla_over_dense_swiglu'] = secs['xla'] / secs['dense']

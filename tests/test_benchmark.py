@@ -24,3 +24,17 @@ def test_model_benchmark_quick(tmp_path, capsys):
   assert json.loads(path.read_text()) == res
   out = capsys.readouterr().out
   assert 'moe_E64_over_E8' in out and ('PASS' in out or 'FAIL' in out)
+
+
+def test_kernels_moe_layer_checks_pallas_and_times_every_stage():
+  """The device part of `benchmark.py kernels`, run on CPU at a tiny shape (interpreted
+  kernels): the all-Pallas MoE layer's loss and gradients match the xla dispatch's, and every
+  stage of it is timed."""
+  from loopmoe_jax import bench_kernels
+  res = {}
+  tiles = {'gmm': {'family': 'gpu', 'tile_m': 16, 'tile_n': 16, 'tile_k': 16},
+           'tgmm': {'family': 'gpu', 'tile_m': 16, 'tile_n': 16, 'tile_k': 16}}
+  bench_kernels._moe_layer(res, 'cpu', 64, 32, 16, 4, 2, tiles, 1)  # pylint: disable=protected-access
+  assert res['cpu_moe_pallas_err'] < 1e-2  # bf16 operands, float32 sums
+  assert set(res['cpu_moe_stage_share']) == {'route', 'permute', 'gate_up', 'down', 'combine'}
+  assert all(v > 0 for v in res['cpu_moe_stage_share'].values())
