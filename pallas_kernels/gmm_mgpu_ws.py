@@ -15,8 +15,8 @@ store only when it reuses the staging buffer (so the store overlaps the next til
 the rows of neighbouring groups in its own slice of shared memory, in the two edge tiles only);
 the group's row tiles stream through a pipeline of dynamic length; empty groups store zeros.
 The output leaves in row slices of `epi_k` rows (float32 outputs need less staging memory).
-16-bit inputs only (ops.py sends others to Triton); an odd N (gmm) or K (tgmm) runs
-gmm_mgpu's persistent kernel instead. Under Mosaic GPU's interpreter (CPU),
+16-bit inputs only (ops.py sends others to Triton). An N (gmm) or K (tgmm) that two
+warpgroup tiles of at least 8 do not divide runs gmm_mgpu's persistent kernel instead. Under Mosaic GPU's interpreter (CPU),
 whose wgmma takes no transposed operands, the transposes happen in XLA first.
 """
 from __future__ import annotations
@@ -58,12 +58,15 @@ def _pipeline(body, context, *, num_steps, in_specs, stages):
       compute_context=context)
 
 
-def _split(tile: int, dim: int) -> int | None:
-  """The per-warpgroup tile: `tile` when COMPUTE_WGS * tile divides dim, else dim's share;
-  None when dim does not split (the caller then runs gmm_mgpu's kernel)."""
-  if dim % (COMPUTE_WGS * tile) == 0:
-    return tile
-  return dim // COMPUTE_WGS if dim % COMPUTE_WGS == 0 else None
+def _split(tile: int, dim: int, floor: int = 8) -> int | None:
+  """One warpgroup's tile: the largest of tile, tile / 2, ... (down to `floor`, wgmma's N
+  granularity) whose COMPUTE_WGS-fold divides dim; None if there is none (the caller then
+  runs gmm_mgpu's kernel)."""
+  while tile >= floor:
+    if dim % (COMPUTE_WGS * tile) == 0:
+      return tile
+    tile //= 2
+  return None
 
 
 def _gmm_body(group_gmem, tile_gmem, first_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem, *,

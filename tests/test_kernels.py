@@ -140,6 +140,28 @@ def test_gmm_forward_and_vjp_match_numpy_and_ragged_dot(family, dtype):
       assert not np.any(as64(dr_k[g])), f'{what}: d_rhs of empty group {g} not zero'
 
 
+def test_mgpu_ws_splits_tiles_between_warpgroups_or_falls_back():
+  """The warp-specialised kernels give each of the two compute warpgroups the largest tile
+  (>= 8) whose double divides the dimension, with several column / K tiles per group here,
+  and fall back to the plain Mosaic GPU kernel when none does: all == numpy."""
+  split = pk.gmm_mgpu_ws._split  # pylint: disable=protected-access
+  assert [split(128, d) for d in (1024, 1408, 384, 24, 16)] == [128, 64, 64, None, 8]
+  rng = np.random.default_rng(4)
+  sizes = [5, 0, 30, 2]  # sum 37 < 48: rows past the sum are zero
+  ends = np.cumsum(sizes)
+  for n, k in ((32, 32), (24, 24)):  # split (two tiles per warpgroup); no split: fall back
+    lhs = jnp.asarray(rng.normal(size=(48, k)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.normal(size=(4, k, n)) / 4, jnp.bfloat16)
+    grad = jnp.asarray(rng.normal(size=(48, n)), jnp.bfloat16)
+    tiles = {'gmm': {'tile_n': 8, 'tile_k': 8}, 'tgmm': {'tile_n': 8, 'tile_k': 8}}
+    kw = dict(target='mgpu_ws', tile_m=16, tiles=tiles)
+    got = pk.gmm(lhs, rhs, jnp.asarray(sizes), **kw)
+    assert_close(got, gmm_numpy(as64(lhs), as64(rhs), sizes), TOL['bfloat16'], f'gmm n={n}')
+    got = pk.tgmm(lhs, grad, jnp.asarray(sizes), **kw)
+    want = np.stack([as64(lhs)[e - s:e].T @ as64(grad)[e - s:e] for s, e in zip(sizes, ends)])
+    assert_close(got, want, TOL['bfloat16'], f'tgmm k={k}')
+
+
 @pytest.mark.parametrize('target', ['gpu', 'mgpu', 'tpu'])
 def test_tgmm_matches_numpy_per_group(target):
   lhs, _, grad = operands('float32', seed=1)
@@ -352,11 +374,12 @@ def _gpu_operands(dtype, m=1000, k=256, n=384, seed=0):
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize('target', ['gpu', 'mgpu'])
+@pytest.mark.parametrize('target', ['gpu', 'mgpu', 'mgpu_ws'])
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
 def test_gpu_gmm_compiled_matches_ragged_dot(dtype, target):
   """Default tiles (K in several steps), rows past the sum, forward and both gradients vs
-  ragged_dot (HIGHEST); 'mgpu' runs float32 through the Triton kernels (16-bit only)."""
+  ragged_dot (HIGHEST); the Mosaic GPU families run float32 through the Triton kernels
+  (16-bit only), and transpose in the kernel (never under the CPU interpreter)."""
   with jax.default_device(cuda_devices()[0]):
     lhs, rhs, gs = _gpu_operands(dtype)
     loss = lambda f: lambda l, r: jnp.sum(jnp.sin(f(l, r).astype(jnp.float32)))
