@@ -27,6 +27,8 @@ def core_shape(opts):
       e, d, l = (int(v) for v in opts['shape'].lower().split('x'))
     except ValueError:
       raise ValueError(f"config argument shape={opts['shape']!r}: expected ExDxL") from None
+    if min(e, d, l) < 1:
+      raise ValueError(f"config argument shape={opts['shape']!r}: E, D and L must be >= 1")
     return e, d, l, opts['tied']
   name = TIED.get(opts['variant'], opts['variant'])
   if name not in FLATTEN:

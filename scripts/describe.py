@@ -12,7 +12,8 @@ from loopmoe_jax.config import ModelConfig
 
 _CONFIG = config_flag()
 _INIT = flags.DEFINE_bool('init', False, 'Also count the real init params (jax.eval_shape).')
-_CONTEXT = flags.DEFINE_integer('context', 2048, 'Context length for attention FLOPs.')
+_CONTEXT = flags.DEFINE_integer('context', 2048, 'Context length for attention FLOPs.',
+                                lower_bound=1)
 
 
 def main(argv):

@@ -16,7 +16,10 @@ _LOOPS = flags.DEFINE_list('num_loops', [], 'Pass counts to evaluate (default: t
 def main(argv):
   del argv
   from loopmoe_jax.train.evaluation import evaluate_checkpoint
-  loops = [int(n) for n in _LOOPS.value] or [None]
+  try:
+    loops = [int(n) for n in _LOOPS.value] or [None]
+  except ValueError:
+    raise ValueError(f'--num_loops={",".join(_LOOPS.value)}: pass counts must be integers') from None
   print(json.dumps(evaluate_checkpoint(_WORKDIR.value, loops, _STEP.value), indent=1))
 
 

@@ -80,6 +80,22 @@ def test_truncated_and_foreign_files_are_reported(tmp_path):
     sources.TokenFile(str(other))
 
 
+def test_bad_headers_are_reported_naming_the_file(tmp_path):
+  """A header without num_tokens, or with a float dtype, is an error naming the file."""
+  import struct
+  for name, header, match in (
+      ('nokey.bin', {'dtype': 'uint16', 'vocab_size': 256, 'tokenizer': 'byte'},
+       r"nokey\.bin.*lacks \['num_tokens'\]"),
+      ('float.bin', {'dtype': 'float32', 'vocab_size': 256, 'tokenizer': 'byte',
+                     'num_tokens': 4}, r"float\.bin.*'float32' is not an integer type")):
+    body = json.dumps(header).encode()
+    head = sources.MAGIC + struct.pack('<Q', len(body)) + body
+    head += b'\0' * (-len(head) % 64)
+    (tmp_path / name).write_bytes(head + np.full(4, 5.5, np.float32).tobytes())
+    with pytest.raises(ValueError, match=match):
+      sources.TokenFile(str(tmp_path / name))
+
+
 def test_zarr_source_matches_token_file(tmp_path):
   toks = np.random.default_rng(1).integers(0, 70000, 3000)
   sources.write_zarr(str(tmp_path / 'z'), toks, 70000, 'byte', chunk=512)

@@ -42,6 +42,33 @@ def test_points_set_fields_and_keep_seeds():
   assert sweep.config_sweep(LOOP_LAWS, 'smoke') == {'model.num_loops': [1, 2, 4]}
 
 
+def test_bad_sweep_values_and_changed_configs_name_the_key(tmp_path):
+  """Sweep values that do not convert name their key; a non-integer for an integer field is
+  refused (not truncated); every point is validated before any runs; a finished point whose
+  base config changed since is an error naming the field, not a silent skip."""
+  cfg = _config()
+  for point, match in (({'model.num_loops': 'x'}, r"model\.num_loops: 'x' is not a number"),
+                       ({'train.lr': 'abc'}, r"train\.lr: 'abc' is not a number"),
+                       ({'model.num_loops': '2.5'}, r"num_loops: '2\.5' is not an integer")):
+    with pytest.raises(ValueError, match=match):
+      sweep.apply_point(cfg, point)
+  ran = []
+  fake = lambda c, w: ran.append(w) or {'steps': c.train.steps, 'final_window_loss': 1.0}
+  with pytest.raises(ValueError, match=r'sweep point seq_len=-4: data\.seq_len=-4'):
+    sweep.run_sweep(cfg, {'data.seq_len': [32, -4]}, str(tmp_path), run=fake)
+  assert not ran  # the bad point stopped the sweep before the good one trained
+
+  def run(c, workdir):
+    with open(os.path.join(workdir, 'summary.json'), 'w') as f:
+      json.dump({'steps': c.train.steps, 'final_window_loss': 1.0}, f)
+    return {'steps': c.train.steps, 'final_window_loss': 1.0}
+
+  sweep.run_sweep(cfg, {'model.num_loops': [1]}, str(tmp_path), run=run, log=lambda *_: None)
+  cfg.train.lr = cfg.train.lr / 2
+  with pytest.raises(ValueError, match=r'num_loops=1 .*ran with another config.*train\.lr'):
+    sweep.run_sweep(cfg, {'model.num_loops': [1]}, str(tmp_path), run=run)
+
+
 def test_block_params_is_the_looped_core():
   mc = ModelConfig.from_dict(_config().model)
   one_layer_less = count(mc.replace(core_layers=mc.core_layers - 1))['params_total']

@@ -119,8 +119,8 @@ def test_nan_loss_stops_and_keeps_the_good_checkpoint(tmp_path):
   work = str(tmp_path / 'n')
   train(tiny(steps=3), work)
   before = {p: open(p, 'rb').read() for p in _files(os.path.join(work, 'checkpoints', '3'))}
-  with pytest.raises(TrainingDiverged, match='non-finite loss'):
-    train(tiny(steps=9, lr=1e30, warmup=0, clip=0.0, save_every=1), work)
+  with pytest.raises(TrainingDiverged, match='non-finite values'):
+    train(tiny(steps=9, lr=1e30, warmup=0, save_every=1), work)
   steps = sorted(int(p) for p in os.listdir(os.path.join(work, 'checkpoints')) if p.isdigit())
   after = {p: open(p, 'rb').read() for p in _files(os.path.join(work, 'checkpoints', '3'))}
   assert before == after
@@ -175,3 +175,76 @@ def test_sigterm_saves_a_restorable_checkpoint(tmp_path):
   _, params, step, _ = checkpoint.load_params(work)
   assert step >= 3
   assert json.load(open(os.path.join(work, 'summary.json')))['stopped_by'] == 'SIGTERM'
+
+
+def test_resume_with_another_model_is_an_error_and_loses_nothing(tmp_path):
+  """A workdir written by another model (or data stream) is not silently restarted: the error
+  names each differing field, and the checkpoints and metrics stay as they were. Changed
+  train settings (more steps, another lr) resume and are printed."""
+  work = str(tmp_path / 'c')
+  train(tiny(steps=3), work)
+  before = open(os.path.join(work, 'metrics.jsonl')).read()
+  changed = tiny(steps=6)
+  changed.model.expert_width = 16
+  changed.data.seq_len = 8
+  with pytest.raises(ValueError, match=r'(?s)model\.expert_width: 32 in the checkpoint, 16 now'
+                                       r'.*data\.seq_len: 16 in the checkpoint, 8 now'):
+    train(changed, work)
+  assert open(os.path.join(work, 'metrics.jsonl')).read() == before
+  assert sorted(os.listdir(os.path.join(work, 'checkpoints'))) == ['3']
+  with pytest.raises(ValueError, match=r'(?s)intact but its train state.*train\.clip: 1\.0 in'):
+    train(tiny(steps=6, clip=0.0), work)  # no clipping: another optimizer state
+  summary = train(tiny(steps=4, lr=1e-3), work)
+  assert summary['steps'] == 4
+
+
+def test_unreadable_newest_step_is_set_aside_and_written_again(tmp_path, capsys):
+  """Resuming past a corrupt newest checkpoint moves it to unreadable_checkpoints/ (nothing
+  deleted) and the redone step is saved again, readable, with the uninterrupted run's params."""
+  import jax
+  work, straight = str(tmp_path / 'w'), str(tmp_path / 's')
+  train(tiny(steps=6), straight)
+  train(tiny(steps=6), work)
+  for f in _files(os.path.join(work, 'checkpoints', '6', 'state')):
+    with open(f, 'wb') as fh:
+      fh.write(b'garbage')
+  train(tiny(steps=6), work)   # resumes from 3, redoes 4..6
+  out = capsys.readouterr().out
+  assert 'moved the unreadable checkpoint to' in out
+  assert os.listdir(os.path.join(work, 'unreadable_checkpoints')) == ['6']
+  _, params, step, _ = checkpoint.load_params(work)
+  _, want, _, _ = checkpoint.load_params(straight)
+  assert step == 6
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_non_finite_update_is_never_saved(tmp_path):
+  """A finite loss with an update that overflows the params (lr 1e38, no clipping) stops
+  before saving: every saved step restores to finite params."""
+  import jax
+  work = str(tmp_path / 'f')
+  with pytest.raises(TrainingDiverged, match='non-finite'):
+    train(tiny(steps=4, lr=1e38, schedule='constant', warmup=0, clip=0.0, save_every=1), work)
+  ckpt = os.path.join(work, 'checkpoints')
+  for s in sorted(int(p) for p in os.listdir(ckpt) if p.isdigit()) if os.path.isdir(ckpt) else []:
+    _, params, _, _ = checkpoint.load_params(work, s)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params)), s
+
+
+def test_evaluate_and_sample_from_a_workdir(tmp_path):
+  """Without the trainer: the checkpoint's validation loss equals the one the run logged at
+  its last step; greedy sampling continues the prompt and is deterministic; bad arguments
+  name the flag."""
+  from loopmoe_jax.train.evaluation import evaluate_checkpoint, sample_text
+  work = str(tmp_path / 'e')
+  summary = train(tiny(steps=3), work)
+  out = evaluate_checkpoint(work)
+  assert out['step'] == 3
+  assert out['val_loss']['2'] == pytest.approx(summary['val_loss'], rel=1e-5)
+  text = sample_text(work, 'def ', 6, 0.0, 0)
+  assert text.startswith('def ') and text == sample_text(work, 'def ', 6, 0.0, 1)
+  with pytest.raises(ValueError, match='--tokens=0'):
+    sample_text(work, 'def ', 0, 0.0, 0)
+  with pytest.raises(ValueError, match='--prompt is empty'):
+    sample_text(work, '', 4, 0.0, 0)

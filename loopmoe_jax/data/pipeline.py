@@ -43,6 +43,9 @@ class DataConfig:
     for name in ('seq_len', 'batch_size', 'val_batches'):
       if getattr(self, name) < 1:
         raise ValueError(f'data.{name}={getattr(self, name)}: must be >= 1')
+    if not 0.0 < self.val_fraction < 1.0:
+      raise ValueError(f'data.val_fraction={self.val_fraction}: must lie in (0, 1) (the '
+                       'embedded corpus needs documents in both splits)')
 
   @classmethod
   def from_dict(cls, d):
@@ -177,14 +180,18 @@ def validation_batches(cfg: DataConfig, model_vocab: int, process_index: int = 0
   return out
 
 
+def tokenizer_spec(cfg: DataConfig) -> str:
+  """The tokenizer ('byte' or a tokenizers JSON path) that made the training tokens."""
+  if cfg.source == 'synthetic':
+    return 'byte'
+  if cfg.source != 'embedded':
+    return open_source(cfg, 'train').tokenizer
+  return cfg.tokenizer
+
+
 def data_tokenizer(cfg: DataConfig):
   """The tokenizer that made the training tokens, or None when it cannot be loaded."""
-  spec = cfg.tokenizer
-  if cfg.source == 'synthetic':
-    spec = 'byte'
-  elif cfg.source != 'embedded':
-    spec = open_source(cfg, 'train').tokenizer
   try:
-    return load_tokenizer(spec)
+    return load_tokenizer(tokenizer_spec(cfg))
   except (OSError, ValueError):
     return None

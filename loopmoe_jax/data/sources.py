@@ -79,8 +79,22 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
       header = json.loads(f.read(n))
     except ValueError as e:
       raise ValueError(f'token file {path!r}: corrupt JSON header ({e})') from None
+  missing = [k for k in ('num_tokens', 'dtype', 'vocab_size', 'tokenizer') if k not in header]
+  if missing:
+    raise ValueError(f'token file {path!r}: header lacks {missing} (has {sorted(header)})')
+  try:
+    dtype = np.dtype(header['dtype'])
+  except TypeError:
+    dtype = None
+  if dtype is None or dtype.kind not in 'iu':
+    raise ValueError(f'token file {path!r}: header dtype {header["dtype"]!r} is not an '
+                     'integer type (token ids are integers)')
+  for key in ('num_tokens', 'vocab_size'):
+    if not isinstance(header[key], int) or header[key] < 0:
+      raise ValueError(f'token file {path!r}: header {key}={header[key]!r} must be an '
+                       'integer >= 0')
   offset = 16 + n + (-(16 + n) % 64)
-  expected = offset + header['num_tokens'] * np.dtype(header['dtype']).itemsize
+  expected = offset + header['num_tokens'] * dtype.itemsize
   size = os.path.getsize(path)
   if size != expected:
     raise ValueError(f'token file {path!r}: {size} bytes, header implies {expected} (truncated?)')

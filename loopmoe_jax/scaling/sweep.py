@@ -28,6 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from loopmoe_jax.accounting import count
 from loopmoe_jax.config import ModelConfig
+from loopmoe_jax.experiment import build
 from loopmoe_jax.scaling.data import write_csv
 
 EXPERTS_ALIAS = 'model.num_experts'
@@ -57,13 +58,55 @@ def config_sweep(path: str, arg: str | None = None) -> dict[str, list]:
 
 
 def _convert(old: Any, value: Any, key: str):
-  if isinstance(value, str) and not isinstance(old, str):
-    if isinstance(old, bool):
+  """value (a string from the command line, or a Python value) as the type of the field's
+  current value; a ValueError naming the key when it is not one."""
+  if isinstance(old, str) or old is None:
+    return value
+  if isinstance(old, bool):
+    if isinstance(value, str):
       if value.lower() not in ('1', 'true', 'yes', '0', 'false', 'no'):
         raise ValueError(f'--sweep {key}: {value!r} is not a bool')
       return value.lower() in ('1', 'true', 'yes')
-    return type(old)(float(value) if isinstance(old, int) and '.' in value else value)
-  return value
+    return bool(value)
+  try:
+    number = float(value)
+  except (TypeError, ValueError):
+    raise ValueError(f'--sweep {key}: {value!r} is not a number ({type(old).__name__} '
+                     'field)') from None
+  if isinstance(old, int):
+    if not number.is_integer():
+      raise ValueError(f'--sweep {key}: {value!r} is not an integer')
+    return int(number)
+  return type(old)(number)
+
+
+def _flat(d: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, Mapping):
+      out.update(_flat(v, f'{prefix}{k}.'))
+    else:
+      out[f'{prefix}{k}'] = v
+  return out
+
+
+# fields that may differ between a point's runs (cadence, length, threads): not a new point
+FREE_FIELDS = tuple(f'train.{k}' for k in (
+    'steps', 'log_every', 'eval_every', 'save_every', 'keep', 'async_save', 'routing_every',
+    'sample_tokens', 'sample_prompt', 'peak_flops')) + ('data.num_threads', 'data.prefetch')
+
+
+def config_changes(workdir: str, cfg) -> list[str]:
+  """The fields (other than FREE_FIELDS) where the config a point ran with (its config.json)
+  differs from cfg."""
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    old = _flat(json.load(f))
+  new = _flat(json.loads(cfg.to_json()))
+  return [f'{k}: {old.get(k)!r} then, {new.get(k)!r} now' for k in sorted(set(old) | set(new))
+          if old.get(k) != new.get(k) and k not in FREE_FIELDS]
 
 
 def apply_point(cfg, point: Mapping[str, Any]):
@@ -140,14 +183,21 @@ def run_sweep(cfg, sweeps: Mapping[str, Sequence[Any]], root: str,
     from loopmoe_jax.train.trainer import train as run
   points = grid(sweeps)
   cfgs = [apply_point(cfg, p) for p in points]
-  for c in cfgs:  # fail on a bad point before any training
-    ModelConfig.from_dict(c.model)
+  for point, c in zip(points, cfgs):  # fail on a bad point before any training
+    try:
+      build(c)
+    except ValueError as e:
+      raise ValueError(f'sweep point {point_name(point)}: {e}') from None
   os.makedirs(root, exist_ok=True)
   rows = []
   for i, (point, c) in enumerate(zip(points, cfgs)):
     name = point_name(point)
     workdir = os.path.join(root, name)
     summary = finished(workdir, c.train.steps)
+    changes = config_changes(workdir, c)
+    if changes:
+      raise ValueError(f'sweep point {name} in {workdir} ran with another config ('
+                       + '; '.join(changes[:8]) + '); use a new --root or remove it')
     if summary:
       log(f'[{i + 1}/{len(points)}] {name}: finished ({summary["steps"]} steps), skipped')
     else:
@@ -155,6 +205,8 @@ def run_sweep(cfg, sweeps: Mapping[str, Sequence[Any]], root: str,
       os.makedirs(workdir, exist_ok=True)
       with open(os.path.join(workdir, 'point.json'), 'w') as f:
         json.dump(point, f)
+      with open(os.path.join(workdir, 'config.json'), 'w') as f:
+        f.write(c.to_json())
       summary = run(c, workdir)
       if summary.get('stopped_by') or summary.get('final_window_loss') is None:
         log(f'{name}: stopped before the end; re-run the sweep to resume')

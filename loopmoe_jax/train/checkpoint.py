@@ -1,9 +1,10 @@
 """Orbax checkpoints: train state, data-iterator state and the resolved config per step.
 
-Saves are asynchronous with keep-N and Orbax's atomic commit (a step directory appears only
-once it is complete). Restore takes the latest step that reads back; a corrupt or partial
-step is reported and skipped for the previous good one. `load_params` reads a checkpoint
-without the trainer (evaluation, generation, export).
+Saves are asynchronous with keep-N and Orbax's atomic commit (a step directory appears
+only once it is complete); a save that Orbax skips is an error. Restore takes the latest
+step that reads back; a corrupt or partial step is reported and skipped for the previous
+good one (the trainer then moves it aside, `set_aside`, so the run can write it again).
+`load_params` reads a checkpoint without the trainer (evaluation, generation, export).
 """
 from __future__ import annotations
 
@@ -28,16 +29,64 @@ def manager(directory: str, keep: int = 3, async_save: bool = True, read_only: b
 
 
 def save(mngr, step: int, state, data_state, config_json: str, force: bool = False):
-  mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                          data=ocp.args.JsonSave(data_state or {}),
-                                          config=ocp.args.JsonSave(json.loads(config_json))),
-            force=force)
+  saved = mngr.save(step, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state or {}),
+      config=ocp.args.JsonSave(json.loads(config_json))), force=force)
+  if not saved:  # Orbax skips a step that already exists rather than overwrite it
+    raise RuntimeError(f'checkpoint step {step} was not written in {mngr.directory} (a step '
+                       f'{step} exists there already: {sorted(mngr.all_steps())})')
 
 
-def restore_latest(mngr, abstract_state, step: int | None = None):
+def stored_config(mngr):
+  """(step, config dict) of the newest step whose config reads back, or None."""
+  for s in sorted(mngr.all_steps(), reverse=True):
+    try:
+      return s, mngr.restore(s, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
+    except Exception:  # pylint: disable=broad-except  (a damaged step: try the previous one)
+      continue
+  return None
+
+
+class StateMismatch(ValueError):
+  """An intact checkpoint whose train state does not fit the one asked for."""
+
+
+def _intact(mngr, step: int) -> bool:
+  """Whether the step's state restores as stored (onto this machine's first device)."""
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  try:
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+                          mngr.item_metadata(step)['state'])
+    mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+  except Exception:  # pylint: disable=broad-except
+    return False
+  return True
+
+
+def set_aside(mngr, steps, workdir: str) -> list[str]:
+  """Moves the given (unreadable) step directories to workdir/unreadable_checkpoints/, so a
+  resumed run can save those steps again and nothing is deleted; returns the new paths."""
+  moved = []
+  for s in steps:
+    src = os.path.join(str(mngr.directory), str(s))
+    dst = os.path.join(workdir, 'unreadable_checkpoints', str(s))
+    n = 1
+    while os.path.exists(dst):
+      dst = os.path.join(workdir, 'unreadable_checkpoints', f'{s}.{n}')
+      n += 1
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    os.rename(src, dst)
+    moved.append(dst)
+  mngr.reload()
+  return moved
+
+
+def restore_latest(mngr, abstract_state, step: int | None = None, skipped=None):
   """(step, state, data_state, config dict) of the newest readable step, or None if none.
 
-  With `step`, only that step is tried. Unreadable steps are logged and skipped."""
+  With `step`, only that step is tried. Unreadable steps are logged, skipped and, when
+  `skipped` is a list, appended to it. A step that restores as stored but not into
+  abstract_state (another optimizer, another model) raises StateMismatch."""
   steps = sorted(mngr.all_steps(), reverse=True) if step is None else [step]
   for s in steps:
     try:
@@ -45,10 +94,16 @@ def restore_latest(mngr, abstract_state, step: int | None = None):
           state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
           config=ocp.args.JsonRestore()))
     except Exception as e:  # orbax raises many kinds for a damaged step
+      if _intact(mngr, s):
+        raise StateMismatch(f'checkpoint step {s} in {mngr.directory} is intact but its train '
+                            f'state does not fit this run\'s ({type(e).__name__}: '
+                            f'{str(e)[:300]})') from e
       log.warning('checkpoint step %d in %s is unreadable (%s: %s); trying the previous one',
                   s, mngr.directory, type(e).__name__, str(e)[:200])
       print(f'WARNING: checkpoint step {s} in {mngr.directory} is unreadable '
             f'({type(e).__name__}); skipping it')
+      if skipped is not None:
+        skipped.append(s)
       continue
     return s, out['state'], out['data'], out['config']
   return None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from loopmoe_jax.config import from_mapping
 
@@ -53,6 +54,16 @@ class TrainConfig:
                  'final_window'):
       if getattr(self, name) < 1:
         raise ValueError(f'train.{name}={getattr(self, name)}: must be >= 1')
+    checks = {'lr': (self.lr > 0, '> 0'), 'warmup': (self.warmup >= 0, '>= 0'),
+              'clip': (self.clip >= 0, '>= 0 (0 disables clipping)'),
+              'b1': (0 <= self.b1 < 1, 'in [0, 1)'), 'b2': (0 <= self.b2 < 1, 'in [0, 1)'),
+              'eps': (self.eps > 0, '> 0'), 'weight_decay': (self.weight_decay >= 0, '>= 0'),
+              'final_lr_fraction': (0 <= self.final_lr_fraction <= 1, 'in [0, 1]'),
+              'lb_coef': (self.lb_coef >= 0, '>= 0'), 'z_coef': (self.z_coef >= 0, '>= 0')}
+    for name, (ok, want) in checks.items():
+      value = getattr(self, name)
+      if not (ok and math.isfinite(value)):  # NaN fails every comparison
+        raise ValueError(f'train.{name}={value}: must be finite and {want}')
     if self.schedule_steps and self.schedule_steps < self.steps:
       raise ValueError(f'train.schedule_steps={self.schedule_steps} is shorter than '
                        f'train.steps={self.steps}')

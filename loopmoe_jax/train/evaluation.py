@@ -1,6 +1,8 @@
 """Evaluation and sampling from a checkpoint directory, without the trainer."""
 from __future__ import annotations
 
+import sys
+
 import jax
 import numpy as np
 
@@ -29,12 +31,22 @@ def evaluate_checkpoint(workdir: str, num_loops=(None,), step: int | None = None
 def sample_text(workdir: str, prompt: str, tokens: int, temperature: float, seed: int,
                 num_loops: int | None = None) -> str:
   cfg, params, _, config = checkpoint.load_params(workdir)
-  tok = pipeline.data_tokenizer(pipeline.DataConfig.from_dict(config['data']))
+  if tokens < 1:
+    raise ValueError(f'--tokens={tokens}: must be >= 1')
+  data_cfg = pipeline.DataConfig.from_dict(config['data'])
+  tok = pipeline.data_tokenizer(data_cfg)
   if tok is None:
-    raise ValueError(f'{workdir}: the tokenizer of its training data cannot be loaded')
-  ids = tok.encode(prompt)[None, :]
-  if ids.size == 0:
+    raise ValueError(f'{workdir}: the tokenizer of its training data '
+                     f'({pipeline.tokenizer_spec(data_cfg)!r}) cannot be loaded')
+  if not prompt:
     raise ValueError('--prompt is empty')
+  ids = tok.encode(prompt)[None, :]
+  back = tok.decode(np.asarray(ids[0]))
+  if ids.size == 0:
+    raise ValueError(f'--prompt={prompt!r}: the tokenizer {tok.name!r} encodes none of it')
+  if back != prompt:  # unknown characters dropped (or a normalising tokenizer)
+    print(f'WARNING: --prompt={prompt!r} reads back as {back!r} through the tokenizer '
+          f'{tok.name!r}', file=sys.stderr)
   out = generate(cfg, params, ids, tokens, jax.random.key(seed), temperature=temperature,
                  num_loops=num_loops)
   return tok.decode(np.asarray(out[0]))

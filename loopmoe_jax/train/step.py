@@ -47,6 +47,14 @@ def global_norm(tree):
   return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
+@jax.jit
+def all_finite(tree) -> jax.Array:
+  """True when every element of every (float) leaf is finite."""
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
 def make_train_step(model, tx, schedule, lb_coef: float, z_coef: float, state_sh, batch_sh):
   def step(state, batch):
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(

@@ -5,10 +5,12 @@
 Resumes from the newest readable checkpoint in `workdir` (batches and losses continue exactly
 as an uninterrupted run), or starts from `train.init_from` (a continuation with a longer
 schedule), or from scratch. SIGTERM/SIGINT save a checkpoint and return cleanly. A
-non-finite loss stops the run with TrainingDiverged and never writes a checkpoint.
+non-finite loss or gradient norm, or non-finite parameters about to be saved, stop the run with
+TrainingDiverged: no checkpoint of them is written.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -77,7 +79,7 @@ def train(cfg, workdir: str) -> dict:
   target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, state_sh)
   mngr = checkpoint.manager(os.path.join(workdir, 'checkpoints'), tc.keep, tc.async_save)
-  state, data_state, start = _initial_state(mngr, target, model, tx, tc, dc, state_sh)
+  state, data_state, start = _initial_state(mngr, target, model, tx, exp, state_sh, workdir)
   summary_path = os.path.join(workdir, 'summary.json')
   if start >= tc.steps and os.path.exists(summary_path):
     print(f'{workdir} already finished at step {start}', flush=True)
@@ -110,11 +112,11 @@ def train(cfg, workdir: str) -> dict:
     """Fetches a step's metrics (one step late) and stops on a non-finite loss."""
     s, m = pending
     m = {k: float(v) for k, v in jax.device_get(m).items()}
-    if not (math.isfinite(m['loss']) and math.isfinite(m['objective'])):
+    watched = {k: m[k] for k in ('loss', 'objective', 'grad_norm') if k in m}
+    if not all(map(math.isfinite, watched.values())):
       raise TrainingDiverged(
-          f"non-finite loss at step {s} (loss {m['loss']}, objective {m['objective']}); "
-          f'stopped without saving: the last good checkpoint (step {last_saved}) is kept. '
-          'Lower train.lr or check the data.')
+          f'non-finite values at step {s} ({watched}); stopped without saving: the last good '
+          f'checkpoint (step {last_saved}) is kept. Lower train.lr or check the data.')
     losses.append(m['loss'])
     return s, m
 
@@ -146,6 +148,10 @@ def train(cfg, workdir: str) -> dict:
         if (step + 1) % tc.save_every == 0 or stop.signal or step + 1 == tc.steps:
           handle(pending)
           pending = None
+          if not bool(steps.all_finite(state['params'])):
+            raise TrainingDiverged(
+                f'non-finite parameters after step {step + 1}; stopped without saving: the last '
+                f'good checkpoint (step {last_saved}) is kept. Lower train.lr.')
           checkpoint.save(mngr, step + 1, state, {'iterator': it.get_state(),
                                                   'recent_losses': losses[-tc.final_window:]},
                           config_json)
@@ -175,12 +181,69 @@ def train(cfg, workdir: str) -> dict:
   return summary
 
 
-def _initial_state(mngr, target, model, tx, tc, dc, state_sh):
-  restored = checkpoint.restore_latest(mngr, target)
+# data fields that leave the training stream as it was: they may change on resume
+DATA_FREE_ON_RESUME = ('val_path', 'val_batches', 'num_threads', 'prefetch')
+
+
+def _check_same_run(stored: dict, exp, where: str, mismatch: str | None = ''):
+  """A ValueError listing every difference when the checkpoint at `where` was written with
+  another model or data stream (its shapes or batches would not continue this run), or when
+  its train state does not fit this run's (`mismatch`, checkpoint.StateMismatch's message;
+  e.g. another optimizer state after train.clip changed from or to 0; the changed train
+  settings are listed with it); other changed train settings (a lower lr, more steps) are
+  allowed and printed."""
+  diffs, notes = [], []
+  for section, current, free in (('model', exp.model, ()), ('data', exp.data, DATA_FREE_ON_RESUME),
+                                 ('train', exp.train, None)):
+    try:
+      old = dataclasses.asdict(type(current).from_dict(stored.get(section, {})))
+    except (ValueError, TypeError) as e:
+      diffs.append(f'{section}: the stored config does not read ({e})')
+      continue
+    for key, value in dataclasses.asdict(current).items():
+      if old.get(key) != value:
+        line = f'{section}.{key}: {old.get(key)!r} in the checkpoint, {value!r} now'
+        (notes if free is None or key in free else diffs).append(line)
+  if mismatch:
+    diffs += [mismatch] + notes
+  if diffs:
+    raise ValueError(f'{where} was written by a different run:\n  ' + '\n  '.join(diffs) +
+                     '\nUse a new workdir (or train.init_from for a continuation with the '
+                     'same model and data).')
+  if notes and jax.process_index() == 0:
+    print('resuming with changed settings: ' + '; '.join(notes), flush=True)
+
+
+def _initial_state(mngr, target, model, tx, exp, state_sh, workdir):
+  tc, dc = exp.train, exp.data
+  stored = checkpoint.stored_config(mngr)
+  where = f'checkpoint step {stored[0]} in {mngr.directory}' if stored else ''
+  if stored is not None:
+    _check_same_run(stored[1], exp, where)
+  skipped = []
+  try:
+    restored = checkpoint.restore_latest(mngr, target, skipped=skipped)
+  except checkpoint.StateMismatch as e:
+    _check_same_run(stored[1] if stored else {}, exp, where, str(e))
+    raise
+  if restored is not None and skipped:  # newer steps that do not read: set them aside
+    if jax.process_count() > 1:
+      raise RuntimeError(f'checkpoint steps {skipped} in {mngr.directory} are unreadable; '
+                         'move them out of the directory and restart')
+    for path in checkpoint.set_aside(mngr, skipped, workdir):
+      print(f'moved the unreadable checkpoint to {path}', flush=True)
   if restored is None and tc.init_from:
     src = checkpoint.manager(os.path.join(tc.init_from, 'checkpoints'), read_only=True,
                              async_save=False)
-    restored = checkpoint.restore_latest(src, target, None if tc.init_step < 0 else tc.init_step)
+    src_config = checkpoint.stored_config(src)
+    where = f'train.init_from={tc.init_from!r}'
+    if src_config is not None:
+      _check_same_run(src_config[1], exp, where)
+    try:
+      restored = checkpoint.restore_latest(src, target, None if tc.init_step < 0 else tc.init_step)
+    except checkpoint.StateMismatch as e:
+      _check_same_run(src_config[1] if src_config else {}, exp, where, str(e))
+      raise
     if restored is None:
       raise FileNotFoundError(f'train.init_from={tc.init_from!r}: no readable checkpoint')
   if restored is not None:
