@@ -273,6 +273,8 @@ def _print_sample(mc, params, dc, tc):
   from loopmoe_jax.decode import generate
   tok = pipeline.data_tokenizer(dc)
   if tok is None:
+    print(f'no sample: the tokenizer {pipeline.tokenizer_spec(dc)!r} of the training data '
+          'cannot be loaded', flush=True)
     return
   prompt = tok.encode(tc.sample_prompt)[None, :]
   if prompt.size == 0:
