@@ -7,6 +7,8 @@
 #      self-check and what dispatch 'auto' picks) to the CPU ones.
 # Results land in $OUT (default ./gpu_check_out): pytest log + JUnit XML, benchmark JSON + log,
 # and the device/jax versions. Exit status: non-zero if the tests or the benchmark failed.
+# The default limits (tests 150 s, benchmark 330 s; TEST_TIMEOUT / BENCH_TIMEOUT) keep one call
+# under 8 minutes; the benchmark prints its partial results as it goes.
 #   usage: OUT=/some/dir bash scripts/gpu_check.sh [--quick]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,11 +21,11 @@ QUICK="${1:-}"
   > "$OUT/devices.txt" 2>&1
 cat "$OUT/devices.txt"
 
-timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -q --noconftest -m gpu tests/test_*kernels*.py -rs -p no:cacheprovider \
+timeout "${TEST_TIMEOUT:-150}" "$PY" -m pytest -q --noconftest -m gpu tests/test_*kernels*.py -rs -p no:cacheprovider \
   --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 
-PYTHONUNBUFFERED=1 timeout "${BENCH_TIMEOUT:-420}" "$PY" scripts/benchmark.py kernels $QUICK --json="$OUT/kernels.json" 2>&1 \
+PYTHONUNBUFFERED=1 timeout "${BENCH_TIMEOUT:-330}" "$PY" scripts/benchmark.py kernels $QUICK --json="$OUT/kernels.json" 2>&1 \
   | tee "$OUT/kernels.log"
 bench_rc=${PIPESTATUS[0]}
 
