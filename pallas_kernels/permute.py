@@ -211,12 +211,14 @@ def _combine_bwd(cfg, res, g_TD):
 _combine.defvjp(_combine_fwd, _combine_bwd)
 
 
-def _check(op: str, name: str, rows, want_rows: int, positions_Tk, weights_Tk=None):
+def _check(op: str, name: str, rows, positions_Tk, weights_Tk=None):
   """A ValueError naming the operand unless positions is [T, k] integer, `rows` is 2-D with
-  want_rows rows and weights (if given) has positions' shape."""
+  T rows (permute's x) or T*k rows (combine's out) and weights (if given) has positions'
+  shape."""
   if positions_Tk.ndim != 2 or not jnp.issubdtype(positions_Tk.dtype, jnp.integer):
     raise ValueError(f'pallas_kernels.{op}: positions must be a [T, k] integer array, got '
                      f'shape {positions_Tk.shape} dtype {positions_Tk.dtype}')
+  want_rows = positions_Tk.size if op == 'combine' else positions_Tk.shape[0]
   if rows.ndim != 2 or rows.shape[0] != want_rows:
     raise ValueError(f'pallas_kernels.{op}: {name} must be 2-D with {want_rows} rows for '
                      f'positions of shape {positions_Tk.shape}, got shape {rows.shape}')
@@ -227,14 +229,13 @@ def _check(op: str, name: str, rows, want_rows: int, positions_Tk, weights_Tk=No
 
 def permute(x_TD, positions_Tk, *, target: str | None = None, interpret=None):
   """x rows in expert-sorted order, [T*k, D]: row positions[t, j] is x[t]."""
-  _check('permute', 'x', x_TD, positions_Tk.shape[0] if positions_Tk.ndim else -1,
-         positions_Tk)
+  _check('permute', 'x', x_TD, positions_Tk)
   with jax.named_scope('permute'):
     return _permute(x_TD, positions_Tk, (resolve_target(target), interpret))
 
 
 def combine(out_MD, positions_Tk, weights_Tk, *, target: str | None = None, interpret=None):
   """sum_j weights[t, j] * out[positions[t, j]], accumulated in float32, [T, D] in out's dtype."""
-  _check('combine', 'out', out_MD, positions_Tk.size, positions_Tk, weights_Tk)
+  _check('combine', 'out', out_MD, positions_Tk, weights_Tk)
   with jax.named_scope('combine'):
     return _combine(out_MD, positions_Tk, weights_Tk, (resolve_target(target), interpret))
