@@ -224,3 +224,18 @@ def test_prepare_jsonl_and_text(tmp_path):
   (tmp_path / 'bad.jsonl').write_text('{"text": "ok"}\n{"body": "x"}\n')
   with pytest.raises(ValueError, match=r'bad\.jsonl:2'):
     prepare([str(tmp_path / 'bad.jsonl')], str(tmp_path / 'x.bin'))
+
+
+def test_lossy_tokenizer_on_the_embedded_corpus_warns(tmp_path, capsys):
+  """A tokenizer that cannot encode the corpus's characters (no byte fallback) is reported,
+  naming it, rather than silently training on text with characters missing."""
+  from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.train_from_iterator(['abc def ghi ' * 50],
+                          trainers.BpeTrainer(vocab_size=60, special_tokens=['<|endoftext|>']))
+  path = str(tmp_path / 'ascii.json')
+  tok.save(path)
+  pipeline._embedded(path, 0.02)  # pylint: disable=protected-access
+  err = capsys.readouterr().err
+  assert f"data.tokenizer='{path}' does not read back" in err

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import threading
 
 import grain
@@ -55,13 +56,21 @@ class DataConfig:
 @functools.lru_cache(maxsize=4)
 def _embedded(tokenizer: str, fraction: float):
   tok = load_tokenizer(tokenizer)
-  out = {}
+  out, lossy, total = {}, 0, 0
   for split, docs in corpus.split(fraction).items():
     pieces = []
     for _, text in docs:
-      pieces += [tok.encode(text), np.asarray([tok.eos_id], np.int32)]
+      ids = tok.encode(text)
+      if total % 16 == 0:  # a sample of the documents: read back exactly?
+        lossy += tok.decode(ids) != text
+      total += 1
+      pieces += [ids, np.asarray([tok.eos_id], np.int32)]
     out[split] = sources.ArrayTokens(np.concatenate(pieces), tok.vocab_size, tok.name,
                                      f'embedded corpus ({split})')
+  if lossy:  # e.g. a tokenizer without byte fallback drops characters it does not know
+    print(f'WARNING: data.tokenizer={tokenizer!r} does not read back {lossy} of '
+          f'{-(-total // 16)} sampled documents of the embedded corpus exactly (unknown '
+          'characters dropped, or normalisation)', file=sys.stderr, flush=True)
   return out
 
 
