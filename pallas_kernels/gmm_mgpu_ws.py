@@ -58,6 +58,17 @@ def _pipeline(body, context, *, num_steps, in_specs, stages):
       compute_context=context)
 
 
+def _accumulate_then(store, shape):
+  """The pipeline's compute context: a float32 accumulator of `shape` that the pipeline's
+  steps fill, then handed to store (a compute warpgroup's epilogue)."""
+  def context(run):
+    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC(shape))
+    def _acc(acc_ref):
+      run(acc_ref)
+      store(acc_ref[...])
+  return context
+
+
 def _split(tile: int, dim: int, floor: int = 8) -> int | None:
   """One warpgroup's tile: the largest of tile, tile / 2, ... (down to `floor`, wgmma's N
   granularity) whose COMPUTE_WGS-fold divides dim; None if there is none (the caller then
@@ -105,11 +116,7 @@ def _gmm_body(group_gmem, tile_gmem, first_gmem, count_gmem, lhs_gmem, rhs_gmem,
         store_rows(o_smem.at[wg], out_gmem, first, count, tile * tile_m,
                    (n_tile * COMPUTE_WGS + wg) * tile_n, tile_m, tile_n)
 
-      def context(run):
-        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n)))
-        def _acc(acc_ref):
-          run(acc_ref)
-          store(acc_ref[...])
+      context = _accumulate_then(store, (tile_m, tile_n))
 
       def step(_, lhs_smem, rhs_smem, acc_ref):
         cols = pl.ds(wg * tile_n, tile_n)
@@ -195,11 +202,7 @@ def _tgmm_body(starts_gmem, ends_gmem, lhs_gmem, grad_gmem, out_gmem, *, tile_m,
           plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[
               g, pl.ds(row0 + e * epi_k, epi_k), pl.ds(n_tile * tile_n, tile_n)])
 
-      def context(run):
-        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_k, tile_n)))
-        def _acc(acc_ref):
-          run(acc_ref)
-          store(acc_ref[...])
+      context = _accumulate_then(store, (tile_k, tile_n))
 
       def step(idx, lhs_smem, grad_smem, acc_ref):
         mine = (lhs_smem.at[pl.ds(wg * tile_k, tile_k)] if lhs_transposed
