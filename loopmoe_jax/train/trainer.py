@@ -224,7 +224,8 @@ def _initial_state(mngr, target, model, tx, exp, state_sh, workdir):
   try:
     restored = checkpoint.restore_latest(mngr, target, skipped=skipped)
   except checkpoint.StateMismatch as e:
-    _check_same_run(stored[1] if stored else {}, exp, where, str(e))
+    if stored:  # name the changed settings with it
+      _check_same_run(stored[1], exp, where, str(e))
     raise
   if restored is not None and skipped:  # newer steps that do not read: set them aside
     if jax.process_count() > 1:
@@ -242,7 +243,8 @@ def _initial_state(mngr, target, model, tx, exp, state_sh, workdir):
     try:
       restored = checkpoint.restore_latest(src, target, None if tc.init_step < 0 else tc.init_step)
     except checkpoint.StateMismatch as e:
-      _check_same_run(src_config[1] if src_config else {}, exp, where, str(e))
+      if src_config:
+        _check_same_run(src_config[1], exp, where, str(e))
       raise
     if restored is None:
       raise FileNotFoundError(f'train.init_from={tc.init_from!r}: no readable checkpoint')
