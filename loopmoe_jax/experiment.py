@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import ml_collections
 
@@ -41,3 +41,20 @@ def build(cfg: ml_collections.ConfigDict) -> Experiment:
     if key not in SECTIONS:
       raise ValueError(f'unknown config section {key!r}; sections are {sorted(SECTIONS)}')
   return Experiment(*(SECTIONS[n].from_dict(cfg.get(n, {}) or {}) for n in SECTIONS))
+
+
+def config_diff(stored: Mapping[str, Any], exp: Experiment) -> list[tuple[str, Any, Any]]:
+  """(section.field, stored value, current value) for every field of every section where a
+  stored config (a resolved config's JSON dict) differs from `exp`; a stored section that
+  does not read gives (section, the error, None)."""
+  out = []
+  for name, current in exp._asdict().items():
+    try:
+      old = dataclasses.asdict(SECTIONS[name].from_dict(stored.get(name, {}) or {}))
+    except (ValueError, TypeError) as e:
+      out.append((name, f'does not read ({e})', None))
+      continue
+    out += [(f'{name}.{k}', old[k], v) for k, v in dataclasses.asdict(current).items()
+            if old[k] != v]
+  return out
+

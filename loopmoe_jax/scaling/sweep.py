@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from loopmoe_jax.accounting import count
 from loopmoe_jax.config import ModelConfig
-from loopmoe_jax.experiment import build
+from loopmoe_jax.experiment import build, config_diff
 from loopmoe_jax.scaling.data import write_csv
 
 EXPERTS_ALIAS = 'model.num_experts'
@@ -80,16 +80,6 @@ def _convert(old: Any, value: Any, key: str):
   return type(old)(number)
 
 
-def _flat(d: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:
-  out = {}
-  for k, v in d.items():
-    if isinstance(v, Mapping):
-      out.update(_flat(v, f'{prefix}{k}.'))
-    else:
-      out[f'{prefix}{k}'] = v
-  return out
-
-
 # fields that may differ between a point's runs (cadence, length, threads): not a new point
 FREE_FIELDS = tuple(f'train.{k}' for k in (
     'steps', 'log_every', 'eval_every', 'save_every', 'keep', 'async_save', 'routing_every',
@@ -103,10 +93,9 @@ def config_changes(workdir: str, cfg) -> list[str]:
   if not os.path.exists(path):
     return []
   with open(path) as f:
-    old = _flat(json.load(f))
-  new = _flat(json.loads(cfg.to_json()))
-  return [f'{k}: {old.get(k)!r} then, {new.get(k)!r} now' for k in sorted(set(old) | set(new))
-          if old.get(k) != new.get(k) and k not in FREE_FIELDS]
+    stored = json.load(f)
+  return [f'{k}: {old!r} then, {new!r} now' for k, old, new in config_diff(stored, build(cfg))
+          if k not in FREE_FIELDS]
 
 
 def apply_point(cfg, point: Mapping[str, Any]):

@@ -10,7 +10,6 @@ TrainingDiverged: no checkpoint of them is written.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -23,7 +22,7 @@ import numpy as np
 
 from loopmoe_jax import accounting
 from loopmoe_jax.data import pipeline
-from loopmoe_jax.experiment import build
+from loopmoe_jax.experiment import build, config_diff
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.train import checkpoint, step as steps
 from loopmoe_jax.train.metrics import Writer
@@ -182,7 +181,8 @@ def train(cfg, workdir: str) -> dict:
 
 
 # data fields that leave the training stream as it was: they may change on resume
-DATA_FREE_ON_RESUME = ('val_path', 'val_batches', 'num_threads', 'prefetch')
+DATA_FREE_ON_RESUME = tuple(f'data.{k}' for k in ('val_path', 'val_batches', 'num_threads',
+                                                  'prefetch'))
 
 
 def _check_same_run(stored: dict, exp, where: str, mismatch: str | None = ''):
@@ -193,17 +193,10 @@ def _check_same_run(stored: dict, exp, where: str, mismatch: str | None = ''):
   settings are listed with it); other changed train settings (a lower lr, more steps) are
   allowed and printed."""
   diffs, notes = [], []
-  for section, current, free in (('model', exp.model, ()), ('data', exp.data, DATA_FREE_ON_RESUME),
-                                 ('train', exp.train, None)):
-    try:
-      old = dataclasses.asdict(type(current).from_dict(stored.get(section, {})))
-    except (ValueError, TypeError) as e:
-      diffs.append(f'{section}: the stored config does not read ({e})')
-      continue
-    for key, value in dataclasses.asdict(current).items():
-      if old.get(key) != value:
-        line = f'{section}.{key}: {old.get(key)!r} in the checkpoint, {value!r} now'
-        (notes if free is None or key in free else diffs).append(line)
+  for key, old, new in config_diff(stored, exp):
+    line = f'{key}: {old!r} in the checkpoint, {new!r} now'
+    free = key.startswith('train.') or key in DATA_FREE_ON_RESUME
+    (notes if free else diffs).append(line)
   if mismatch:
     diffs += [mismatch] + notes
   if diffs:
