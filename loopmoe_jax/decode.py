@@ -16,12 +16,28 @@ from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.model import LoopedMoE
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, num_loops: int | None = None):
-  """A zeroed cache for `batch` rows of up to `max_len` tokens."""
+def cache_shapes(cfg: ModelConfig, batch: int, max_len: int, num_loops: int | None = None):
+  """The cache's leaves as ShapeDtypeStructs (nothing allocated)."""
   model = LoopedMoE(cfg, decode=True)
   dummy = jax.ShapeDtypeStruct((batch, max_len), jnp.int32)
   shapes = jax.eval_shape(lambda t: model.init(jax.random.key(0), t, num_loops=num_loops), dummy)
-  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes['cache'])
+  return shapes['cache']
+
+
+def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, num_loops: int | None = None) -> int:
+  """Bytes a cache of `batch` rows of `max_len` tokens takes. The size is linear in the
+  length, so it is read off caches of 1 and 2 tokens (any length works, nothing is traced at
+  `max_len`)."""
+  size = lambda n: sum(x.size * x.dtype.itemsize
+                       for x in jax.tree.leaves(cache_shapes(cfg, batch, n, num_loops)))
+  one, two = size(1), size(2)
+  return one + (two - one) * (max_len - 1)
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, num_loops: int | None = None):
+  """A zeroed cache for `batch` rows of up to `max_len` tokens."""
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                      cache_shapes(cfg, batch, max_len, num_loops))
 
 
 def cache_length(cache) -> int:

@@ -29,7 +29,7 @@ import pytest
 from loopmoe_jax import config as config_lib
 from loopmoe_jax.accounting import count, init_param_count
 from loopmoe_jax.config import ModelConfig, flatten, loop_span, middle_span, model_config_dict
-from loopmoe_jax.decode import init_cache
+from loopmoe_jax.decode import cache_bytes, init_cache
 from loopmoe_jax.model import LoopedMoE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -343,6 +343,13 @@ def test_kv_per_token_equals_real_cache(fields):
       entries += math.prod(leaf.shape)
   assert entries % length == 0
   assert count(cfg)['kv_per_token'] == entries // length
+  # cache_bytes (what generate checks against memory) is the real cache's size, and grows by
+  # kv_per_token entries per token
+  real = init_cache(cfg, batch=1, max_len=length)
+  assert cache_bytes(cfg, 1, length) == sum(x.nbytes for x in jax.tree.leaves(real))
+  itemsize = next(x.dtype.itemsize for x in jax.tree.leaves(real) if x.ndim >= 4)
+  grown = cache_bytes(cfg, 1, 3 * length) - cache_bytes(cfg, 1, length)
+  assert grown == 2 * length * count(cfg)['kv_per_token'] * itemsize
 
 
 # describe.py ---------------------------------------------------------------------------------

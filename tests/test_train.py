@@ -248,3 +248,5 @@ def test_evaluate_and_sample_from_a_workdir(tmp_path):
     sample_text(work, 'def ', 0, 0.0, 0)
   with pytest.raises(ValueError, match='--prompt is empty'):
     sample_text(work, '', 4, 0.0, 0)
+  with pytest.raises(ValueError, match=r'--tokens=1000000000000: a KV cache of .* GiB'):
+    sample_text(work, 'def ', 10**12, 0.0, 0)  # refused before anything is allocated

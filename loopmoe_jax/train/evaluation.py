@@ -1,13 +1,14 @@
 """Evaluation and sampling from a checkpoint directory, without the trainer."""
 from __future__ import annotations
 
+import os
 import sys
 
 import jax
 import numpy as np
 
 from loopmoe_jax.data import pipeline
-from loopmoe_jax.decode import generate
+from loopmoe_jax.decode import cache_bytes, generate
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.train import checkpoint, step as steps
 
@@ -26,6 +27,26 @@ def evaluate_checkpoint(workdir: str, num_loops=(None,), step: int | None = None
     loss = steps.evaluate(steps.make_eval_step(model, n), params, batches, batch_sh)
     out['val_loss'][str(n or cfg.num_loops)] = loss
   return out
+
+
+def memory_bytes() -> int:
+  """Memory of the first device (its allocator's limit), else half this host's RAM."""
+  stats = jax.devices()[0].memory_stats() or {}
+  if 'bytes_limit' in stats:
+    return int(stats['bytes_limit'])
+  return os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') // 2
+
+
+def _check_length(cfg, prompt_len: int, tokens: int, train_len: int, num_loops) -> None:
+  """Refuses a KV cache that cannot fit in memory; warns past the trained context."""
+  total = prompt_len + tokens
+  need, have = cache_bytes(cfg, 1, total, num_loops), memory_bytes()
+  if need > have:
+    raise ValueError(f'--tokens={tokens}: a KV cache of {total} tokens takes {need / 2**30:.1f} '
+                     f'GiB, more than the {have / 2**30:.1f} GiB available')
+  if total > train_len:
+    print(f'WARNING: {prompt_len} prompt + {tokens} new tokens run past the {train_len} tokens '
+          'the model was trained on', file=sys.stderr)
 
 
 def sample_text(workdir: str, prompt: str, tokens: int, temperature: float, seed: int,
@@ -47,6 +68,7 @@ def sample_text(workdir: str, prompt: str, tokens: int, temperature: float, seed
   if back != prompt:  # unknown characters dropped (or a normalising tokenizer)
     print(f'WARNING: --prompt={prompt!r} reads back as {back!r} through the tokenizer '
           f'{tok.name!r}', file=sys.stderr)
+  _check_length(cfg, ids.shape[1], tokens, data_cfg.seq_len, num_loops)
   out = generate(cfg, params, ids, tokens, jax.random.key(seed), temperature=temperature,
                  num_loops=num_loops)
   return tok.decode(np.asarray(out[0]))
