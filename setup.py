@@ -12,5 +12,5 @@ setup(
         'ml-collections', 'absl-py', 'numpy', 'tokenizers', 'tensorboardX', 'scipy',
         'matplotlib', 'threadpoolctl',
     ],
-    extras_require={'test': ['pytest', 'pytest-xdist']},
+    extras_require={'test': ['pytest', 'pytest-xdist', 'filelock']},
 )

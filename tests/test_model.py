@@ -407,10 +407,9 @@ def test_decode_past_the_cache_length_is_an_error():
   from loopmoe_jax.decode import decode_step, init_cache
   cfg = ModelConfig(vocab_size=37, d_model=16, num_heads=4, expert_width=8, dispatch='reference')
   toks = jax.random.randint(jax.random.key(1), (1, 5), 0, 37)
-  params = LoopedMoE(cfg).init(jax.random.key(0), toks)['params']
-  cache = init_cache(cfg, 1, max_len=4)
-  _, cache = decode_step(cfg, params, cache, toks[:, :4])
-  with pytest.raises(ValueError, match='max_len=4'):
+  params = jax.jit(LoopedMoE(cfg).init)(jax.random.key(0), toks)['params']
+  jitted = jax.jit(lambda c, t: decode_step(cfg, params, c, t))
+  _, cache = jitted(init_cache(cfg, 1, max_len=4), toks[:, :4])  # fills all 4 slots
+  with pytest.raises(ValueError, match='max_len=4'):  # concrete position: raises up front
     decode_step(cfg, params, cache, toks[:, 4:])
-  jitted = jax.jit(lambda c, t: decode_step(cfg, params, c, t)[0])
-  assert np.isnan(np.asarray(jitted(cache, toks[:, 4:]))).all()
+  assert np.isnan(np.asarray(jitted(cache, toks[:, 4:])[0])).all()  # traced: NaN logits

@@ -18,13 +18,21 @@ def _batch():
   return {'inputs': toks, 'targets': jnp.roll(toks, -1, 1), 'mask': jnp.ones((2, 12))}
 
 
+def _init(cfg):
+  return nn.unbox(jax.jit(LoopedMoE(cfg).init)(jax.random.key(0), _batch()['inputs'])['params'])
+
+
+def _loss(cfg, params):
+  return jax.jit(lambda p, b: loss_fn(p, LoopedMoE(cfg), b))(params, _batch())
+
+
 def _grads(cfg, params):
-  return jax.grad(lambda p: loss_fn(p, LoopedMoE(cfg), _batch())[0])(params)
+  return jax.jit(jax.grad(lambda p, b: loss_fn(p, LoopedMoE(cfg), b)[0]))(params, _batch())
 
 
 @pytest.mark.parametrize('policy', ['full', 'dots', 'dots_no_batch'])
 def test_remat_gives_the_same_gradients(policy):
-  params = nn.unbox(LoopedMoE(CFG).init(jax.random.key(0), _batch()['inputs'])['params'])
+  params = _init(CFG)
   ref = _grads(CFG, params)
   got = _grads(CFG.replace(remat=policy), params)
   for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
@@ -33,10 +41,10 @@ def test_remat_gives_the_same_gradients(policy):
 
 def test_bfloat16_compute_keeps_float32_params_and_tracks_float32():
   cfg16 = CFG.replace(dtype='bfloat16')
-  params = nn.unbox(LoopedMoE(cfg16).init(jax.random.key(0), _batch()['inputs'])['params'])
+  params = _init(cfg16)
   assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
-  l32, _ = loss_fn(params, LoopedMoE(CFG), _batch())
-  l16, m16 = loss_fn(params, LoopedMoE(cfg16), _batch())
+  l32, _ = _loss(CFG, params)
+  l16, m16 = _loss(cfg16, params)
   assert m16['loss'].dtype == jnp.float32
   assert abs(float(l16) - float(l32)) < 0.05 * float(l32)
   g = _grads(cfg16, params)
