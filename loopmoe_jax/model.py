@@ -158,16 +158,7 @@ class LoopedMoE(nn.Module):
     return logits_BTV.astype(jnp.float32), _extras(per_visit, return_routing)
 
   def _check_loops(self, num_loops):
-    c = self.cfg
-    if num_loops is None:
-      return c.num_loops
-    if num_loops < 1:
-      raise ValueError(f'num_loops={num_loops}: must be >= 1')
-    if not c.tie_attention and num_loops > c.num_loops:
-      raise ValueError(f'num_loops={num_loops} exceeds the trained model.num_loops='
-                       f'{c.num_loops}: untied attention has weights for {c.num_loops} passes '
-                       'only (test-time recurrence needs model.tie_attention=True)')
-    return num_loops
+    return check_loops(self.cfg, num_loops)
 
   def _positions(self, batch, length):
     base = jnp.arange(length, dtype=jnp.int32)
@@ -192,3 +183,17 @@ def _extras(per_visit, return_routing):
     extras['routing'] = {seg: {n: s[n] for n in ('experts', 'logits')}
                          for seg, s in per_visit.items() if s}
   return extras
+
+
+def check_loops(c: ModelConfig, num_loops: int | None) -> int:
+  """The passes a forward with `num_loops` runs (None: the trained count); a count the
+  weights cannot run is a ValueError."""
+  if num_loops is None:
+    return c.num_loops
+  if num_loops < 1:
+    raise ValueError(f'num_loops={num_loops}: must be >= 1')
+  if not c.tie_attention and num_loops > c.num_loops:
+    raise ValueError(f'num_loops={num_loops} exceeds the trained model.num_loops='
+                     f'{c.num_loops}: untied attention has weights for {c.num_loops} passes '
+                     'only (test-time recurrence needs model.tie_attention=True)')
+  return num_loops

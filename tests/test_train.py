@@ -232,7 +232,7 @@ def test_non_finite_update_is_never_saved(tmp_path):
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params)), s
 
 
-def test_evaluate_and_sample_from_a_workdir(tmp_path):
+def test_evaluate_and_sample_from_a_workdir(tmp_path, monkeypatch):
   """Without the trainer: the checkpoint's validation loss equals the one the run logged at
   its last step; greedy sampling continues the prompt and is deterministic; bad arguments
   name the flag."""
@@ -242,6 +242,13 @@ def test_evaluate_and_sample_from_a_workdir(tmp_path):
   out = evaluate_checkpoint(work)
   assert out['step'] == 3
   assert out['val_loss']['2'] == pytest.approx(summary['val_loss'], rel=1e-5)
+  from loopmoe_jax.train import evaluation
+  evaluated = []
+  monkeypatch.setattr(evaluation.steps, 'evaluate', lambda *a: evaluated.append(a) or 0.0)
+  with pytest.raises(ValueError, match='num_loops=0'):  # a bad count is refused up front
+    evaluate_checkpoint(work, (2, 4, 0))
+  assert not evaluated
+  monkeypatch.undo()
   text = sample_text(work, 'def ', 6, 0.0, 0)
   assert text.startswith('def ') and text == sample_text(work, 'def ', 6, 0.0, 1)
   with pytest.raises(ValueError, match='--tokens=0'):

@@ -9,13 +9,15 @@ import numpy as np
 
 from loopmoe_jax.data import pipeline
 from loopmoe_jax.decode import cache_bytes, generate
-from loopmoe_jax.model import LoopedMoE
+from loopmoe_jax.model import LoopedMoE, check_loops
 from loopmoe_jax.train import checkpoint, step as steps
 
 
 def evaluate_checkpoint(workdir: str, num_loops=(None,), step: int | None = None) -> dict:
   """Validation LM loss of a checkpoint for each pass count in `num_loops`."""
   cfg, params, s, config = checkpoint.load_params(workdir, step)
+  for n in num_loops:  # every count checked before any is evaluated
+    check_loops(cfg, n)
   dc = pipeline.DataConfig.from_dict(config['data'])
   batches = pipeline.validation_batches(dc, cfg.vocab_size)
   if not batches:
