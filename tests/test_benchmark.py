@@ -38,3 +38,30 @@ def test_kernels_moe_layer_checks_pallas_and_times_every_stage():
   assert res['cpu_moe_pallas_err'] < 1e-2  # bf16 operands, float32 sums
   assert set(res['cpu_moe_stage_share']) == {'route', 'permute', 'gate_up', 'down', 'combine'}
   assert all(v > 0 for v in res['cpu_moe_stage_share'].values())
+
+
+def test_compile_seconds_times_real_compiles():
+  """The compile times the `model` benchmark reports are real compiles even with the
+  persistent compilation cache on (this test session's conftest turns it on): none of them is
+  answered from a cache, where compiling the same step twice is."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.config import ModelConfig  # pylint: disable=import-outside-toplevel
+  hits = []
+  def listener(event, **_):
+    if event == '/jax/compilation_cache/cache_hits':
+      hits.append(event)
+  cfg = ModelConfig(vocab_size=64, d_model=32, num_heads=2, expert_width=32, core_layers=1,
+                    coda_layers=0)
+  batch = bench._batch(cfg, 2, 8)  # pylint: disable=protected-access
+  model, params = bench._abstract_params(cfg, batch)  # pylint: disable=protected-access
+  jax.monitoring.register_event_listener(listener)
+  try:
+    bench.compile_seconds({'a': cfg}, batch, repeats=2)
+    timed_hits = len(hits)
+    step = bench.make_train_step(model)  # the same program twice: the second is a cache hit
+    for _ in range(2):
+      jax.jit(lambda p, b: step(p, b)).lower(params, batch).compile()  # pylint: disable=unnecessary-lambda
+  finally:
+    jax.monitoring.unregister_event_listener(listener)
+  assert timed_hits == 0
+  assert len(hits) >= 1
