@@ -1,7 +1,7 @@
 """Small building blocks: parameter helper with logical axes, RMSNorm, RoPE, SwiGLU MLP.
 
-Logical axis names used on parameters (a rules table in the sharding code maps them to mesh
-axes): vocab, embed, heads, kv_heads, head_dim, mlp, experts, loops, layers.
+Every dimension of every parameter carries one of LOGICAL_AXES (a rules table in the sharding
+code maps them to mesh axes).
 """
 from __future__ import annotations
 
@@ -11,6 +11,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+LOGICAL_AXES = (
+    'vocab', 'embed', 'heads', 'kv_heads', 'head_dim', 'mlp', 'experts',
+    'loops',        # per-pass weights (untied attention), stacked on a leading axis
+    'embed_in',     # the input side of the injection projection
+    'inject_src',   # the injection's two sources (prelude output, current state)
+)
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
 
 
@@ -26,6 +32,9 @@ def param(module: nn.Module, name: str, shape, axes: Sequence[str], init, dtype)
   """Creates a parameter annotated with logical axis names (one per dimension)."""
   if len(axes) != len(shape):
     raise ValueError(f'{name}: {len(axes)} axis names for shape {shape}')
+  unknown = [a for a in axes if a not in LOGICAL_AXES]
+  if unknown:
+    raise ValueError(f'{name}: axis names {unknown} are not in layers.LOGICAL_AXES')
   return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape), dtype)
 
 

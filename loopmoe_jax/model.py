@@ -73,7 +73,7 @@ class Stack(nn.Module):
     if self.injection == 'add':
       x_BTD = x_BTD + e_BTD
     elif self.injection == 'concat':
-      w = param(self, 'inject', (2, c.d_model, c.d_model), (None, 'embed_in', 'embed'),
+      w = param(self, 'inject', (2, c.d_model, c.d_model), ('inject_src', 'embed_in', 'embed'),
                 fan_in_init([0, 1], [2]), DTYPES[c.param_dtype]).astype(x_BTD.dtype)
       x_BTD = x_BTD @ w[0] + e_BTD @ w[1]
     stats = []

@@ -413,3 +413,39 @@ def test_decode_past_the_cache_length_is_an_error():
   with pytest.raises(ValueError, match='max_len=4'):  # concrete position: raises up front
     decode_step(cfg, params, cache, toks[:, 4:])
   assert np.isnan(np.asarray(jitted(cache, toks[:, 4:])[0])).all()  # traced: NaN logits
+
+
+@pytest.mark.parametrize('fields', [
+    dict(prelude_experts=4, core_experts=6, coda_experts=3, num_shared_experts=1),
+    dict(tie_attention=False, num_loops=3, injection='concat', tie_embeddings=True),
+    dict(prelude_experts=0, coda_experts=0, norm_gain=False, injection='add'),
+], ids=['experts_shared', 'untied_concat', 'dense_ends'])
+def test_every_parameter_dimension_has_a_logical_axis(fields):
+  """What sharding rules (expert parallelism) will rely on: every dimension of every parameter
+  is named from layers.LOGICAL_AXES, an 'experts' dimension is as long as its segment's expert
+  count, a 'loops' one as long as the passes."""
+  from loopmoe_jax.layers import LOGICAL_AXES, param  # pylint: disable=import-outside-toplevel
+  cfg = ModelConfig(**fields)
+  boxed = jax.eval_shape(lambda: LoopedMoE(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
+  is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)
+  leaves = jax.tree_util.tree_flatten_with_path(boxed['params'], is_leaf=is_box)[0]
+  experts = {'prelude': cfg.prelude_experts, 'core': cfg.core_experts, 'coda': cfg.coda_experts}
+  seen = set()
+  for path, leaf in leaves:
+    where = jax.tree_util.keystr(path)
+    assert is_box(leaf), where
+    assert len(leaf.names) == leaf.value.ndim and set(leaf.names) <= set(LOGICAL_AXES), where
+    for name, size in zip(leaf.names, leaf.value.shape):
+      if name == 'experts':
+        assert size == experts[path[0].key], where
+      if name == 'loops':
+        assert size == cfg.num_loops, where
+    seen |= set(leaf.names)
+  assert 'experts' in seen
+
+  class Bad(nn.Module):
+    @nn.compact
+    def __call__(self):
+      return param(self, 'w', (2, 3), ('embed', 'expert'), nn.initializers.zeros, jnp.float32)
+  with pytest.raises(ValueError, match=r"w: axis names \['expert'\]"):
+    Bad().init(jax.random.key(0))
