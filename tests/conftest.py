@@ -10,7 +10,7 @@ os.environ.setdefault('JAX_COMPILATION_CACHE_DIR',
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.2')
 # a size bound turns on eviction, and with it the file lock that keeps a worker from reading
 # an entry another one is still writing
-os.environ.setdefault('JAX_COMPILATION_CACHE_MAX_SIZE', str(4 << 30))
+os.environ.setdefault('JAX_COMPILATION_CACHE_MAX_SIZE', str(1 << 30))
 
 import jax  # pylint: disable=wrong-import-position
 
