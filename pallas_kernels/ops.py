@@ -132,8 +132,10 @@ def _check_gmm(op: str, lhs_MK, rhs_GKN, group_sizes_G):
 def clip_sizes(group_sizes_G, num_rows: int):
   """int32 group sizes with negatives taken as 0 and the groups ending at num_rows at the
   latest (rows of a group past the end are dropped), so every kernel sees sum <= num_rows."""
-  sizes = jnp.maximum(group_sizes_G.astype(jnp.int32), 0)
-  ends = jnp.minimum(jnp.cumsum(sizes), num_rows)
+  sizes = jnp.clip(group_sizes_G.astype(jnp.int32), 0, num_rows)
+  # a running sum clipped at num_rows at every step (associative on [0, num_rows]), so sizes
+  # near the int32 limit cannot overflow it
+  ends = jax.lax.associative_scan(lambda a, b: jnp.minimum(a + b, num_rows), sizes)
   return jnp.diff(ends, prepend=0).astype(jnp.int32)
 
 
@@ -159,7 +161,22 @@ def _call(cfg, op, dtype, n):
     family, kw = 'gpu', dict(TILES['gpu'][op])
   if n % kw['tile_n']:
     kw['tile_n'] = n
-  return KERNELS[family], kw, resolve_interpret(family, interpret)
+  interpret = resolve_interpret(family, interpret)
+  _check_tile_m(op, family, kw['tile_m'], interpret)
+  return KERNELS[family], kw, interpret
+
+
+def _check_tile_m(op: str, family: str, tile_m, interpret) -> None:
+  """Row tiles the kernels can take: a positive int; on the GPU families a power of two
+  (Triton blocks are; the Mosaic GPU gmm stores a tile's rows in power-of-two pieces); for a
+  compiled Mosaic GPU gmm a multiple of 64 (wgmma's row block per warpgroup)."""
+  where = f'pallas_kernels.{op}: tile_m={tile_m!r} ({family!r} kernels)'
+  if not isinstance(tile_m, int) or tile_m < 1:
+    raise ValueError(f'{where}: must be a positive integer')
+  if family != 'tpu' and tile_m & (tile_m - 1):
+    raise ValueError(f'{where}: must be a power of two')
+  if op == 'gmm' and family in SIXTEEN_BIT_ONLY and not interpret and tile_m % 64:
+    raise ValueError(f'{where}: must be a multiple of 64 when compiled')
 
 
 def _gmm_impl(lhs_MK, rhs_GKN, group_sizes_G, cfg, transpose_rhs=False):

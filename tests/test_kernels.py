@@ -87,7 +87,12 @@ def test_bad_operands_raise_naming_the_problem():
            (lambda: pk.gmm(lhs[0], rhs, sizes), r'lhs must be \[M, K\]'),
            (lambda: pk.gmm(lhs, rhs, jnp.array([4.0, 4.0])), 'group_sizes must be a 1-D integer'),
            (lambda: pk.tgmm(lhs, jnp.zeros((7, 3)), sizes), r'grad.shape \(7, 3\)'),
-           (lambda: pk.gmm_swiglu(lhs, rhs, rhs[:, :, :2], sizes), 'gate and up shapes differ')]
+           (lambda: pk.gmm_swiglu(lhs, rhs, rhs[:, :, :2], sizes), 'gate and up shapes differ'),
+           (lambda: pk.gmm(lhs, rhs, sizes, target='gpu', tile_m=24), 'tile_m=24 .* power of two'),
+           (lambda: pk.gmm(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), sizes,
+                           target='mgpu', tiles={'gmm': {'tile_m': 0}}), 'tile_m=0 .* positive'),
+           (lambda: pk.gmm(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), sizes,
+                           target='mgpu_ws', tile_m=32, interpret=False), 'multiple of 64')]
   for fn, match in cases:
     with pytest.raises(ValueError, match=match):
       fn()
@@ -100,6 +105,12 @@ def test_sizes_past_the_rows_are_clipped_and_mixed_dtypes_promote():
   sizes = [30, -5, 40, 0, 25, 9]  # cumulative 30, 30, 70, 70, 95 > M = 80
   clipped = [30, 0, 40, 0, 10, 0]
   np.testing.assert_array_equal(pk.ops.clip_sizes(jnp.asarray(sizes), M), clipped)
+  huge = [10, 2**31 - 1, 2**30, 2**30, 5]  # a plain int32 running sum would wrap
+  np.testing.assert_array_equal(pk.ops.clip_sizes(jnp.asarray(huge, jnp.int32), M),
+                                [10, M - 10, 0, 0, 0])
+  got = pk.gmm(lhs, rhs[:5], jnp.asarray(huge, jnp.int32), tile_m=TILE_M, tile_n=TILE_N)
+  assert_close(got, gmm_numpy(as64(lhs), as64(rhs[:5]), [10, M - 10, 0, 0, 0]),
+               TOL['float32'], 'sizes near the int32 limit')
   got = pk.gmm(lhs, rhs, jnp.asarray(sizes), tile_m=TILE_M, tile_n=TILE_N)
   assert_close(got, gmm_numpy(as64(lhs), as64(rhs), clipped), TOL['float32'], 'clipped sizes')
   mixed = pk.gmm(lhs.astype(jnp.bfloat16), rhs, jnp.asarray(clipped), tile_m=TILE_M,
