@@ -118,7 +118,7 @@ def init_params(module: nn.Module, x, cache: dict | None = None):
   return cache[sig]
 
 
-def _untraced(step):
+def _uncached(step):
   """`step` as a new function whose program carries a random constant among its outputs: no
   trace cache, in-memory compile cache or persistent compilation cache (JAX_COMPILATION_CACHE_DIR)
   can answer its compile, so what is timed is a real compile."""
@@ -134,7 +134,7 @@ def compile_seconds(cfgs: dict[str, ModelConfig], batch, repeats: int, options=N
   cpu = {name: [] for name in cfgs}
   for _ in range(repeats):
     for name, (model, params) in abstract.items():
-      step = _untraced(make_train_step(model))
+      step = _uncached(make_train_step(model))
       t0, c0 = time.perf_counter(), time.process_time()
       jax.jit(step).lower(params, batch).compile(options)
       wall[name].append(time.perf_counter() - t0)
