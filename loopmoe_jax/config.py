@@ -20,6 +20,7 @@ REMAT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch')
 LOOP_IMPLS = ('scan', 'unroll')
 DTYPES = ('float32', 'bfloat16', 'float16')
 DISPATCHES = ('reference', 'tiled', 'xla', 'pallas', 'auto')
+EXCHANGES = ('auto', 'padded', 'ragged')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,9 @@ class ModelConfig:
   shared_expert_width: int = 0   # 0: expert_width
   dispatch: str = 'tiled'
   dispatch_tile: int = 128
+  capacity_factor: float = 0.0   # 0: dropless; else each expert takes at most
+                                 # ceil(cf * tokens * k / E) of a batch shard's assignments
+  expert_exchange: str = 'auto'  # expert parallelism: padded (all_to_all) | ragged | auto
   # Layout: prelude -> core x num_loops -> coda. experts == 0 means a dense SwiGLU layer.
   prelude_layers: int = 1
   prelude_experts: int = 4
@@ -135,10 +139,13 @@ def _validate(c: ModelConfig):
   if c.executed_layers < 1:
     _err('core_layers', c.core_layers, 'the model has no layers')
   choices = dict(residual_scale=RESIDUAL_SCALES, injection=INJECTIONS, remat=REMAT_POLICIES,
-                 loop_impl=LOOP_IMPLS, dtype=DTYPES, param_dtype=DTYPES, dispatch=DISPATCHES)
+                 loop_impl=LOOP_IMPLS, dtype=DTYPES, param_dtype=DTYPES, dispatch=DISPATCHES,
+                 expert_exchange=EXCHANGES)
   for name, allowed in choices.items():
     if getattr(c, name) not in allowed:
       _err(name, getattr(c, name), f'must be one of {allowed}')
+  if not (c.capacity_factor == 0 or 0 < c.capacity_factor < float('inf')):  # NaN fails both
+    _err('capacity_factor', c.capacity_factor, 'must be 0 (dropless) or finite and > 0')
   if c.injection != 'none' and not c.core_layers:
     _err('injection', c.injection, 'needs a looped core (model.core_layers >= 1)')
 

@@ -221,12 +221,6 @@ def gmm_pallas(lhs_MK, rhs_GKN, group_sizes_G, tile=None):
   return pallas_kernels.gmm(lhs_MK, rhs_GKN, group_sizes_G)
 
 
-def _separate_swiglu(gmm):
-  def swiglu(x_MD, gate_GDF, up_GDF, group_sizes_G, tile):
-    return _swiglu(gmm(x_MD, gate_GDF, group_sizes_G, tile), gmm(x_MD, up_GDF, group_sizes_G, tile))
-  return swiglu
-
-
 def sorted_positions(experts_Tk):
   """Where each (token, choice) lands in a stable sort of the flat expert ids, [T, k] int32
   (what the routing kernel returns as positions_Tk)."""
@@ -247,15 +241,11 @@ def dispatch_pallas(x_TD, experts_Tk, weights_Tk, params, tile=None, plan=None):
             'positions_Tk': sorted_positions(experts_Tk)}
   counts_E, positions_Tk = plan['counts_E'].astype(jnp.int32), plan['positions_Tk']
   x_MD = pallas_kernels.permute(x_TD, positions_Tk)
-  with jax.named_scope('grouped_matmul'):
-    h_MF = pallas_kernels.gmm_swiglu(x_MD, params['gate'], params['up'], counts_E)
-    out_MD = pallas_kernels.gmm(h_MF, params['down'], counts_E)
+  out_MD = grouped_ffn(x_MD, counts_E, params, 'pallas')
   return pallas_kernels.combine(out_MD, positions_Tk, weights_Tk)
 
 
-def _grouped(gmm):
-  swiglu = _separate_swiglu(gmm)
-
+def _grouped(backend: str):
   def run(x_TD, experts_Tk, weights_Tk, params, tile=64, plan=None):
     del plan  # the routing kernel's plan is for 'pallas'; these backends sort here
     num_tokens, k = experts_Tk.shape
@@ -266,22 +256,64 @@ def _grouped(gmm):
       token_of = order // k
       x_MD = x_TD[token_of]
       group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
-    with jax.named_scope('grouped_matmul'):
-      h_MF = swiglu(x_MD, params['gate'], params['up'], group_sizes, tile)
-      out_MD = gmm(h_MF, params['down'], group_sizes, tile)
+    out_MD = grouped_ffn(x_MD, group_sizes, params, backend, tile)
     with jax.named_scope('unpermute'):
       inverse = jnp.argsort(order)
       out_TkD = out_MD[inverse].reshape(num_tokens, k, -1)
-    with jax.named_scope('combine'):
-      y = jnp.einsum('tkd,tk->td', out_TkD.astype(jnp.float32), weights_Tk.astype(jnp.float32))
-    return y.astype(x_TD.dtype)
+    return combine(out_TkD, weights_Tk).astype(x_TD.dtype)
   return run
+
+
+def combine(out_TkD, weights_Tk):
+  """sum_k weight * expert output, in float32."""
+  with jax.named_scope('combine'):
+    return jnp.einsum('tkd,tk->td', out_TkD.astype(jnp.float32), weights_Tk.astype(jnp.float32))
+
+
+def _ffn_reference(x_MD, group_sizes_G, params, tile=None):
+  """Every expert on every row, each row keeping its own group's output (slow, obvious)."""
+  del tile
+  starts, ends = group_bounds(group_sizes_G.astype(jnp.int32))
+  rows = jnp.arange(x_MD.shape[0])
+  out = jnp.zeros((x_MD.shape[0], params['down'].shape[-1]), jnp.float32)
+  for g in range(params['gate'].shape[0]):
+    h = _swiglu(x_MD @ params['gate'][g], x_MD @ params['up'][g]) @ params['down'][g]
+    mine = (rows >= starts[g]) & (rows < ends[g])
+    out = out + jnp.where(mine[:, None], h.astype(jnp.float32), 0.0)
+  return out.astype(x_MD.dtype)
+
+
+def _ffn_gmm(gmm):
+  def ffn(x_MD, group_sizes_G, params, tile):
+    h_MF = _swiglu(gmm(x_MD, params['gate'], group_sizes_G, tile),
+                   gmm(x_MD, params['up'], group_sizes_G, tile))
+    return gmm(h_MF, params['down'], group_sizes_G, tile)
+  return ffn
+
+
+def _ffn_pallas(x_MD, group_sizes_G, params, tile=None):
+  del tile
+  h_MF = pallas_kernels.gmm_swiglu(x_MD, params['gate'], params['up'], group_sizes_G)
+  return pallas_kernels.gmm(h_MF, params['down'], group_sizes_G)
+
+
+FFNS = {'reference': _ffn_reference, 'tiled': _ffn_gmm(gmm_tiled), 'xla': _ffn_gmm(gmm_xla),
+        'pallas': _ffn_pallas,
+        'pallas_gmm_only': _ffn_gmm(gmm_pallas)}  # benchmark: gate and up as two gmm calls
+
+
+def grouped_ffn(x_MD, group_sizes_G, params, backend: str = 'tiled', tile: int = 64):
+  """The experts' SwiGLU on rows sorted by expert: rows [start_g, end_g) through expert g;
+  rows past sum(group_sizes) give zeros (jax.lax.ragged_dot semantics). The grouped-matmul
+  stage of every backend, and of expert parallelism on each device's local experts."""
+  with jax.named_scope('grouped_matmul'):
+    return FFNS[resolve_backend(backend)](x_MD, group_sizes_G.astype(jnp.int32), params, tile)
 
 
 BACKENDS = {
     'reference': dispatch_reference,
-    'tiled': _grouped(gmm_tiled),
-    'xla': _grouped(gmm_xla),
+    'tiled': _grouped('tiled'),
+    'xla': _grouped('xla'),
     'pallas': dispatch_pallas,
 }
 

@@ -8,23 +8,25 @@ import ml_collections
 
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.data.pipeline import DataConfig
+from loopmoe_jax.sharding import MeshConfig
 from loopmoe_jax.train.config import TrainConfig
 
-SECTIONS = {'model': ModelConfig, 'train': TrainConfig, 'data': DataConfig}
+SECTIONS = {'model': ModelConfig, 'train': TrainConfig, 'data': DataConfig, 'mesh': MeshConfig}
 
 
 class Experiment(NamedTuple):
   model: ModelConfig
   train: TrainConfig
   data: DataConfig
+  mesh: MeshConfig = MeshConfig()
 
 
-def experiment_config(model: ml_collections.ConfigDict, train=None, data=None):
+def experiment_config(model: ml_collections.ConfigDict, train=None, data=None, mesh=None):
   """A ConfigDict with every field of every section (so --config.X.typo fails), the given
-  train/data fields applied."""
+  train/data/mesh fields applied."""
   cfg = ml_collections.ConfigDict()
   cfg.model = model
-  for name, given in (('train', train or {}), ('data', data or {})):
+  for name, given in (('train', train or {}), ('data', data or {}), ('mesh', mesh or {})):
     fields = {f.name: f.default for f in dataclasses.fields(SECTIONS[name])}
     for key in given:
       if key not in fields:

@@ -8,7 +8,7 @@ there is one slot per executed (pass, layer).
 
 `apply` returns (logits_BTV, extras): extras holds the aux losses averaged over every MoE
 visit of the unrolled depth ('load_balance', 'z_loss'), the per-visit values under
-'per_visit' ({segment: {'load_balance', 'z_loss', 'load'}}; core arrays are [L, D] and
+'per_visit' ({segment: {'load_balance', 'z_loss', 'load', 'dropped'}}; core arrays are [L, D] and
 the expert loads [L, D, E]), and with
 `return_routing=True` the routing records under 'routing' ({segment: {'experts', 'logits'}}).
 """
@@ -24,6 +24,9 @@ from loopmoe_jax.attention import Attention, AttentionWeights
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.layers import DTYPES, DenseMLP, RMSNorm, fan_in_init, param
 from loopmoe_jax.moe import MoE
+from loopmoe_jax.sharding import constrain
+
+ACTIVATION = ('batch', 'length', 'act_embed')  # the residual stream's logical axes
 
 REMAT = {
     'full': None,
@@ -53,7 +56,7 @@ class Layer(nn.Module):
       h, stats = MoE(c, self.num_experts, self.record, name='moe')(u)
     else:
       h, stats = DenseMLP(c.expert_width, c.param_dtype, name='mlp')(u), {}
-    return x_BTD + self.scale * h, stats
+    return constrain(x_BTD + self.scale * h, ACTIVATION), stats
 
 
 class Stack(nn.Module):
@@ -135,7 +138,7 @@ class LoopedMoE(nn.Module):
                      nn.initializers.normal(1.0), DTYPES[c.param_dtype])
     if x_BTD is None:
       x_BTD = jnp.take(embed_VD, tokens_BT, axis=0)
-    x_BTD = x_BTD.astype(dt)
+    x_BTD = constrain(x_BTD.astype(dt), ACTIVATION)
     positions_BT = self._positions(x_BTD.shape[0], x_BTD.shape[1])
 
     per_visit: dict[str, Any] = {}
@@ -177,7 +180,9 @@ def _extras(per_visit, return_routing):
   extras = {name: jnp.mean(v) for name, v in flat.items()}
   if not flat:
     extras = {'load_balance': jnp.zeros(()), 'z_loss': jnp.zeros(())}
-  extras['per_visit'] = {seg: {n: s[n] for n in ('load_balance', 'z_loss', 'load')}
+  extras['dropped'] = sum((jnp.sum(s['dropped']) for s in per_visit.values() if s),
+                          jnp.zeros((), jnp.int32))
+  extras['per_visit'] = {seg: {n: s[n] for n in ('load_balance', 'z_loss', 'load', 'dropped')}
                          for seg, s in per_visit.items() if s}
   if return_routing:
     extras['routing'] = {seg: {n: s[n] for n in ('experts', 'logits')}

@@ -1,7 +1,8 @@
 """The MoE feed-forward layer: route (float32) -> dispatch (see dispatch.py) -> combine.
 With dispatch 'pallas' the routing runs in the Pallas routing kernel (route_for).
 
-Aux losses per call (one MoE layer on one pass): the Switch load-balance loss
+Routing runs on the global batch (under a mesh, XLA partitions it), so the aux losses are
+the same on any mesh. Aux losses per call (one MoE layer on one pass): the Switch load-balance loss
 E * sum_i f_i P_i (f_i: share of the T*k choices that went to expert i; P_i: mean router
 probability) and the router z-loss mean_t logsumexp(z_t)^2. They are returned, never added
 to anything here.
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from loopmoe_jax import expert_parallel
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.dispatch import dispatch, resolve_backend
 from loopmoe_jax.layers import DTYPES, DenseMLP, fan_in_init, param
@@ -55,7 +57,9 @@ def z_loss(logits_TE):
 
 
 class MoE(nn.Module):
-  """Routed SwiGLU experts (plus optional always-on shared experts); dropless."""
+  """Routed SwiGLU experts (plus optional always-on shared experts); dropless unless
+  `capacity_factor` is set. Under a device mesh (`jax.set_mesh`) the experts run
+  expert-parallel (expert_parallel.py); stats['dropped'] counts dropped assignments."""
   cfg: ModelConfig
   num_experts: int
   record: bool = False
@@ -85,7 +89,14 @@ class MoE(nn.Module):
       stats['experts'] = experts_Tk.reshape(b, t, -1)
       stats['logits'] = logits_TE.reshape(b, t, -1)
     params = {k: v.astype(x_BTD.dtype) for k, v in experts.items()}
-    y_TD = dispatch(x_TD, experts_Tk, weights_Tk, params, c.dispatch, c.dispatch_tile, plan)
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.size > 1:  # under a device mesh: expert parallelism
+      y_TD, stats['dropped'] = expert_parallel.moe_dispatch(x_TD, experts_Tk, weights_Tk,
+                                                            params, c, mesh)
+    else:
+      weights_Tk, _, stats['dropped'] = expert_parallel.apply_capacity(
+          experts_Tk, weights_Tk, e, c.capacity_factor)
+      y_TD = dispatch(x_TD, experts_Tk, weights_Tk, params, c.dispatch, c.dispatch_tile, plan)
     y_BTD = y_TD.reshape(b, t, d)
     if c.num_shared_experts:
       y_BTD = y_BTD + DenseMLP(c.num_shared_experts * c.shared_width, c.param_dtype,

@@ -22,4 +22,5 @@ def loss_fn(params, model, batch, lb_coef: float = 0.01, z_coef: float = 0.001,
   lm = lm_loss(logits, batch['targets'], batch.get('mask'))
   total = lm + lb_coef * extras['load_balance'] + z_coef * extras['z_loss']
   return total, {'loss': lm, 'load_balance': extras['load_balance'],
-                 'z_loss': extras['z_loss'], 'objective': total}
+                 'z_loss': extras['z_loss'], 'objective': total,
+                 'dropped': extras['dropped'].astype(jnp.float32)}

@@ -1,19 +1,35 @@
-"""One process of a two-process CPU training run (used by test_multiprocess.py)."""
+"""One process of a two-process CPU training run (used by test_multiprocess.py): 2 CPU devices
+per process, a data=2 x expert=2 mesh spanning both processes. Prints what it fed per step."""
 import json
 import os
 import sys
 
 import jax
+import numpy as np
 
 pid, port, work = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-jax.config.update('jax_num_cpu_devices', 1)
+jax.config.update('jax_num_cpu_devices', 2)
 jax.config.update('jax_platforms', 'cpu')
 jax.distributed.initialize(coordinator_address=f'127.0.0.1:{port}', num_processes=2,
                            process_id=pid)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_train import tiny  # noqa: E402
+from loopmoe_jax.train import step as steps  # noqa: E402
 from loopmoe_jax.train.trainer import train  # noqa: E402
 
-summary = train(tiny(steps=4), work)
+fed = []
+put_batch = steps.put_batch
+
+
+def recording_put_batch(batch, batch_sh):
+  if batch_sh.mesh.size == 4 and len(fed) < 6:  # training and validation rows fed here
+    fed.append(np.asarray(batch['inputs']).tolist())
+  return put_batch(batch, batch_sh)
+
+
+steps.put_batch = recording_put_batch
+cfg = tiny(steps=4)
+cfg.mesh.data, cfg.mesh.expert = 2, 2
+summary = train(cfg, work)
 print('RESULT', json.dumps({'process': jax.process_index(), 'devices': jax.device_count(),
-                            **summary}), flush=True)
+                            'fed': fed, **summary}), flush=True)

@@ -1,5 +1,6 @@
-"""A real two-process run (jax.distributed on 127.0.0.1, gloo): each process feeds its rows of
-every global batch; the losses equal a single-process run's and the checkpoint restores."""
+"""A real two-process run (jax.distributed on 127.0.0.1, gloo) on a data=2 x expert=2 mesh that
+spans both processes (2 CPU devices each): each process feeds only its rows of every global
+batch; the losses equal a single-process run's and the checkpoint restores."""
 import json
 import os
 import socket
@@ -8,6 +9,10 @@ import sys
 
 import pytest
 
+import numpy as np
+
+from loopmoe_jax.data import pipeline
+from loopmoe_jax.experiment import build
 from loopmoe_jax.train import checkpoint
 from loopmoe_jax.train.trainer import train
 from test_train import losses, tiny
@@ -32,7 +37,15 @@ def test_two_processes_match_one(tmp_path):
     assert p.returncode == 0, out[-3000:]
   results = [json.loads(next(l for l in o.splitlines() if l.startswith('RESULT'))[7:])
              for o in outs]
-  assert [r['process'] for r in results] == [0, 1] and results[0]['devices'] == 2
+  assert [r['process'] for r in results] == [0, 1] and results[0]['devices'] == 4
+  exp = build(tiny(steps=4))
+  it = pipeline.train_iterator(exp.data, exp.model.vocab_size, 5)
+  first = np.asarray(next(it)['inputs'])
+  half = first.shape[0] // 2
+  for r in results:  # each process fed half of the global batch: its own rows
+    fed = np.asarray(r['fed'][0])
+    assert fed.shape == (half, first.shape[1])
+    np.testing.assert_array_equal(fed, first[r['process'] * half:(r['process'] + 1) * half])
   single = train(tiny(steps=4), str(tmp_path / 'single'))
   two, one = losses(work), losses(tmp_path / 'single')
   assert sorted(two) == sorted(one) == [1, 2, 3, 4]

@@ -13,6 +13,7 @@ import logging
 import os
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from loopmoe_jax.config import ModelConfig
@@ -51,11 +52,24 @@ class StateMismatch(ValueError):
   """An intact checkpoint whose train state does not fit the one asked for."""
 
 
+def spread(shape) -> jax.sharding.Sharding:
+  """A sharding for a leaf of unknown role: its first dimension that divides over every device
+  split over all of them (else replicated), so no device holds a whole large array."""
+  devices = jax.devices()
+  mesh = jax.sharding.Mesh(np.asarray(devices), ('all',))
+  dims = [None] * len(shape)
+  for i, n in enumerate(shape):
+    if n % len(devices) == 0:
+      dims[i] = 'all'
+      break
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*dims))
+
+
 def _intact(mngr, step: int) -> bool:
-  """Whether the step's state restores as stored (onto this machine's first device)."""
-  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  """Whether the step's state restores as stored (spread over every device, `spread`)."""
   try:
-    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype,
+                                                         sharding=spread(m.shape)),
                           mngr.item_metadata(step)['state'])
     mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
   except Exception:  # pylint: disable=broad-except

@@ -40,6 +40,7 @@ class TrainConfig:
   sample_prompt: str = 'def '
   init_from: str = ''            # start from another run's checkpoint (a continuation)
   init_step: int = -1            # its step; -1: latest
+  microbatches: int = 1          # gradient accumulation: the batch in this many equal parts
 
   def __post_init__(self):
     if self.steps < 1:
@@ -51,7 +52,7 @@ class TrainConfig:
     if not 0.0 <= self.decay_fraction <= 1.0:
       raise ValueError(f'train.decay_fraction={self.decay_fraction}: must lie in [0, 1]')
     for name in ('log_every', 'eval_every', 'save_every', 'keep', 'routing_every',
-                 'final_window'):
+                 'final_window', 'microbatches'):
       if getattr(self, name) < 1:
         raise ValueError(f'train.{name}={getattr(self, name)}: must be >= 1')
     checks = {'lr': (self.lr > 0, '> 0'), 'warmup': (self.warmup >= 0, '>= 0'),

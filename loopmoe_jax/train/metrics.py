@@ -43,6 +43,8 @@ class Writer:
                      ('mfu', '{:.1%} MFU'), ('lr', 'lr {:.2e}')):
       if key in m:
         parts.append((key.split('_')[0] + ' ' if key == 'val_loss' else '') + fmt.format(m[key]))
+    if m.get('dropped'):
+      parts.append(f"dropped {m['dropped']:,.0f}")
     print('  '.join(parts), file=sys.stdout, flush=True)
 
   def close(self):

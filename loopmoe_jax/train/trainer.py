@@ -20,7 +20,7 @@ import time
 import jax
 import numpy as np
 
-from loopmoe_jax import accounting
+from loopmoe_jax import accounting, sharding
 from loopmoe_jax.data import pipeline
 from loopmoe_jax.experiment import build, config_diff
 from loopmoe_jax.model import LoopedMoE
@@ -70,13 +70,10 @@ def train(cfg, workdir: str) -> dict:
   model = LoopedMoE(mc)
   tx, schedule = make_optimizer(tc)
   n_dev, proc, n_proc = jax.device_count(), jax.process_index(), jax.process_count()
-  if dc.batch_size % n_dev:
-    raise ValueError(f'data.batch_size={dc.batch_size} does not split over {n_dev} devices')
-  mesh = steps.make_mesh()
-  shapes = steps.abstract_state(model, tx, dc.seq_len)
-  state_sh, batch_sh = steps.shardings(mesh, shapes)
-  target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        shapes, state_sh)
+  mesh = sharding.make_mesh(exp.mesh)
+  sharding.check_batch(dc.batch_size, tc.microbatches, mesh)
+  state_sh, batch_sh = steps.shardings(mesh, model, tx, dc.seq_len)
+  target = steps.abstract_state(model, tx, dc.seq_len, state_sh)
   mngr = checkpoint.manager(os.path.join(workdir, 'checkpoints'), tc.keep, tc.async_save)
   state, data_state, start = _initial_state(mngr, target, model, tx, exp, state_sh, workdir)
   summary_path = os.path.join(workdir, 'summary.json')
@@ -92,8 +89,9 @@ def train(cfg, workdir: str) -> dict:
                                n_proc, data_state.get('iterator'))
   val = pipeline.validation_batches(dc, mc.vocab_size, proc, n_proc)
   train_step = steps.make_train_step(model, tx, schedule, tc.lb_coef, tc.z_coef, state_sh,
-                                     batch_sh)
-  eval_step, routing_step = steps.make_eval_step(model), steps.make_routing_step(model)
+                                     batch_sh, tc.microbatches)
+  eval_step = steps.make_eval_step(model, mesh=mesh)
+  routing_step = steps.make_routing_step(model, mesh=mesh)
   acct = accounting.count(mc, dc.seq_len)
   writer = Writer(workdir, tc.steps, enabled=proc == 0, resume_step=start)
   flops_tok, peak = 3 * acct['flops_per_token'], peak_flops(tc.peak_flops) * n_dev
@@ -101,7 +99,8 @@ def train(cfg, workdir: str) -> dict:
   if proc == 0:
     print(f"model: {acct['params_total']:,} params ({acct['params_active']:,} active/token), "
           f"{mc.executed_layers} executed layers; data: {dc.source}, batch {dc.batch_size} x "
-          f"{dc.seq_len}; steps {start} -> {tc.steps} on {n_dev} device(s)", flush=True)
+          f"{dc.seq_len}; steps {start} -> {tc.steps} on {n_dev} device(s)"
+          f"{_mesh_text(mesh)}", flush=True)
 
   pending, val_loss = None, None
   t_log, tok_log, t0 = time.time(), 0, time.time()
@@ -195,7 +194,7 @@ def _check_same_run(stored: dict, exp, where: str, mismatch: str | None = ''):
   diffs, notes = [], []
   for key, old, new in config_diff(stored, exp):
     line = f'{key}: {old!r} in the checkpoint, {new!r} now'
-    free = key.startswith('train.') or key in DATA_FREE_ON_RESUME
+    free = key.startswith(('train.', 'mesh.')) or key in DATA_FREE_ON_RESUME
     (notes if free else diffs).append(line)
   if mismatch:
     diffs += [mismatch] + notes
@@ -245,8 +244,12 @@ def _initial_state(mngr, target, model, tx, exp, state_sh, workdir):
     s, state, data_state, _ = restored
     print(f'resuming from step {s}', flush=True)
     return state, data_state, s
-  init = jax.jit(lambda rng: steps.init_state(model, tx, rng, dc.seq_len), out_shardings=state_sh)
-  return init(steps.init_key(tc.seed)), None, 0
+  return steps.create_state(model, tx, tc.seed, dc.seq_len, state_sh), None, 0
+
+
+def _mesh_text(mesh) -> str:
+  axes = [f'{a}={n}' for a, n in mesh.shape.items() if n > 1]
+  return f" (mesh {' x '.join(axes)})" if axes else ''
 
 
 def _write_routing(workdir, step, stats, proc):

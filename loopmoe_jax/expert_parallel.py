@@ -1,0 +1,165 @@
+"""Expert parallelism inside `jax.shard_map`, and the capacity limit.
+
+Each device holds a shard of the tokens (the batch axes) and E / n of every MoE layer's
+experts (the `expert` axis, n devices); the routing (router, top-k, aux losses) has already
+run on the global batch outside. Per device:
+
+  permute  sort the T*k assignments by expert (dropped ones last),
+  exchange send each row to the device that holds its expert (all_to_all over `expert`),
+  regroup  order the received rows by local expert,
+  grouped matmul  the local experts' SwiGLU with the model's dispatch backend
+           (`dispatch.grouped_ffn`; expert width sharded over `tensor`, summed at the end),
+  exchange back, unpermute, combine with the routing weights.
+
+Two transports (`model.expert_exchange`, 'auto' picks per platform):
+- `ragged` (GPU/TPU): `jax.lax.ragged_all_to_all` sends each row once. The send buffer is the
+  M = T*k sorted rows; the receive buffer holds n*M rows, what arrives when every device sends
+  all its rows here (the dropless worst case): n*M*D elements per MoE layer and pass.
+- `padded` (CPU, whose XLA has no ragged_all_to_all): a fixed [n, M, D] buffer per direction
+  (slot j holds the rows for device j, at most M), exchanged with `jax.lax.all_to_all`. Memory
+  per MoE layer and pass: 2*n*M*D elements sent and as many received, n times the ragged
+  transport's send side; it moves n*M*D per device where the ragged one moves M*D.
+Both are dropless: no device can send more than its M rows to one place. With a capacity
+factor, the padded slots shrink to E/n * C rows (an expert keeps at most C rows of a source):
+cf = 1 makes the padded exchange move about what the ragged one does.
+
+Capacity (`model.capacity_factor` cf > 0): each expert takes at most C = ceil(cf * T * k / E)
+of one batch shard's assignments (T its tokens), in token order; the rest are dropped (their
+output is zero, the residual carries the token) and counted.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from loopmoe_jax import dispatch as dispatch_lib
+from loopmoe_jax import sharding
+
+
+def capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:
+  return int(math.ceil(factor * num_tokens * top_k / num_experts))
+
+
+def capacity_keep(experts_M, num_experts: int, cap: int):
+  """Which of the M flat assignments an expert of capacity `cap` keeps: the first `cap` of
+  each expert's assignments in their order, [M] bool."""
+  order = jnp.argsort(experts_M, stable=True)
+  counts = jnp.bincount(experts_M, length=num_experts)
+  starts = jnp.cumsum(counts) - counts
+  rank = jnp.arange(experts_M.shape[0]) - starts[experts_M[order]]
+  return jnp.zeros(experts_M.shape, bool).at[order].set(rank < cap)
+
+
+def apply_capacity(experts_Tk, weights_Tk, num_experts: int, factor: float):
+  """(weights with dropped assignments zeroed, keep_Tk, number dropped) for one batch shard;
+  factor 0 keeps everything."""
+  if not factor:
+    return weights_Tk, jnp.ones(experts_Tk.shape, bool), jnp.zeros((), jnp.int32)
+  t, k = experts_Tk.shape
+  keep = capacity_keep(experts_Tk.reshape(-1), num_experts,
+                       capacity(t, k, num_experts, factor)).reshape(t, k)
+  return (jnp.where(keep, weights_Tk, 0).astype(weights_Tk.dtype), keep,
+          jnp.sum(~keep).astype(jnp.int32))
+
+
+def exchange_kind(kind: str) -> str:
+  if kind != 'auto':
+    return kind
+  return 'padded' if jax.default_backend() == 'cpu' else 'ragged'
+
+
+def _exclusive_cumsum(x, axis=0):
+  return jnp.cumsum(x, axis=axis) - x
+
+
+def _local_moe(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, factor, kind,
+               backend, tile, batch_axes, tensor):
+  """The per-device body (see the module docstring): returns (y_TD float32, dropped)."""
+  t, k = experts_Tk.shape
+  m, d = t * k, x_TD.shape[1]
+  e_loc = params['gate'].shape[0]
+  me = jax.lax.axis_index('expert')
+  # rows one device sends another: all M in the dropless worst case; with a capacity, at most
+  # C per expert of the destination
+  slot = m if not factor else min(m, e_loc * capacity(t, k, num_experts, factor))
+
+  with jax.named_scope('permute'):
+    flat = experts_Tk.reshape(-1)
+    weights_Tk, keep_Tk, dropped = apply_capacity(experts_Tk, weights_Tk, num_experts, factor)
+    key = jnp.where(keep_Tk.reshape(-1), flat, num_experts)  # dropped rows sort last
+    order = jnp.argsort(key, stable=True)
+    x_send = x_TD[order // k]
+    counts_E = jnp.bincount(key, length=num_experts).astype(jnp.int32)
+    dest_counts = counts_E.reshape(n, e_loc).sum(1)
+    send_off = _exclusive_cumsum(dest_counts)
+    all_counts = jax.lax.all_gather(counts_E, 'expert')                   # [n_src, E]
+    recv_nE = jax.lax.dynamic_slice_in_dim(all_counts, me * e_loc, e_loc, axis=1)
+    c_nn = all_counts.reshape(n, n, e_loc).sum(-1)                        # [src, dest]
+
+  with jax.named_scope('exchange'):
+    sorted_key = key[order]
+    dest = jnp.where(sorted_key < num_experts, sorted_key // e_loc, n)
+    pos = jnp.arange(m) - send_off[jnp.minimum(dest, n - 1)]
+    if kind == 'padded':
+      buf = jnp.zeros((n, slot, d), x_TD.dtype).at[dest, pos].set(x_send, mode='drop')
+      recv = jax.lax.all_to_all(buf, 'expert', 0, 0, tiled=True).reshape(n * slot, d)
+      block_start = jnp.arange(n, dtype=jnp.int32) * slot
+    else:
+      out_off = _exclusive_cumsum(c_nn, 0)[me]
+      recv = jax.lax.ragged_all_to_all(x_send, jnp.zeros((n * m, d), x_TD.dtype), send_off,
+                                       dest_counts, out_off, c_nn[:, me], axis_name='expert')
+      block_start = _exclusive_cumsum(c_nn[:, me])
+
+  with jax.named_scope('regroup'):
+    seg_start = (block_start[:, None] + _exclusive_cumsum(recv_nE, 1)).reshape(-1)
+    seg_count = recv_nE.reshape(-1)
+    q = jnp.arange(recv.shape[0])
+    seg = jnp.searchsorted(seg_start, q, side='right') - 1
+    local = jnp.where(q < seg_start[seg] + seg_count[seg], seg % e_loc, e_loc)
+    order2 = jnp.argsort(local, stable=True)
+    sizes = recv_nE.sum(0)
+
+  out_g = dispatch_lib.grouped_ffn(recv[order2], sizes, params, backend, tile)
+  out_recv = jnp.zeros_like(out_g).at[order2].set(out_g)
+
+  with jax.named_scope('exchange_back'):
+    if kind == 'padded':
+      back = jax.lax.all_to_all(out_recv.reshape(n, slot, d), 'expert', 0, 0, tiled=True)
+      out_sorted = back.at[dest, pos].get(mode='fill', fill_value=0)
+    else:
+      src_off = _exclusive_cumsum(c_nn, 1)[:, me]  # where each source's rows sat in its send
+      out_sorted = jax.lax.ragged_all_to_all(out_recv, jnp.zeros((m, d), out_recv.dtype),
+                                             block_start, c_nn[:, me], src_off, dest_counts,
+                                             axis_name='expert')
+
+  with jax.named_scope('unpermute'):
+    out_TkD = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(t, k, d)
+  y_TD = dispatch_lib.combine(out_TkD, weights_Tk)
+  if tensor > 1:
+    y_TD = jax.lax.psum(y_TD, 'tensor')
+  return y_TD, jax.lax.psum(dropped, batch_axes)
+
+
+def moe_dispatch(x_TD, experts_Tk, weights_Tk, params, cfg, mesh):
+  """Expert-parallel dispatch over `mesh` (the abstract mesh of `jax.set_mesh`): (y_TD,
+  dropped assignments over the whole batch). Token rows are split over the batch axes."""
+  num_experts = params['gate'].shape[0]
+  n = mesh.shape['expert']
+  if num_experts % n:
+    raise ValueError(f'{num_experts} experts do not divide over mesh.expert={n}; make every '
+                     f'model.*_experts a multiple of {n}')
+  batch_axes = tuple(a for a in sharding.BATCH_AXES if a in mesh.axis_names)
+  rows = P(batch_axes)
+  w_in = sharding.spec(('experts', None, 'mlp'), mesh.axis_names)
+  w_out = sharding.spec(('experts', 'mlp', None), mesh.axis_names)
+  body = lambda x, e, w, p: _local_moe(
+      x, e, w, p, num_experts=num_experts, n=n, factor=cfg.capacity_factor,
+      kind=exchange_kind(cfg.expert_exchange), backend=cfg.dispatch, tile=cfg.dispatch_tile,
+      batch_axes=batch_axes, tensor=mesh.shape['tensor'])
+  y_TD, dropped = jax.shard_map(
+      body, in_specs=(rows, rows, rows, {'gate': w_in, 'up': w_in, 'down': w_out}),
+      out_specs=(rows, P()), check_vma=False)(x_TD, experts_Tk, weights_Tk, params)
+  return y_TD.astype(x_TD.dtype), dropped

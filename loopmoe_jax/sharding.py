@@ -1,0 +1,204 @@
+"""Device meshes from config, the one logical-axis rules table, and the train state's shardings.
+
+Mesh axes, outermost first: `dcn_data` (data parallel across TPU slices / GPU nodes, over the
+slow network), `data`, `fsdp` (data parallel with parameters and optimizer state sharded),
+`expert` (data parallel for attention, experts spread for the MoE layers), `tensor` (attention
+heads and the expert hidden width). The batch is split over every axis but `tensor`.
+
+RULES maps every name of `layers.LOGICAL_AXES`, and the activation names `batch`, `length`,
+`act_embed`, to mesh axes; parameter and optimizer-state shardings, the batch sharding and the
+activation constraints all come from it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from loopmoe_jax.config import from_mapping
+from loopmoe_jax.layers import LOGICAL_AXES
+
+AXES = ('dcn_data', 'data', 'fsdp', 'expert', 'tensor')
+BATCH_AXES = ('dcn_data', 'data', 'fsdp', 'expert')
+
+RULES: dict[str, Any] = {
+    # parameters
+    'vocab': 'tensor', 'embed': 'fsdp', 'heads': 'tensor', 'kv_heads': 'tensor',
+    'head_dim': None, 'mlp': 'tensor', 'experts': 'expert', 'loops': None, 'embed_in': None,
+    'inject_src': None,
+    # activations
+    'batch': BATCH_AXES, 'length': None, 'act_embed': None,
+}
+assert set(LOGICAL_AXES) <= set(RULES), 'every logical axis needs a rule'
+
+# What to change when a dimension does not divide over its mesh axis.
+FIX = {'vocab': 'model.vocab_size', 'embed': 'model.d_model', 'heads': 'model.num_heads',
+       'kv_heads': 'model.num_kv_heads', 'mlp': 'model.expert_width (or shared_expert_width)',
+       'experts': 'the segment\'s model.*_experts'}
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Mesh axis sizes (config key `mesh`); one of data/fsdp/expert/tensor may be -1 (the rest
+  of the devices). The product must equal the device count."""
+  data: int = -1
+  fsdp: int = 1
+  expert: int = 1
+  tensor: int = 1
+  dcn_data: int = 1
+
+  def __post_init__(self):
+    free = [a for a in ('data', 'fsdp', 'expert', 'tensor') if getattr(self, a) == -1]
+    if len(free) > 1:
+      raise ValueError(f'mesh: only one axis may be -1, got {", ".join("mesh." + a for a in free)}')
+    for a in AXES:
+      v = getattr(self, a)
+      if v < 1 and not (v == -1 and a != 'dcn_data'):
+        raise ValueError(f'mesh.{a}={v}: must be >= 1 (or -1 for the remaining devices)')
+
+  def sizes(self, num_devices: int) -> dict[str, int]:
+    """Axis sizes with the -1 resolved; an error naming the numbers when they do not fit."""
+    given = {a: getattr(self, a) for a in AXES}
+    fixed = math.prod(v for v in given.values() if v != -1)
+    free = [a for a, v in given.items() if v == -1]
+    if free:
+      if num_devices % fixed:
+        raise ValueError(f'mesh: the fixed axes ({_fmt(given)}) multiply to {fixed}, which does '
+                         f'not divide the {num_devices} devices; change them so it does')
+      given[free[0]] = num_devices // fixed
+    elif fixed != num_devices:
+      raise ValueError(f'mesh: {_fmt(given)} multiply to {fixed}, but there are {num_devices} '
+                       f'devices; make the product {num_devices} (or set one axis to -1)')
+    return given
+
+  @classmethod
+  def from_dict(cls, d):
+    return from_mapping(cls, d, 'mesh')
+
+
+def _fmt(sizes):
+  return ' x '.join(f'mesh.{a}={v}' for a, v in sizes.items() if v != 1) or 'every axis 1'
+
+
+def make_mesh(cfg: MeshConfig | None = None, devices: Sequence[Any] | None = None):
+  """The 5-axis mesh (AxisType.Auto). With dcn_data > 1 the devices are grouped by TPU slice
+  (or by process on GPU nodes) so only `dcn_data` crosses the slow network."""
+  cfg = cfg or MeshConfig()
+  devices = list(devices if devices is not None else jax.devices())
+  sizes = cfg.sizes(len(devices))
+  shape = tuple(sizes[a] for a in AXES)
+  if sizes['dcn_data'] > 1 and (hasattr(devices[0], 'slice_index') or
+                                jax.process_count() == sizes['dcn_data']):
+    from jax.experimental import mesh_utils
+    ici = (1,) + shape[1:]
+    dcn = (sizes['dcn_data'],) + (1,) * (len(AXES) - 1)
+    grid = mesh_utils.create_hybrid_device_mesh(
+        ici, dcn, devices, process_is_granule=not hasattr(devices[0], 'slice_index'))
+    return jax.sharding.Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
+  return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES),
+                       devices=devices)
+
+
+def spec(names: Sequence[str | None], mesh_axes: Sequence[str] = AXES) -> P:
+  """The PartitionSpec of logical `names` under RULES (axes not in `mesh_axes` dropped)."""
+  out = []
+  for name in names:
+    rule = RULES.get(name) if name else None
+    axes = (rule,) if isinstance(rule, str) else tuple(rule or ())
+    axes = tuple(a for a in axes if a in mesh_axes)
+    out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+  return P(*out)
+
+
+def batch_size_of(mesh) -> int:
+  """Number of batch shards: the product of the batch axes."""
+  return math.prod(mesh.shape[a] for a in BATCH_AXES if a in mesh.shape)
+
+
+def check_batch(batch_size: int, microbatches: int, mesh):
+  """The global batch must split into `microbatches` equal parts, each over the batch shards."""
+  shards = batch_size_of(mesh)
+  axes = ' x '.join(f'mesh.{a}={mesh.shape[a]}' for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
+  if batch_size % microbatches:
+    raise ValueError(f'train.microbatches={microbatches} does not divide data.batch_size='
+                     f'{batch_size}; use a divisor of {batch_size}')
+  if (batch_size // microbatches) % shards:
+    per = f' per microbatch ({batch_size} / {microbatches})' if microbatches > 1 else ''
+    raise ValueError(f'data.batch_size={batch_size}{per} does not split over the {shards} batch '
+                     f'shards of the mesh ({axes or "one device"}); make the batch'
+                     f'{" per microbatch" if per else ""} a multiple of {shards} or change '
+                     'the mesh')
+
+
+def constrain(x, names: Sequence[str | None]):
+  """with_sharding_constraint by logical names under the mesh set by `jax.set_mesh`; a no-op
+  without one (one device, decoding, tests of the model alone)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return x
+  return jax.lax.with_sharding_constraint(x, spec(names, mesh.axis_names))
+
+
+# Train-state shardings ---------------------------------------------------------------------
+
+def _is_box(x):
+  return isinstance(x, nn.LogicallyPartitioned)
+
+
+def param_specs(boxed_params, mesh):
+  """PartitionSpecs of a boxed (logically partitioned) param tree, checking that every
+  sharded dimension divides over its mesh axis (a ValueError naming the param, the numbers
+  and the config key to change)."""
+  def one(path, box):
+    names = box.names if _is_box(box) else (None,) * len(box.shape)
+    value = box.value if _is_box(box) else box
+    s = spec(names, mesh.axis_names)
+    for dim, (name, axes) in enumerate(zip(names, s)):
+      if axes is None:
+        continue
+      n = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+      if value.shape[dim] % n:
+        where = '/'.join(str(getattr(k, 'key', k)) for k in path)
+        axis = axes if isinstance(axes, str) else '*'.join(axes)
+        raise ValueError(
+            f'param {where}: its {name!r} dimension of size {value.shape[dim]} does not divide '
+            f'over mesh.{axis}={n}; change {FIX.get(name, "the model")} to a multiple of {n} '
+            f'or set mesh.{axis} to a divisor of {value.shape[dim]}')
+    return s
+  return jax.tree_util.tree_map_with_path(one, boxed_params, is_leaf=_is_box)
+
+
+def state_shardings(mesh, boxed_params, tx):
+  """NamedShardings of {'params', 'opt_state', 'step'}: optimizer moments follow their
+  params (optax.tree_map_params), counters and other scalars are replicated."""
+  specs = param_specs(boxed_params, mesh)
+  params = nn.unbox(boxed_params)
+  named = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                       is_leaf=lambda x: isinstance(x, P))
+  rep = NamedSharding(mesh, P())
+  opt_shapes = jax.eval_shape(tx.init, params)
+  opt = optax.tree_map_params(tx, lambda _, sh: sh, opt_shapes, named,
+                              transform_non_params=lambda _: rep,
+                              is_leaf=lambda x: isinstance(x, NamedSharding))
+  return {'params': named, 'opt_state': opt, 'step': rep}
+
+
+def batch_sharding(mesh):
+  return NamedSharding(mesh, spec(('batch', 'length'), mesh.axis_names))
+
+
+def bytes_per_device(shapes, shardings) -> int:
+  """Bytes one device holds of a tree of ShapeDtypeStructs under the given shardings (the
+  largest shard of each leaf)."""
+  total = 0
+  for s, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(
+      shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))):
+    shard = sh.shard_shape(s.shape)
+    total += int(np.prod(shard, dtype=np.int64)) * np.dtype(s.dtype).itemsize
+  return total

@@ -1,0 +1,305 @@
+"""Scale-out on the 8 fake CPU devices: sharded runs equal the one-device run, the sharding is
+real (bytes per device, all-to-all in the program), expert parallelism is dropless (or drops
+exactly what a direct count says), the ragged transport's offsets are right, and mesh
+mistakes are errors naming the config key.
+
+Tolerance for sharded vs one-device float32 runs: the same float32 sums in another order, so
+losses (every step) agree to rtol 2e-5 and first-step gradients to rtol 1e-4 plus 1e-5 of
+the largest gradient.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from loopmoe_jax import dispatch as dispatch_lib
+from loopmoe_jax import expert_parallel, sharding
+from loopmoe_jax.config import ModelConfig
+from loopmoe_jax.model import LoopedMoE
+from loopmoe_jax.sharding import MeshConfig
+from loopmoe_jax.train import step as steps
+from loopmoe_jax.train.config import TrainConfig
+from loopmoe_jax.train.optimizer import make_optimizer
+from lowering import lower_for
+
+MESHES = {
+    'data2_expert4': MeshConfig(data=2, expert=4),
+    'fsdp2_expert2_data2': MeshConfig(fsdp=2, expert=2, data=2),
+    'fsdp4_tensor2': MeshConfig(data=1, fsdp=4, tensor=2),
+}
+SMALL = dict(vocab_size=256, d_model=32, num_heads=2, head_dim=16, expert_width=32, top_k=2,
+             prelude_layers=1, prelude_experts=4, core_layers=2, core_experts=4, num_loops=2,
+             coda_layers=1, coda_experts=4)
+CONFIGS = {
+    'untied': ModelConfig(**SMALL, tie_attention=False),
+    'tied_injection': ModelConfig(**SMALL, tie_attention=True, injection='concat',
+                                  residual_scale='inverse_loops'),
+}
+BATCH, SEQ, STEPS = 8, 16, 3
+
+
+def one_device_mesh():
+  return sharding.make_mesh(MeshConfig(data=1), jax.devices()[:1])
+
+
+def batches(vocab=256, seed=0):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, vocab, (STEPS, BATCH, SEQ + 1), dtype=np.int32)
+  return {'inputs': tokens[:, :, :-1], 'targets': tokens[:, :, 1:]}
+
+
+@functools.lru_cache(maxsize=None)
+def run(config_name: str, mesh_name: str, microbatches: int = 1, lb_coef: float = 0.01):
+  """Per step: metrics and gradients of STEPS AdamW steps from one init, on the mesh."""
+  cfg = CONFIGS[config_name]
+  mesh = one_device_mesh() if mesh_name == 'one' else sharding.make_mesh(MESHES[mesh_name])
+  model = LoopedMoE(cfg)
+  tx, _ = make_optimizer(TrainConfig(lr=1e-2, warmup=0))
+  state_sh, batch_sh = steps.shardings(mesh, model, tx, SEQ)
+  state = steps.create_state(model, tx, 0, SEQ, state_sh)
+  stacked_sh = NamedSharding(mesh, P(None, *batch_sh.spec))
+
+  def train(params, opt_state, data):
+    def body(carry, batch):
+      params, opt_state = carry
+      metrics, grads = steps.loss_and_grads(params, model, batch, lb_coef, 0.001, microbatches)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return (optax.apply_updates(params, updates), opt_state), (metrics, grads)
+    return jax.lax.scan(body, (params, opt_state), data)[1]
+
+  fn = steps.OnMesh(jax.jit(train, in_shardings=(state_sh['params'], state_sh['opt_state'],
+                                                 stacked_sh)), mesh)
+  data = jax.device_put(batches(cfg.vocab_size), stacked_sh)
+  return jax.device_get(fn(state['params'], state['opt_state'], data))
+
+
+def assert_grads_close(got, want):
+  """The first step's gradients (later steps start from parameters that AdamW moved by
+  g / |g|, which turns last-bit differences of tiny gradients into visible ones)."""
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+    scale = np.max(np.abs(w[0]))
+    np.testing.assert_allclose(g[0], w[0], rtol=1e-4, atol=1e-5 * scale + 1e-9,
+                               err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize('config_name', sorted(CONFIGS))
+@pytest.mark.parametrize('mesh_name', sorted(MESHES))
+def test_sharded_training_equals_one_device(config_name, mesh_name):
+  (m_one, g_one), (m_mesh, g_mesh) = run(config_name, 'one'), run(config_name, mesh_name)
+  for key in ('loss', 'load_balance', 'z_loss'):  # every step's values
+    np.testing.assert_allclose(m_mesh[key], m_one[key], rtol=2e-5, err_msg=key)
+  assert np.all(m_mesh['dropped'] == 0) and np.all(m_one['dropped'] == 0)
+  assert_grads_close(g_mesh, g_one)
+
+
+def test_microbatches_give_the_same_update():
+  """train.microbatches=4 on a data2 x expert4 mesh: the same gradients as one batch (the
+  load-balance loss, a product of batch means, is off here: it is per microbatch)."""
+  (m4, g4), (m1, g1) = run('untied', 'data2_expert4', 4, 0.0), run('untied', 'one', 1, 0.0)
+  np.testing.assert_allclose(m4['loss'], m1['loss'], rtol=2e-5)
+  assert_grads_close(g4, g1)
+
+
+# Sharding is real -----------------------------------------------------------------------------
+
+def _state_bytes(cfg, mesh_cfg):
+  model = LoopedMoE(cfg)
+  tx, _ = make_optimizer(TrainConfig())
+  mesh = sharding.make_mesh(mesh_cfg)
+  state_sh, _ = steps.shardings(mesh, model, tx, SEQ)
+  shapes = steps.abstract_state(model, tx, SEQ)
+  return {k: sharding.bytes_per_device(shapes[k], state_sh[k]) for k in shapes}
+
+
+def test_fsdp8_holds_an_eighth_of_the_state():
+  cfg = CONFIGS['untied']
+  rep = _state_bytes(cfg, MeshConfig(data=8))
+  fsdp = _state_bytes(cfg, MeshConfig(data=1, fsdp=8))
+  # every parameter has an 'embed' dimension (d_model 32 divides by 8): nothing but the
+  # step counter and Adam's count (4 bytes each) stays replicated
+  assert fsdp['params'] * 8 == rep['params']
+  assert fsdp['opt_state'] <= rep['opt_state'] / 8 + 8
+  assert fsdp['step'] == rep['step'] == 4
+
+
+def test_expert_parallel_program_exchanges_tokens_not_experts():
+  cfg = CONFIGS['untied']
+  mesh = sharding.make_mesh(MESHES['data2_expert4'])
+  model = LoopedMoE(cfg)
+  tx, schedule = make_optimizer(TrainConfig())
+  state_sh, batch_sh = steps.shardings(mesh, model, tx, SEQ)
+  step = steps.make_train_step(model, tx, schedule, 0.01, 0.001, state_sh, batch_sh)
+  state = steps.abstract_state(model, tx, SEQ, state_sh)
+  batch = {k: jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32, sharding=batch_sh)
+           for k in ('inputs', 'targets')}
+  hlo = step.lower(state, batch).compile().as_text()
+  assert hlo.count('all-to-all(') >= 2 * 4 * 2  # 4 MoE visits, there and back, fwd + bwd
+  e, d, f = cfg.core_experts, cfg.d_model, cfg.expert_width
+  for line in hlo.splitlines():  # no device gathers a whole expert weight
+    if 'all-gather(' in line:
+      assert f'[{e},{d},{f}]' not in line and f'[{e},{f},{d}]' not in line, line
+
+
+# Expert parallelism against the per-expert reference ---------------------------------------------
+
+def _moe_inputs(tokens=64, d=16, f=24, experts=8, k=2, same_expert=False, seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((tokens, d)).astype(np.float32)
+  if same_expert:
+    ids = np.zeros((tokens, k), np.int32) + np.arange(k, dtype=np.int32)  # all pick 0..k-1
+  else:
+    ids = np.stack([rng.choice(experts, k, replace=False) for _ in range(tokens)]).astype(np.int32)
+  w = rng.random((tokens, k)).astype(np.float32)
+  params = {n: rng.standard_normal(s).astype(np.float32) / np.sqrt(s[1]) for n, s in
+            (('gate', (experts, d, f)), ('up', (experts, d, f)), ('down', (experts, f, d)))}
+  return x, ids, w, params
+
+
+def _ep(mesh_cfg, x, ids, w, params, **cfg_kw):
+  mesh = sharding.make_mesh(mesh_cfg)
+  cfg = ModelConfig(**dict(dict(core_experts=params['gate'].shape[0], dispatch='tiled',
+                                dispatch_tile=8), **cfg_kw))
+  fn = jax.jit(lambda *a: expert_parallel.moe_dispatch(*a, cfg, jax.sharding.get_abstract_mesh()))
+  with jax.set_mesh(mesh):
+    y, dropped = fn(x, ids, w, params)
+  return np.asarray(y), int(dropped)
+
+
+@pytest.mark.parametrize('same_expert', [False, True])
+@pytest.mark.parametrize('mesh_name', ['data2_expert4', 'fsdp4_tensor2'])
+def test_expert_parallel_is_dropless(mesh_name, same_expert):
+  x, ids, w, params = _moe_inputs(same_expert=same_expert)
+  y, dropped = _ep(MESHES[mesh_name], x, ids, w, params)
+  want = dispatch_lib.dispatch_reference(x, ids, w, params)
+  np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+  assert dropped == 0
+
+
+def _capacity_reference(ids, w, experts, shards, factor):
+  """Per batch shard, in token order: an expert keeps its first C assignments."""
+  keep = np.ones(ids.shape, bool)
+  t = ids.shape[0] // shards
+  cap = int(np.ceil(factor * t * ids.shape[1] / experts))
+  for s in range(shards):
+    seen = np.zeros(experts, int)
+    for i in range(s * t, (s + 1) * t):
+      for j in range(ids.shape[1]):
+        keep[i, j] = seen[ids[i, j]] < cap
+        seen[ids[i, j]] += 1
+  return np.where(keep, w, 0), int((~keep).sum())
+
+
+@pytest.mark.parametrize('factor', [0.5, 1.0])
+def test_capacity_drops_what_a_direct_count_drops(factor):
+  x, ids, w, params = _moe_inputs(seed=1)
+  ids[:24] = [0, 1]  # a crowded start: experts 0 and 1 overflow on the first shards
+  y, dropped = _ep(MESHES['data2_expert4'], x, ids, w, params, capacity_factor=factor)
+  w_kept, want_dropped = _capacity_reference(ids, w, 8, 8, factor)
+  assert dropped == want_dropped > 0
+  np.testing.assert_allclose(y, dispatch_lib.dispatch_reference(x, ids, w_kept, params),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_one_device_capacity_counts_over_the_whole_batch():
+  x, ids, w, params = _moe_inputs(seed=2)
+  ids[:24] = [0, 1]
+  w2, keep, dropped = expert_parallel.apply_capacity(jnp.asarray(ids), jnp.asarray(w), 8, 1.0)
+  w_kept, want = _capacity_reference(ids, w, 8, 1, 1.0)
+  assert int(dropped) == want and np.array_equal(np.asarray(w2), w_kept)
+
+
+def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                                recv_sizes, *, axis_name):
+  """jax.lax.ragged_all_to_all's documented semantics from all_gathers (XLA:CPU has no
+  ragged all-to-all): device i's rows [input_offsets[j], +send_sizes[j]) land in device j's
+  output at output_offsets[j]."""
+  del recv_sizes
+  me = jax.lax.axis_index(axis_name)
+  ops = jax.lax.all_gather(operand, axis_name)                        # [n, M, D]
+  start = jax.lax.all_gather(input_offsets, axis_name)[:, me]         # [n]
+  size = jax.lax.all_gather(send_sizes, axis_name)[:, me]
+  dst = jax.lax.all_gather(output_offsets, axis_name)[:, me]
+  r = jnp.arange(ops.shape[1])[None, :]
+  valid = (r >= start[:, None]) & (r < (start + size)[:, None])
+  idx = jnp.where(valid, dst[:, None] + r - start[:, None], output.shape[0])
+  return output.at[idx.reshape(-1)].set(ops.reshape(-1, ops.shape[-1]), mode='drop')
+
+
+@pytest.mark.parametrize('factor', [0.0, 0.75])
+def test_ragged_exchange_offsets_match_the_reference(monkeypatch, factor):
+  """The GPU/TPU transport's offsets and sizes, run through an emulation of the collective."""
+  monkeypatch.setattr(jax.lax, 'ragged_all_to_all', _emulated_ragged_all_to_all)
+  x, ids, w, params = _moe_inputs(seed=3)
+  ids[:24] = [0, 1]
+  got = _ep(MESHES['data2_expert4'], x, ids, w, params, expert_exchange='ragged',
+            capacity_factor=factor)
+  want = _ep(MESHES['data2_expert4'], x, ids, w, params, expert_exchange='padded',
+             capacity_factor=factor)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
+  assert got[1] == want[1]
+
+
+@pytest.mark.parametrize('platform', ['cuda', 'tpu'])
+def test_ragged_exchange_lowers_for_accelerators(platform):
+  """Forward and gradient of the ragged transport lower for `platform` from this CPU."""
+  x, ids, w, params = _moe_inputs()
+  cfg = ModelConfig(core_experts=8, expert_exchange='ragged', dispatch='xla')
+  mesh = sharding.make_mesh(MESHES['data2_expert4'])
+
+  def loss(x, w, params):
+    y, _ = expert_parallel.moe_dispatch(x, jnp.asarray(ids), w, params, cfg,
+                                        jax.sharding.get_abstract_mesh())
+    return jnp.sum(y * y)
+
+  with jax.set_mesh(mesh):
+    text = lower_for(platform, jax.grad(loss, argnums=(0, 1, 2)), x, w, params)
+  assert text.count('ragged_all_to_all') >= 4  # there and back, forward and transposed
+
+
+# Bad input -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('mesh_cfg, pattern', [
+    (MeshConfig(data=3), r'mesh\.data=3 multiply to 3, but there are 8 devices'),
+    (MeshConfig(data=-1, expert=3), r'multiply to 3, which does not divide the 8 devices'),
+])
+def test_mesh_size_errors(mesh_cfg, pattern):
+  with pytest.raises(ValueError, match=pattern):
+    sharding.make_mesh(mesh_cfg)
+
+
+def test_mesh_config_errors():
+  with pytest.raises(ValueError, match=r'only one axis may be -1.*mesh\.data.*mesh\.fsdp'):
+    MeshConfig(data=-1, fsdp=-1)
+  with pytest.raises(ValueError, match=r'mesh\.tensor=0'):
+    MeshConfig(tensor=0)
+
+
+@pytest.mark.parametrize('mesh_cfg, field, pattern', [
+    (MeshConfig(data=1, expert=8), {}, r"'experts' dimension of size 4 does not divide over "
+                                       r"mesh\.expert=8; change the segment's model\.\*_experts"),
+    (MeshConfig(data=1, tensor=8), {}, r"'kv_heads' dimension of size 2 does not divide over "
+                                       r"mesh\.tensor=8; change model\.num_kv_heads"),
+    (MeshConfig(data=2, fsdp=4), {'d_model': 30, 'head_dim': 16},
+     r"'embed' dimension of size 30 does not divide over mesh\.fsdp=4; change model\.d_model"),
+])
+def test_dimension_that_does_not_divide_is_named(mesh_cfg, field, pattern):
+  model = LoopedMoE(ModelConfig(**dict(SMALL, **field)))
+  tx, _ = make_optimizer(TrainConfig())
+  with pytest.raises(ValueError, match=pattern):
+    steps.shardings(sharding.make_mesh(mesh_cfg), model, tx, SEQ)
+
+
+def test_batch_errors_name_the_keys():
+  mesh = sharding.make_mesh(MeshConfig(data=2, expert=4))
+  with pytest.raises(ValueError, match=r'data\.batch_size=12 does not split over the 8 batch '
+                                       r'shards of the mesh \(mesh\.data=2 x mesh\.expert=4\)'):
+    sharding.check_batch(12, 1, mesh)
+  with pytest.raises(ValueError, match=r'train\.microbatches=3 does not divide data\.batch_size=16'):
+    sharding.check_batch(16, 3, mesh)
+  with pytest.raises(ValueError, match=r'batch_size=16 per microbatch \(16 / 4\) does not split'):
+    sharding.check_batch(16, 4, mesh)
+  sharding.check_batch(16, 2, mesh)
