@@ -15,6 +15,7 @@ from loopmoe_jax.cli import DEFAULT_CONFIG
 from loopmoe_jax.data import pipeline
 from loopmoe_jax.experiment import build
 from loopmoe_jax.model import LoopedMoE
+from loopmoe_jax import sharding
 from loopmoe_jax.train import step as steps
 from loopmoe_jax.train.optimizer import make_optimizer
 
@@ -40,11 +41,9 @@ def bench_data(quick: bool = False):
 
   model = LoopedMoE(mc)
   tx, schedule = make_optimizer(tc)
-  mesh = steps.make_mesh(jax.devices()[:1])
-  shapes = steps.abstract_state(model, tx, dc.seq_len)
-  state_sh, batch_sh = steps.shardings(mesh, shapes)
-  state = jax.jit(lambda r: steps.init_state(model, tx, r, dc.seq_len),
-                  out_shardings=state_sh)(steps.init_key(0))
+  mesh = sharding.make_mesh(sharding.MeshConfig(data=1), jax.devices()[:1])
+  state_sh, batch_sh = steps.shardings(mesh, model, tx, dc.seq_len)
+  state = steps.create_state(model, tx, 0, dc.seq_len, state_sh)
   train_step = steps.make_train_step(model, tx, schedule, tc.lb_coef, tc.z_coef, state_sh,
                                      batch_sh)
   batch = steps.put_batch(next(it), batch_sh)

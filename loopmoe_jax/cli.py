@@ -43,6 +43,39 @@ def _check_overrides(argv, default):
       node = node[part]
 
 
+def distributed_flags():
+  """--coordinator_address/--num_processes/--process_id (default: the environment variables
+  JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) and --distributed (let JAX
+  detect the cluster: TPU pods, SLURM, Open MPI, Kubernetes)."""
+  from absl import flags
+  env = os.environ.get
+  return {
+      'coordinator_address': flags.DEFINE_string(
+          'coordinator_address', env('JAX_COORDINATOR_ADDRESS'),
+          'host:port of process 0 for a multi-process run.'),
+      'num_processes': flags.DEFINE_integer(
+          'num_processes', int(env('JAX_NUM_PROCESSES', 0)) or None, 'Processes in the run.'),
+      'process_id': flags.DEFINE_integer(
+          'process_id', int(env('JAX_PROCESS_ID', -1)) if env('JAX_PROCESS_ID') else None,
+          'This process\'s index.'),
+      'distributed': flags.DEFINE_bool(
+          'distributed', False, 'Initialise jax.distributed from the cluster environment.'),
+  }
+
+
+def initialize_distributed(holders) -> None:
+  """jax.distributed.initialize from the distributed_flags (before any other JAX call)."""
+  import jax
+  values = {k: h.value for k, h in holders.items()}
+  if values.pop('distributed') or values['coordinator_address']:
+    missing = [k for k, v in values.items() if v is None]
+    if values['coordinator_address'] and missing:
+      raise ValueError(f'--coordinator_address={values["coordinator_address"]} needs '
+                       f'{" and ".join("--" + k for k in missing)} (or JAX_NUM_PROCESSES / '
+                       'JAX_PROCESS_ID)')
+    jax.distributed.initialize(**{k: v for k, v in values.items() if v is not None})
+
+
 def run(main):
   """app.run with library INFO logs (Orbax, Grain) silenced; progress is printed."""
   from absl import logging

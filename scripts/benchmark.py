@@ -3,10 +3,13 @@
     python scripts/benchmark.py model [--quick] [--json=FILE]
     python scripts/benchmark.py data [--json=FILE]
     python scripts/benchmark.py kernels [--quick] [--json=FILE]
+    python scripts/benchmark.py scale [--quick] [--json=FILE]     # 8 devices (fake on CPU)
 
 Sub-commands live in the modules of loopmoe_jax/bench.py's MODULES (imported on demand, so
 `kernels` needs neither the data stack nor its packages).
 """
+import os
+
 from absl import app, flags
 
 from loopmoe_jax import bench
@@ -21,6 +24,9 @@ def main(argv):
                          f'SUBCOMMAND one of {sorted(bench.MODULES)}')
   if argv[1] not in bench.MODULES:
     raise app.UsageError(f'unknown sub-command {argv[1]!r}; known {sorted(bench.MODULES)}')
+  if argv[1] == 'scale' and 'JAX_NUM_CPU_DEVICES' not in os.environ:
+    import jax
+    jax.config.update('jax_num_cpu_devices', 8)  # fake devices when the platform is CPU
   bench.run(argv[1], quick=_QUICK.value, json_path=_JSON.value)
 
 

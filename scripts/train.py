@@ -3,18 +3,24 @@
     python scripts/train.py --workdir=/tmp/run                          # configs/default.py
     python scripts/train.py --config=configs/foil.py:foil2,smoke --config.train.steps=200 \
         --workdir=/tmp/foil2
-"""
-from absl import app, flags
+    python scripts/train.py --config.mesh.data=2 --config.mesh.expert=4 ...   # a device mesh
+    python scripts/train.py --coordinator_address=HOST:PORT --num_processes=2 --process_id=0 ...
 
-from loopmoe_jax.cli import config_flag, run
+On CPU, JAX_NUM_CPU_DEVICES=N gives N fake devices.
+"""
+from absl import flags
+
+from loopmoe_jax.cli import config_flag, distributed_flags, initialize_distributed, run
 
 _CONFIG = config_flag()
+_DISTRIBUTED = distributed_flags()
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory (checkpoints, metrics).',
                                required=True)
 
 
 def main(argv):
   del argv
+  initialize_distributed(_DISTRIBUTED)
   from loopmoe_jax.train.trainer import train
   train(_CONFIG.value, _WORKDIR.value)
 

@@ -141,7 +141,7 @@ def test_config_errors_name_the_field():
     build(raw)
   with pytest.raises(ValueError, match='train.schedule'):
     TrainConfig(schedule='linear-ish')
-  with pytest.raises(ValueError, match='data.batch_size=12 does not split over 8 devices'):
+  with pytest.raises(ValueError, match='data.batch_size=12 does not split over the 8 batch shards'):
     c = tiny()
     c.data.batch_size = 12
     train(c, '/tmp/never')

@@ -7,6 +7,7 @@ import sys
 import jax
 import numpy as np
 
+from loopmoe_jax import sharding
 from loopmoe_jax.data import pipeline
 from loopmoe_jax.decode import cache_bytes, generate
 from loopmoe_jax.model import LoopedMoE, check_loops
@@ -22,7 +23,8 @@ def evaluate_checkpoint(workdir: str, num_loops=(None,), step: int | None = None
   batches = pipeline.validation_batches(dc, cfg.vocab_size)
   if not batches:
     raise ValueError(f'{workdir}: the run has no validation data (data.val_path is empty)')
-  batch_sh = steps.shardings(steps.make_mesh(jax.devices()[:1]), {})[1]
+  batch_sh = sharding.batch_sharding(sharding.make_mesh(sharding.MeshConfig(data=1),
+                                                       jax.devices()[:1]))
   out = {'step': s, 'val_loss': {}}
   for n in num_loops:
     model = LoopedMoE(cfg)

@@ -1,0 +1,152 @@
+"""`benchmark.py scale`: what scale-out costs, read from compiled programs on 8 devices.
+
+- a2a_bytes_over_analytic: the expert exchange of one MoE layer (data=2 x expert=4, dropless,
+  the ragged transport of GPU/TPU, lowered for 'cuda' from this machine): bytes each device
+  sends forward (the ragged_all_to_all operand, the M = T*k sorted rows) plus bytes it receives
+  back (the return exchange's output, the same M rows), per token, over the analytic
+  k * d_model * bytes * 2. 1.0 means the exchange carries the routed rows and nothing else.
+- a2a_padded_bytes_over_analytic: the same for the CPU transport (padded all_to_all, the
+  compiled program's HLO): n = mesh.expert times the analytic figure when dropless;
+  ..._cf1_... with model.capacity_factor=1 (slots of E/n * C rows).
+- ep_counts_bytes_per_token: the other collective of the exchange (all_gather of the per-expert
+  counts), per token.
+- fsdp8_param_bytes_over_replicated: per-device parameter bytes at fsdp=8 over one device's.
+- step_s_*: train-step time of the README's main job (smoke widths) at a fixed global batch on
+  1 device and on meshes of 8 fake CPU devices (informative only: fake devices share 2 cores).
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from loopmoe_jax import expert_parallel, sharding
+from loopmoe_jax.bench import TARGETS, register, time_interleaved
+from loopmoe_jax.config import ModelConfig
+from loopmoe_jax.dry_run import collective_bytes
+from loopmoe_jax.model import LoopedMoE
+from loopmoe_jax.sharding import MeshConfig
+from loopmoe_jax.train import step as steps
+from loopmoe_jax.train.config import TrainConfig
+from loopmoe_jax.train.optimizer import make_optimizer
+
+TARGETS.update({'a2a_bytes_over_analytic': 1.1, 'fsdp8_param_bytes_over_replicated': 0.14})
+_TENSOR = re.compile(r'tensor<([\dx]+)x(f32|bf16|f16)>')
+
+
+def _layer_inputs(tokens, d, f, experts, k, dtype):
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((tokens, d)), dtype)
+  ids = jnp.asarray(np.stack([rng.choice(experts, k, replace=False) for _ in range(tokens)]),
+                    jnp.int32)
+  w = jnp.asarray(rng.random((tokens, k)), jnp.float32)
+  params = {n: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[1]), dtype) for n, s in
+            (('gate', (experts, d, f)), ('up', (experts, d, f)), ('down', (experts, f, d)))}
+  return x, ids, w, params
+
+
+def _exchange(cfg, mesh, args, platform=None):
+  fn = jax.jit(lambda *a: expert_parallel.moe_dispatch(*a, cfg, jax.sharding.get_abstract_mesh()))
+  shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+  with jax.set_mesh(mesh):
+    traced = fn.trace(*shapes)
+    if platform:
+      return traced.lower(lowering_platforms=(platform,)).as_text()
+    return traced.lower().compile().as_text()
+
+
+def _ragged_bytes(stablehlo: str) -> int:
+  """Forward operand plus return output of the ragged exchanges (the moved rows)."""
+  calls = [l for l in stablehlo.splitlines() if 'ragged_all_to_all' in l and '->' in l]
+  if len(calls) != 2:
+    raise RuntimeError(f'expected 2 ragged_all_to_all calls, found {len(calls)}')
+  size = lambda dims, dt: int(np.prod([int(v) for v in dims.split('x')])) * (
+      4 if dt == 'f32' else 2)
+  fwd_operand = _TENSOR.search(calls[0].split(':')[-1]).groups()
+  back_output = _TENSOR.search(calls[1].split('->')[-1]).groups()
+  return size(*fwd_operand) + size(*back_output)
+
+
+def _exchange_ratios(res, quick):
+  tokens, d, f, experts, k = (256, 64, 32, 8, 2) if quick else (4096, 512, 256, 16, 2)
+  mesh = sharding.make_mesh(MeshConfig(data=2, expert=4))
+  local_tokens = tokens // sharding.batch_size_of(mesh)
+  base = dict(core_experts=experts, top_k=k, dispatch='xla')
+  # bf16 rows for the accelerator program; float32 for the CPU one (XLA:CPU converts bf16
+  # collectives to float32, which would double its figures)
+  ragged = _exchange(ModelConfig(**base, expert_exchange='ragged'), mesh,
+                     _layer_inputs(tokens, d, f, experts, k, jnp.bfloat16), 'cuda')
+  res['a2a_bytes_over_analytic'] = _ragged_bytes(ragged) / (local_tokens * k * d * 2 * 2)
+  args = _layer_inputs(tokens, d, f, experts, k, jnp.float32)
+  analytic = local_tokens * k * d * 4 * 2
+  padded = collective_bytes(_exchange(ModelConfig(**base, expert_exchange='padded'), mesh, args))
+  res['a2a_padded_bytes_over_analytic'] = padded['all-to-all'] / analytic
+  res['ep_counts_bytes_per_token'] = padded.get('all-gather', 0) / local_tokens
+  cf1 = collective_bytes(_exchange(ModelConfig(**base, expert_exchange='padded',
+                                               capacity_factor=1.0), mesh, args))
+  res['a2a_padded_cf1_bytes_over_analytic'] = cf1['all-to-all'] / analytic
+
+
+def _model(quick):
+  from loopmoe_jax.cli import DEFAULT_CONFIG  # the README's main job
+  import importlib.util
+  spec = importlib.util.spec_from_file_location('default_config', DEFAULT_CONFIG)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  cfg = module.get_config('smoke')
+  return ModelConfig.from_dict(cfg.model), cfg.data.batch_size, cfg.data.seq_len
+
+
+def _fsdp_ratio(res, mc, seq):
+  model = LoopedMoE(mc)
+  tx, _ = make_optimizer(TrainConfig())
+  shapes = steps.abstract_state(model, tx, seq)
+  got = {}
+  for name, mesh_cfg, devices in (('one', MeshConfig(data=1), jax.devices()[:1]),
+                                  ('fsdp8', MeshConfig(data=1, fsdp=8), None)):
+    state_sh, _ = steps.shardings(sharding.make_mesh(mesh_cfg, devices), model, tx, seq)
+    got[name] = sharding.bytes_per_device(shapes['params'], state_sh['params'])
+  res['fsdp8_param_bytes_over_replicated'] = got['fsdp8'] / got['one']
+
+
+def _step_times(res, mc, batch, seq, quick):
+  model = LoopedMoE(mc)
+  tx, schedule = make_optimizer(TrainConfig())
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, mc.vocab_size, (batch, seq + 1), dtype=np.int32)
+  data = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]}
+  fns = {}
+  for name, mesh_cfg, devices in (('1dev', MeshConfig(data=1), jax.devices()[:1]),
+                                  ('data8', MeshConfig(data=8), None),
+                                  ('data2_expert4', MeshConfig(data=2, expert=4), None)):
+    mesh = sharding.make_mesh(mesh_cfg, devices)
+    state_sh, batch_sh = steps.shardings(mesh, model, tx, seq)
+    holder = {'state': steps.create_state(model, tx, 0, seq, state_sh)}
+    step = steps.make_train_step(model, tx, schedule, 0.01, 0.001, state_sh, batch_sh)
+    b = jax.device_put(data, batch_sh)
+
+    def run(step=step, holder=holder, b=b):
+      holder['state'], m = step(holder['state'], b)
+      return m['loss']
+    fns[name] = run
+  times = time_interleaved(fns, repeats=2 if quick else 5, warmup=1)
+  for name, t in times.items():
+    res[f'step_s_{name}'] = t
+  res['step_ratio_data8_over_1dev'] = times['data8'] / times['1dev']
+  res['step_ratio_data2_expert4_over_1dev'] = times['data2_expert4'] / times['1dev']
+
+
+@register('scale')
+def scale(quick: bool):
+  if jax.device_count() < 8:
+    raise RuntimeError(f'benchmark scale needs 8 devices, found {jax.device_count()}: run it '
+                       'with JAX_NUM_CPU_DEVICES=8 on CPU')
+  res = {}
+  _exchange_ratios(res, quick)
+  mc, batch, seq = _model(quick)
+  _fsdp_ratio(res, mc, seq)
+  _step_times(res, mc, batch, seq, quick)
+  res['gpu_train_step'] = None  # needs the accelerator machine (one-GPU MFU: issue of its own)
+  return res
