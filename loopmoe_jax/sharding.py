@@ -164,12 +164,15 @@ def param_specs(boxed_params, mesh):
         continue
       n = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
       if value.shape[dim] % n:
-        where = '/'.join(str(getattr(k, 'key', k)) for k in path)
+        keys = [str(getattr(k, 'key', k)) for k in path]
         axis = axes if isinstance(axes, str) else '*'.join(axes)
+        fix = FIX.get(name, 'the model')
+        if name == 'experts' and keys[0] in ('prelude', 'core', 'coda'):
+          fix = f'model.{keys[0]}_experts'
         raise ValueError(
-            f'param {where}: its {name!r} dimension of size {value.shape[dim]} does not divide '
-            f'over mesh.{axis}={n}; change {FIX.get(name, "the model")} to a multiple of {n} '
-            f'or set mesh.{axis} to a divisor of {value.shape[dim]}')
+            f'param {"/".join(keys)}: its {name!r} dimension of size {value.shape[dim]} does '
+            f'not divide over mesh.{axis}={n}; change {fix} to a multiple of {n} or set '
+            f'mesh.{axis} to a divisor of {value.shape[dim]}')
     return s
   return jax.tree_util.tree_map_with_path(one, boxed_params, is_leaf=_is_box)
 

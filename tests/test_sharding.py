@@ -280,7 +280,7 @@ def test_mesh_config_errors():
 
 @pytest.mark.parametrize('mesh_cfg, field, pattern', [
     (MeshConfig(data=1, expert=8), {}, r"'experts' dimension of size 4 does not divide over "
-                                       r"mesh\.expert=8; change the segment's model\.\*_experts"),
+                                       r"mesh\.expert=8; change model\.(prelude|core|coda)_experts"),
     (MeshConfig(data=1, tensor=8), {}, r"'kv_heads' dimension of size 2 does not divide over "
                                        r"mesh\.tensor=8; change model\.num_kv_heads"),
     (MeshConfig(data=2, fsdp=4), {'d_model': 30, 'head_dim': 16},
@@ -370,3 +370,14 @@ def test_dry_run_reads_bytes_and_exchanges_from_the_program():
   visits = cfg.model.prelude_layers + cfg.model.core_layers * cfg.model.num_loops + 1
   assert report['collective_bytes_per_step']['all-to-all'] == visits * 4 * exchange
   assert report['temp_bytes_per_device'] > 0
+
+
+def test_expert_exchange_carries_only_the_routed_rows():
+  """benchmark.py scale's exchange figures: the ragged program sends each routed row once
+  each way; the padded one n = mesh.expert times that, and about once with capacity 1."""
+  from loopmoe_jax import bench_scale
+  res = {}
+  bench_scale._exchange_ratios(res, quick=True)  # pylint: disable=protected-access
+  assert res['a2a_bytes_over_analytic'] == 1.0
+  assert res['a2a_padded_bytes_over_analytic'] == 4.0
+  assert 1.0 <= res['a2a_padded_cf1_bytes_over_analytic'] < 1.1
