@@ -1,5 +1,6 @@
 """One process of a two-process CPU training run (used by test_multiprocess.py): 2 CPU devices
-per process, a data=2 x expert=2 mesh spanning both processes. Prints what it fed per step."""
+per process, an expert=4 mesh spanning both processes (the expert exchange crosses them).
+Prints what it fed per step."""
 import json
 import os
 import sys
@@ -29,7 +30,7 @@ def recording_put_batch(batch, batch_sh):
 
 steps.put_batch = recording_put_batch
 cfg = tiny(steps=4)
-cfg.mesh.data, cfg.mesh.expert = 2, 2
+cfg.mesh.data, cfg.mesh.expert = 1, 4
 summary = train(cfg, work)
 print('RESULT', json.dumps({'process': jax.process_index(), 'devices': jax.device_count(),
                             'fed': fed, **summary}), flush=True)

@@ -1,6 +1,7 @@
-"""A real two-process run (jax.distributed on 127.0.0.1, gloo) on a data=2 x expert=2 mesh that
-spans both processes (2 CPU devices each): each process feeds only its rows of every global
-batch; the losses equal a single-process run's and the checkpoint restores."""
+"""A real two-process run (jax.distributed on 127.0.0.1, gloo) on an expert=4 mesh that spans
+both processes (2 CPU devices each, so the expert exchange crosses them): each process feeds
+only its rows of every global batch; the losses equal a single-process run's and the
+checkpoint restores."""
 import json
 import os
 import socket
