@@ -329,12 +329,16 @@ def test_checkpoint_saved_on_one_mesh_resumes_on_another(tmp_path):
   mngr = checkpoint.manager(tmp_path / 'moved' / 'checkpoints', read_only=True, async_save=False)
   s, state, _, _ = checkpoint.restore_latest(
       mngr, steps.abstract_state(model, tx, exp.data.seq_len, state_sh))
-  _, stored, _, _ = checkpoint.load_params(work)
+  _, stored, _, _ = checkpoint.load_params(work)  # params alone, onto one device
+  _, params_on_mesh, _, _ = checkpoint.load_params(work, mesh=sharding.make_mesh(moved_to))
   assert s == 3
-  for got, want, sh in zip(jax.tree.leaves(state['params']), jax.tree.leaves(stored),
-                           jax.tree.leaves(state_sh['params'])):
-    assert got.sharding == sh
+  for got, on_mesh, want, sh in zip(jax.tree.leaves(state['params']),
+                                    jax.tree.leaves(params_on_mesh), jax.tree.leaves(stored),
+                                    jax.tree.leaves(state_sh['params'])):
+    assert got.sharding == sh and on_mesh.sharding == sh
+    assert len(want.sharding.device_set) == 1
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(on_mesh), np.asarray(want))
 
   train(_on(tiny(steps=6), moved_to), work)  # continues on fsdp=4 x tensor=2
   a, b = losses(tmp_path / 'straight'), losses(work)

@@ -123,31 +123,57 @@ def restore_latest(mngr, abstract_state, step: int | None = None, skipped=None):
   return None
 
 
-def load_params(directory: str, step: int | None = None):
-  """(ModelConfig, params, step) from a checkpoint directory, without the trainer."""
+def _params_reader(ckpt_dir: str):
+  """A read-only manager whose state handler restores a subtree (the params alone)."""
+  opts = ocp.CheckpointManagerOptions(read_only=True, create=False,
+                                      enable_async_checkpointing=False)
+  return ocp.CheckpointManager(ckpt_dir, options=opts, item_handlers={
+      'state': ocp.PyTreeCheckpointHandler(), 'data': ocp.JsonCheckpointHandler(),
+      'config': ocp.JsonCheckpointHandler()})
+
+
+def load_params(directory: str, step: int | None = None, mesh=None):
+  """(ModelConfig, params, step, config dict) from a checkpoint directory, without the trainer.
+
+  Only the parameters are read (not the optimizer state), whatever mesh wrote them: onto this
+  machine's first device, or with `mesh` sharded by the rules table (sharding.py)."""
   ckpt_dir = directory
   if os.path.isdir(os.path.join(directory, 'checkpoints')):
     ckpt_dir = os.path.join(directory, 'checkpoints')
   if not os.path.isdir(ckpt_dir):
     raise FileNotFoundError(f'no checkpoint directory at {directory!r}')
-  mngr = manager(ckpt_dir, read_only=True, async_save=False)
+  mngr = _params_reader(os.path.abspath(ckpt_dir))
   steps = sorted(mngr.all_steps(), reverse=True) if step is None else [step]
   if not steps:
     raise FileNotFoundError(f'no complete checkpoint step in {ckpt_dir!r}')
-  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   for s in steps:
     try:
       config = mngr.restore(s, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
-      # Restore onto this machine's first device, whatever mesh wrote the checkpoint.
-      target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
-                            mngr.item_metadata(s)['state'])
-      state = mngr.restore(s, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(target)))['state']
+      cfg = ModelConfig.from_dict(config['model'])
+      shapes = mngr.item_metadata(s)['state']['params']
+      shardings = _param_shardings(cfg, shapes, mesh)
+      target = jax.tree.map(lambda m, sh: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sh),
+                            shapes, shardings)
+      restore_args = jax.tree.map(lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding), target)
+      params = mngr.restore(s, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+          {'params': target}, restore_args={'params': restore_args},
+          partial_restore=True)))['state']['params']
     except Exception as e:
       print(f'WARNING: checkpoint step {s} in {ckpt_dir} is unreadable ({type(e).__name__}); '
             'skipping it')
       continue
-    cfg = ModelConfig.from_dict(config['model'])
-    params = jax.tree.map(jax.numpy.asarray, state['params'])
     return cfg, params, s, config
   raise ValueError(f'no readable checkpoint step in {ckpt_dir!r} (tried {steps})')
+
+
+def _param_shardings(cfg: ModelConfig, shapes, mesh):
+  if mesh is None:
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree.map(lambda _: device, shapes)
+  from loopmoe_jax import sharding
+  from loopmoe_jax.model import LoopedMoE
+  boxed = jax.eval_shape(lambda: LoopedMoE(cfg).lazy_init(
+      jax.random.key(0, impl='rbg'), jax.ShapeDtypeStruct((1, 8), jax.numpy.int32))['params'])
+  specs = sharding.param_specs(boxed, mesh)
+  return jax.tree.map(lambda sp: jax.sharding.NamedSharding(mesh, sp), specs,
+                      is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
