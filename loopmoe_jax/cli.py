@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 import sys
 
@@ -12,25 +13,47 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__
                               'configs', 'default.py')
 
 
+def debug() -> bool:
+  """Tracebacks on: --debug on the command line or LOOPMOE_DEBUG=1."""
+  return '--debug' in sys.argv[1:] or os.environ.get('LOOPMOE_DEBUG', '') not in ('', '0')
+
+
+def fail(message: str):
+  """Exits with `error: message` on stderr (status 1)."""
+  print(f'error: {message}', file=sys.stderr, flush=True)
+  sys.exit(1)
+
+
 def config_flag(default: str = DEFAULT_CONFIG):
-  """Defines --config (a file[:arg]); a --config.X override naming no field exits with the
-  near names."""
+  """Defines --config (a file[:arg]). A config file that does not load, or a --config.X
+  override naming no field (with the near names), exits with one line before absl parses."""
   try:
-    _check_overrides(sys.argv[1:], default)
+    _check_config(sys.argv[1:], default)
   except SystemExit:
     raise
-  except Exception:  # a broken config file: absl reports it when it loads the file
-    pass
+  except Exception as e:  # pylint: disable=broad-except
+    if debug():
+      raise
+    path = next((a.split('=', 1)[1] for a in sys.argv[1:] if a.startswith('--config=')),
+                default)
+    root = e.__cause__ or e
+    text = str(root)
+    if 'Traceback' in text:  # ml_collections wraps the config file's error with its traceback
+      text = [l for l in text.splitlines() if l.strip()][-1]
+    fail(f'--config={path}: {text}' if isinstance(root, ValueError)
+         else f'--config={path}: {type(root).__name__}: {text}')
   return config_flags.DEFINE_config_file('config', default, 'Config file[:arg].')
 
 
-def _check_overrides(argv, default):
-  """Names near keys for a --config.X.Y=... that does not exist (before absl parses it)."""
-  overrides = [a[2:].split('=')[0] for a in argv if a.startswith('--config.')]
-  if not overrides:
-    return
+def _check_config(argv, default):
+  """Loads the config file (its errors surface here, once) and names near keys for a
+  --config.X.Y=... that does not exist."""
   path = next((a.split('=', 1)[1] for a in argv if a.startswith('--config=')), default)
+  file_part = path.split(':', 1)[0]
+  if not os.path.exists(file_part):
+    raise FileNotFoundError(f'no config file {file_part!r}')
   cfg = config_flags.config_flags.ConfigFileFlagParser('config').parse(path)
+  overrides = [a[2:].split('=')[0] for a in argv if a.startswith('--config.')]
   for key in overrides:
     node, parts = cfg, key.split('.')[1:]
     for i, part in enumerate(parts):
@@ -76,10 +99,55 @@ def initialize_distributed(holders) -> None:
     jax.distributed.initialize(**{k: v for k, v in values.items() if v is not None})
 
 
+class _QuietOrbax:
+  """Drops Orbax's notes that a read-only manager is read-only (evaluate, generate), and the
+  tracebacks its writer threads log for a failed save (the trainer reports that failure in
+  one line, checkpoint.CheckpointSaveError)."""
+
+  def filter(self, record):
+    text = record.getMessage()
+    if 'read only' in text:
+      return False
+    from_orbax = '/orbax/' in record.pathname or 'orbax' in text
+    return not (from_orbax and record.levelno >= logging.ERROR)
+
+
+def _drop_closed_loop_errors():
+  """Tensorstore writes that finish after Orbax gave up on a failed save call back into a
+  closed asyncio loop; each prints a traceback through sys.excepthook. Drop those."""
+  previous = sys.excepthook
+
+  def hook(kind, value, tb):
+    if kind is RuntimeError and str(value) == 'Event loop is closed':
+      return
+    previous(kind, value, tb)
+  sys.excepthook = hook
+  previous_unraisable = sys.unraisablehook
+
+  def unraisable(info):
+    if isinstance(info.exc_value, RuntimeError) and str(info.exc_value) == 'Event loop is closed':
+      return
+    previous_unraisable(info)
+  sys.unraisablehook = unraisable
+
+
 def run(main):
-  """app.run with library INFO logs (Orbax, Grain) silenced; progress is printed."""
-  from absl import logging
+  """app.run with library INFO logs (Orbax, Grain) silenced, progress printed, and an error
+  printed as one line `error: ...` (exit status 1); --debug or LOOPMOE_DEBUG=1 shows the
+  traceback instead."""
+  from absl import flags, logging as absl_logging
+  flags.DEFINE_bool('debug', False, 'Show tracebacks of errors.')
+
   def quiet_main(argv):
-    logging.set_verbosity(logging.WARNING)
-    return main(argv)
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    for logger in (absl_logging.get_absl_logger(), logging.getLogger('asyncio')):
+      logger.addFilter(_QuietOrbax())
+    _drop_closed_loop_errors()
+    try:
+      return main(argv)
+    except Exception as e:  # pylint: disable=broad-except
+      if debug():
+        raise
+      plain = isinstance(e, (ValueError, RuntimeError, OSError)) and str(e)
+      fail(str(e) if plain else f'{type(e).__name__}: {e}')
   app.run(quiet_main)

@@ -8,9 +8,11 @@ good one (the trainer then moves it aside, `set_aside`, so the run can write it 
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -29,13 +31,79 @@ def manager(directory: str, keep: int = 3, async_save: bool = True, read_only: b
   return ocp.CheckpointManager(os.path.abspath(directory), options=opts, item_handlers=handlers)
 
 
+class CheckpointSaveError(RuntimeError):
+  """A checkpoint could not be written (one line: step, directory, cause, free space)."""
+
+
+def _free_bytes(path: str) -> int:
+  while not os.path.exists(path):
+    path = os.path.dirname(path)
+  return shutil.disk_usage(path).free
+
+
+def _remove_temporaries(directory: str):
+  for name in os.listdir(directory) if os.path.isdir(directory) else ():
+    if '.orbax-checkpoint-tmp' in name:
+      shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
+def _cause(e: BaseException) -> str:
+  seen = e
+  while seen is not None:
+    if isinstance(seen, OSError) and seen.errno == errno.ENOSPC or 'No space left' in str(seen):
+      return 'no space left on device'
+    seen = seen.__cause__ or seen.__context__
+  return f'{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ""}'
+
+
+def save_error(e: BaseException, step: int, directory: str) -> CheckpointSaveError:
+  """The one-line error for a failed save; removes the save's temporary directories."""
+  _remove_temporaries(directory)
+  free = _free_bytes(directory) / 2**20
+  return CheckpointSaveError(f'saving checkpoint step {step} to {directory} failed ({_cause(e)}; '
+                             f'{free:.1f} MiB free there); earlier steps are kept')
+
+
 def save(mngr, step: int, state, data_state, config_json: str, force: bool = False):
-  saved = mngr.save(step, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state or {}),
-      config=ocp.args.JsonSave(json.loads(config_json))), force=force)
+  """Saves a step (asynchronously when the manager is). Not enough free space for the state
+  (its bytes plus 1 MiB), a failed write, or an earlier asynchronous save that failed raise
+  CheckpointSaveError naming the step, the directory and the free space."""
+  directory = str(mngr.directory)
+  check_background(mngr)
+  need = sum(x.nbytes for x in jax.tree.leaves(state)) + (1 << 20)
+  free = _free_bytes(directory)
+  if free < need:
+    raise CheckpointSaveError(
+        f'checkpoint step {step} not saved: {directory} has {free / 2**20:.1f} MiB free, the '
+        f'step needs about {need / 2**20:.1f} MiB; earlier steps are kept')
+  try:
+    saved = mngr.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state or {}),
+        config=ocp.args.JsonSave(json.loads(config_json))), force=force)
+  except Exception as e:  # pylint: disable=broad-except
+    raise save_error(e, step, directory) from None
   if not saved:  # Orbax skips a step that already exists rather than overwrite it
     raise RuntimeError(f'checkpoint step {step} was not written in {mngr.directory} (a step '
                        f'{step} exists there already: {sorted(mngr.all_steps())})')
+  mngr.pending_step = step
+
+
+def check_background(mngr, wait: bool = False):
+  """Raises CheckpointSaveError when the last asynchronous save failed (with `wait`, after it
+  finished). Cheap: the trainer calls it every step, so a failed save stops the run within a
+  step or two of the step it saved."""
+  step = getattr(mngr, 'pending_step', None)
+  if step is None:
+    return
+  if not wait and mngr.is_saving_in_progress():
+    return
+  try:  # finished: a failed background write raises here
+    mngr.wait_until_finished()
+    mngr.check_for_errors()
+  except Exception as e:  # pylint: disable=broad-except
+    mngr.pending_step = None
+    raise save_error(e, step, str(mngr.directory)) from None
+  mngr.pending_step = None
 
 
 def stored_config(mngr):
@@ -65,16 +133,24 @@ def spread(shape) -> jax.sharding.Sharding:
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*dims))
 
 
-def _intact(mngr, step: int) -> bool:
-  """Whether the step's state restores as stored (spread over every device, `spread`)."""
+def unreadable_part(mngr, step: int) -> str | None:
+  """'PATH (error)' of the first part of the step (config, data-iterator state, train state)
+  that does not read back as stored, or None when all do. The train state is restored spread
+  over every device (`spread`), never whole on one."""
+  base = os.path.join(str(mngr.directory), str(step))
+  for item in ('config', 'data'):
+    try:
+      mngr.restore(step, args=ocp.args.Composite(**{item: ocp.args.JsonRestore()}))
+    except Exception as e:  # pylint: disable=broad-except
+      return f'{os.path.join(base, item)} ({type(e).__name__}: {str(e)[:120]})'
   try:
     target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype,
                                                          sharding=spread(m.shape)),
                           mngr.item_metadata(step)['state'])
     mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
-  except Exception:  # pylint: disable=broad-except
-    return False
-  return True
+  except Exception as e:  # pylint: disable=broad-except
+    return f'{os.path.join(base, "state")} ({type(e).__name__}: {str(e)[:120]})'
+  return None
 
 
 def set_aside(mngr, steps, workdir: str) -> list[str]:
@@ -108,14 +184,14 @@ def restore_latest(mngr, abstract_state, step: int | None = None, skipped=None):
           state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
           config=ocp.args.JsonRestore()))
     except Exception as e:  # orbax raises many kinds for a damaged step
-      if _intact(mngr, s):
+      bad = unreadable_part(mngr, s)
+      if bad is None:
         raise StateMismatch(f'checkpoint step {s} in {mngr.directory} is intact but its train '
                             f'state does not fit this run\'s ({type(e).__name__}: '
                             f'{str(e)[:300]})') from e
-      log.warning('checkpoint step %d in %s is unreadable (%s: %s); trying the previous one',
-                  s, mngr.directory, type(e).__name__, str(e)[:200])
-      print(f'WARNING: checkpoint step {s} in {mngr.directory} is unreadable '
-            f'({type(e).__name__}); skipping it')
+      log.warning('checkpoint step %d in %s is unreadable (%s); trying the previous one',
+                  s, mngr.directory, bad)
+      print(f'WARNING: checkpoint step {s} is unreadable: {bad}; skipping it')
       if skipped is not None:
         skipped.append(s)
       continue

@@ -16,7 +16,8 @@ class Writer:
     if enabled:
       os.makedirs(workdir, exist_ok=True)
       path = os.path.join(workdir, 'metrics.jsonl')
-      _drop_rows_after(path, resume_step)
+      for name in ('metrics.jsonl', 'routing.jsonl'):  # rows past the restored step go
+        _drop_rows_after(os.path.join(workdir, name), resume_step)
       self._jsonl = open(path, 'a')
       if tensorboard:
         from tensorboardX import SummaryWriter

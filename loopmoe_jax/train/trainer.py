@@ -6,7 +6,9 @@ Resumes from the newest readable checkpoint in `workdir` (batches and losses con
 as an uninterrupted run), or starts from `train.init_from` (a continuation with a longer
 schedule), or from scratch. SIGTERM/SIGINT save a checkpoint and return cleanly. A
 non-finite loss or gradient norm, or non-finite parameters about to be saved, stop the run with
-TrainingDiverged: no checkpoint of them is written.
+TrainingDiverged: no checkpoint of them is written. A save that cannot be written (a full disk)
+stops the run with checkpoint.CheckpointSaveError, one line. A second trainer on the same
+workdir is refused (lock.WorkdirLocked, naming the holder).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from loopmoe_jax.data import pipeline
 from loopmoe_jax.experiment import build, config_diff
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.train import checkpoint, step as steps
+from loopmoe_jax.train.lock import WorkdirLock
 from loopmoe_jax.train.metrics import Writer
 from loopmoe_jax.train.optimizer import make_optimizer
 
@@ -66,6 +69,11 @@ def peak_flops(cfg_peak: float) -> float:
 
 def train(cfg, workdir: str) -> dict:
   exp = build(cfg)
+  with WorkdirLock(workdir, owner=jax.process_index() == 0):
+    return _train(cfg, exp, workdir)
+
+
+def _train(cfg, exp, workdir: str) -> dict:
   mc, tc, dc = exp.model, exp.train, exp.data
   model = LoopedMoE(mc)
   tx, schedule = make_optimizer(tc)
@@ -104,7 +112,11 @@ def train(cfg, workdir: str) -> dict:
 
   pending, val_loss = None, None
   t_log, tok_log, t0 = time.time(), 0, time.time()
-  last_saved = start
+  last_saved = start if mngr.latest_step() is not None else None
+
+  def kept():
+    return ('no checkpoint has been written yet' if last_saved is None else
+            f'the last good checkpoint (step {last_saved}) is kept')
 
   def finish(pending):
     """Fetches a step's metrics (one step late) and stops on a non-finite loss."""
@@ -113,14 +125,15 @@ def train(cfg, workdir: str) -> dict:
     watched = {k: m[k] for k in ('loss', 'objective', 'grad_norm') if k in m}
     if not all(map(math.isfinite, watched.values())):
       raise TrainingDiverged(
-          f'non-finite values at step {s} ({watched}); stopped without saving: the last good '
-          f'checkpoint (step {last_saved}) is kept. Lower train.lr or check the data.')
+          f'non-finite values at step {s} ({watched}); stopped without saving: {kept()}. '
+          'Lower train.lr or check the data.')
     losses.append(m['loss'])
     return s, m
 
   def handle(pending):
     nonlocal t_log, tok_log, val_loss
     s, m = finish(pending)
+    tok_log += dc.batch_size * dc.seq_len  # this step's tokens, counted once it is finished
     if s % tc.log_every and s != tc.steps:
       return
     m['tokens_per_s'] = tok_log / max(time.time() - t_log, 1e-9)
@@ -137,7 +150,7 @@ def train(cfg, workdir: str) -> dict:
       for step in range(start, tc.steps):
         batch = steps.put_batch(next(it), batch_sh)
         state, metrics = train_step(state, batch)
-        tok_log += dc.batch_size * dc.seq_len
+        checkpoint.check_background(mngr)  # an asynchronous save that failed stops the run
         if pending:
           handle(pending)
         pending = (step + 1, metrics)
@@ -148,18 +161,25 @@ def train(cfg, workdir: str) -> dict:
           pending = None
           if not bool(steps.all_finite(state['params'])):
             raise TrainingDiverged(
-                f'non-finite parameters after step {step + 1}; stopped without saving: the last '
-                f'good checkpoint (step {last_saved}) is kept. Lower train.lr.')
+                f'non-finite parameters after step {step + 1}; stopped without saving: '
+                f'{kept()}. Lower train.lr.')
           checkpoint.save(mngr, step + 1, state, {'iterator': it.get_state(),
                                                   'recent_losses': losses[-tc.final_window:]},
                           config_json)
           last_saved = step + 1
+          if proc == 0:
+            print(f'checkpoint step {step + 1} -> {mngr.directory}/{step + 1}'
+                  f'{" (writing in the background)" if tc.async_save else ""}', flush=True)
         if stop.signal:
           print(f'{stop.signal}: saved step {step + 1} and stopped', flush=True)
           break
       final = int(jax.device_get(state['step']))
+      checkpoint.check_background(mngr, wait=True)
   finally:
-    mngr.wait_until_finished()
+    try:
+      mngr.wait_until_finished()
+    except Exception:  # pylint: disable=broad-except  (reported by check_background)
+      pass
     writer.close()
 
   wall = time.time() - t0
