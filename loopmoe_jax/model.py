@@ -190,13 +190,22 @@ def _extras(per_visit, return_routing):
   return extras
 
 
+# Test-time recurrence runs at most this many times the trained passes: a count beyond it is
+# far past anything the papers evaluate and would run for minutes or hours unannounced.
+MAX_LOOPS_FACTOR = 8
+
+
 def check_loops(c: ModelConfig, num_loops: int | None) -> int:
   """The passes a forward with `num_loops` runs (None: the trained count); a count the
-  weights cannot run is a ValueError."""
+  weights cannot run, or past MAX_LOOPS_FACTOR x the trained one, is a ValueError."""
   if num_loops is None:
     return c.num_loops
   if num_loops < 1:
     raise ValueError(f'num_loops={num_loops}: must be >= 1')
+  limit = MAX_LOOPS_FACTOR * c.num_loops
+  if num_loops > limit:
+    raise ValueError(f'num_loops={num_loops} exceeds the limit of {limit} passes '
+                     f'({MAX_LOOPS_FACTOR} x the trained model.num_loops={c.num_loops})')
   if not c.tie_attention and num_loops > c.num_loops:
     raise ValueError(f'num_loops={num_loops} exceeds the trained model.num_loops='
                      f'{c.num_loops}: untied attention has weights for {c.num_loops} passes '

@@ -1,6 +1,6 @@
 """Samples text from a checkpoint.
 
-    python scripts/generate.py --workdir=/tmp/run --prompt='def ' --tokens=200
+    python scripts/generate.py --workdir=/tmp/run --prompt='def ' --tokens=200 [--step=300]
 """
 from absl import flags
 
@@ -12,13 +12,14 @@ _TOKENS = flags.DEFINE_integer('tokens', 200, 'Tokens to generate.')
 _TEMP = flags.DEFINE_float('temperature', 0.8, 'Sampling temperature (0: greedy).')
 _SEED = flags.DEFINE_integer('seed', 0, 'Sampling seed.')
 _LOOPS = flags.DEFINE_integer('num_loops', None, 'Passes through the core (tied models).')
+_STEP = flags.DEFINE_integer('step', None, 'Checkpoint step (default: latest readable).')
 
 
 def main(argv):
   del argv
   from loopmoe_jax.train.evaluation import sample_text
   print(sample_text(_WORKDIR.value, _PROMPT.value, _TOKENS.value, _TEMP.value, _SEED.value,
-                    _LOOPS.value))
+                    _LOOPS.value, _STEP.value))
 
 
 if __name__ == '__main__':

@@ -21,6 +21,7 @@ from loopmoe_jax.data import corpus, sources, synthetic
 from loopmoe_jax.data.tokenizers import load_tokenizer
 
 SOURCES = ('embedded', 'tokens', 'zarr', 'synthetic')
+PATH_SOURCES = ('tokens', 'zarr')  # the sources that read data.path / data.val_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,12 @@ class DataConfig:
     for name in ('seq_len', 'batch_size', 'val_batches'):
       if getattr(self, name) < 1:
         raise ValueError(f'data.{name}={getattr(self, name)}: must be >= 1')
+    if self.source not in PATH_SOURCES:
+      for name in ('path', 'val_path'):
+        if getattr(self, name):
+          raise ValueError(f'data.{name}={getattr(self, name)!r} is read only by data.source in '
+                           f'{PATH_SOURCES}, not data.source={self.source!r}: set '
+                           'data.source=tokens (a token file) or zarr, or drop the path')
     if not 0.0 < self.val_fraction < 1.0:
       raise ValueError(f'data.val_fraction={self.val_fraction}: must lie in (0, 1) (the '
                        'embedded corpus needs documents in both splits)')

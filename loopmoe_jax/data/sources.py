@@ -75,6 +75,10 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
     if magic != MAGIC:
       raise ValueError(f'token file {path!r}: not a loopmoe token file (bad magic {magic!r})')
     (n,) = struct.unpack('<Q', f.read(8))
+    size = os.path.getsize(path)
+    if 16 + n > size:
+      raise ValueError(f'token file {path!r}: its header length field says {n} bytes, but the '
+                       f'file has {size} bytes (corrupt or truncated)')
     try:
       header = json.loads(f.read(n))
     except ValueError as e:
@@ -95,7 +99,6 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
                        'integer >= 0')
   offset = 16 + n + (-(16 + n) % 64)
   expected = offset + header['num_tokens'] * dtype.itemsize
-  size = os.path.getsize(path)
   if size != expected:
     raise ValueError(f'token file {path!r}: {size} bytes, header implies {expected} (truncated?)')
   return header, offset

@@ -69,7 +69,7 @@ def save(mngr, step: int, state, data_state, config_json: str, force: bool = Fal
   (its bytes plus 1 MiB), a failed write, or an earlier asynchronous save that failed raise
   CheckpointSaveError naming the step, the directory and the free space."""
   directory = str(mngr.directory)
-  check_background(mngr)
+  check_background(mngr, wait=True)  # the previous save (Orbax waits for it anyway)
   need = sum(x.nbytes for x in jax.tree.leaves(state)) + (1 << 20)
   free = _free_bytes(directory)
   if free < need:
@@ -97,13 +97,16 @@ def check_background(mngr, wait: bool = False):
     return
   if not wait and mngr.is_saving_in_progress():
     return
+  mngr.pending_step = None
   try:  # finished: a failed background write raises here
     mngr.wait_until_finished()
     mngr.check_for_errors()
   except Exception as e:  # pylint: disable=broad-except
-    mngr.pending_step = None
     raise save_error(e, step, str(mngr.directory)) from None
-  mngr.pending_step = None
+  if not os.path.isdir(os.path.join(str(mngr.directory), str(step))):
+    # Orbax logs (and does not raise) a failure while it finalizes the step
+    raise save_error(RuntimeError('the step was never finalized (see the log)'), step,
+                     str(mngr.directory))
 
 
 def stored_config(mngr):
@@ -219,9 +222,13 @@ def load_params(directory: str, step: int | None = None, mesh=None):
   if not os.path.isdir(ckpt_dir):
     raise FileNotFoundError(f'no checkpoint directory at {directory!r}')
   mngr = _params_reader(os.path.abspath(ckpt_dir))
-  steps = sorted(mngr.all_steps(), reverse=True) if step is None else [step]
-  if not steps:
+  existing = sorted(mngr.all_steps(), reverse=True)
+  if not existing:
     raise FileNotFoundError(f'no complete checkpoint step in {ckpt_dir!r}')
+  if step is not None and step not in existing:
+    raise FileNotFoundError(f'step {step}: no such checkpoint in {ckpt_dir!r} (steps there: '
+                            f'{sorted(existing)})')
+  steps = existing if step is None else [step]
   for s in steps:
     try:
       config = mngr.restore(s, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']

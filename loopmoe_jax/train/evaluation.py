@@ -54,8 +54,9 @@ def _check_length(cfg, prompt_len: int, tokens: int, train_len: int, num_loops) 
 
 
 def sample_text(workdir: str, prompt: str, tokens: int, temperature: float, seed: int,
-                num_loops: int | None = None) -> str:
-  cfg, params, _, config = checkpoint.load_params(workdir)
+                num_loops: int | None = None, step: int | None = None) -> str:
+  cfg, params, _, config = checkpoint.load_params(workdir, step)
+  check_loops(cfg, num_loops)
   if tokens < 1:
     raise ValueError(f'--tokens={tokens}: must be >= 1')
   data_cfg = pipeline.DataConfig.from_dict(config['data'])

@@ -1,0 +1,191 @@
+"""Faults a new user meets: damaged checkpoint parts, a full disk, two trainers on one workdir,
+silent fallbacks, unchecked sizes, and how the CLIs report errors."""
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from loopmoe_jax.data import pipeline, sources
+from loopmoe_jax.train import checkpoint
+from loopmoe_jax.train.evaluation import evaluate_checkpoint, sample_text
+from loopmoe_jax.train.lock import WorkdirLock, WorkdirLocked
+from loopmoe_jax.train.trainer import TrainingDiverged, train
+from test_train import losses, tiny
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope='module')
+def straight(tmp_path_factory):
+  """An uninterrupted 6-step run (checkpoints at 3 and 6), shared by the tests here."""
+  work = str(tmp_path_factory.mktemp('straight') / 'run')
+  train(tiny(steps=6), work)
+  return work
+
+
+def _routing_keys(work):
+  rows = [json.loads(l) for l in open(os.path.join(work, 'routing.jsonl'))]
+  return [(r['step'], r['segment'], r['pass'], r['layer']) for r in rows]
+
+
+@pytest.mark.parametrize('part', ['config', 'data'])
+def test_damaged_part_of_the_newest_step_is_set_aside(straight, tmp_path, capsys, part):
+  work = str(tmp_path / 'run')
+  shutil.copytree(straight, work)
+  damaged = os.path.join(work, 'checkpoints', '6', part, 'metadata')
+  with open(damaged, 'w') as f:
+    f.write('{"broken json')
+  capsys.readouterr()
+  train(tiny(steps=6), work)                 # resumes from step 3 and redoes 4..6
+  out = capsys.readouterr().out
+  assert f'checkpoint step 6 is unreadable: {os.path.join(work, "checkpoints", "6", part)}' in out
+  assert 'resuming from step 3' in out
+  assert os.path.exists(os.path.join(work, 'unreadable_checkpoints', '6', part, 'metadata'))
+  assert losses(work) == losses(straight)    # bitwise: the same floats
+  assert sorted(_routing_keys(work)) == sorted(_routing_keys(straight))  # no row twice
+
+
+def test_injected_full_disk_stops_with_one_line(tmp_path, monkeypatch):
+  work = str(tmp_path / 'run')
+  real_save = checkpoint.ocp.CheckpointManager.save
+
+  def save(self, step, *a, **kw):
+    if step == 6:  # the disk fills while step 6 is written
+      os.makedirs(os.path.join(str(self.directory), '6.orbax-checkpoint-tmp-17'))
+      raise OSError(errno.ENOSPC, 'No space left on device')
+    return real_save(self, step, *a, **kw)
+  monkeypatch.setattr(checkpoint.ocp.CheckpointManager, 'save', save)
+  with pytest.raises(checkpoint.CheckpointSaveError) as err:
+    train(tiny(steps=9), work)
+  message = str(err.value)
+  ckpt_dir = os.path.join(work, 'checkpoints')
+  assert '\n' not in message and len(message) < 300
+  assert message.startswith(f'saving checkpoint step 6 to {ckpt_dir} failed (no space left on '
+                            'device; ') and 'MiB free there' in message
+  assert os.listdir(ckpt_dir) == ['3']       # the earlier step kept, no temporary left
+  assert checkpoint.load_params(work)[2] == 3
+
+
+def test_failed_background_save_names_its_step(tmp_path, monkeypatch):
+  """An asynchronous save of step 3 that fails in the background (the write of its files
+  raises ENOSPC, reported when the save is waited for) stops the run naming step 3."""
+  real_wait, failed = checkpoint.ocp.CheckpointManager.wait_until_finished, []
+
+  def wait(self):
+    real_wait(self)
+    if 3 in self.all_steps() and not failed:
+      failed.append(3)
+      shutil.rmtree(os.path.join(str(self.directory), '3'))
+      raise OSError(errno.ENOSPC, 'No space left on device')
+  monkeypatch.setattr(checkpoint.ocp.CheckpointManager, 'wait_until_finished', wait)
+  with pytest.raises(checkpoint.CheckpointSaveError,
+                     match=r'^saving checkpoint step 3 to .* failed \(no space left on device'):
+    train(tiny(steps=6, async_save=True), str(tmp_path / 'run'))
+
+
+def test_too_little_free_space_is_refused_before_writing(tmp_path, monkeypatch):
+  monkeypatch.setattr(checkpoint, '_free_bytes', lambda path: 4096)
+  work = str(tmp_path / 'run')
+  with pytest.raises(checkpoint.CheckpointSaveError,
+                     match=r'^checkpoint step 3 not saved: .* has 0\.0 MiB free, the step needs '
+                           r'about \d+\.\d MiB; earlier steps are kept$'):
+    train(tiny(steps=6), work)
+  assert os.listdir(os.path.join(work, 'checkpoints')) == []
+
+
+def test_second_trainer_on_a_workdir_is_refused_and_a_dead_holder_is_stale(tmp_path, capsys):
+  work = str(tmp_path / 'run')
+  holder = subprocess.Popen(
+      [sys.executable, '-c', 'import sys, time\nfrom loopmoe_jax.train.lock import WorkdirLock\n'
+       f'with WorkdirLock({work!r}):\n  print("held", flush=True)\n  time.sleep(300)'],
+      stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline().strip() == 'held'
+    with pytest.raises(WorkdirLocked, match=rf'in use by another trainer \(pid {holder.pid} on '
+                                            rf'host {os.uname().nodename}'):
+      train(tiny(steps=1), work)
+    assert not os.path.exists(os.path.join(work, 'metrics.jsonl'))  # nothing touched
+  finally:
+    holder.send_signal(signal.SIGKILL)      # a crash: the lock file stays, its flock goes
+    holder.wait()
+  capsys.readouterr()
+  train(tiny(steps=1, save_every=1), work)
+  assert f'left by pid {holder.pid}' in capsys.readouterr().out
+  with WorkdirLock(work):                    # released on exit
+    pass
+
+
+def test_a_path_with_a_source_that_reads_none_is_an_error():
+  with pytest.raises(ValueError, match=r"data\.path='x\.bin' is read only by data\.source in "
+                                       r"\('tokens', 'zarr'\), not data\.source='embedded'"):
+    pipeline.DataConfig(path='x.bin')
+  with pytest.raises(ValueError, match=r"data\.val_path='v\.bin'.*data\.source='synthetic'"):
+    pipeline.DataConfig(source='synthetic', val_path='v.bin')
+
+
+def test_token_file_header_length_is_checked_against_the_file(tmp_path):
+  path = str(tmp_path / 'toks.bin')
+  sources.write_token_file(path, list(range(100)), 256, 'byte')
+  with open(path, 'r+b') as f:
+    f.seek(8)
+    f.write((2 ** 62).to_bytes(8, 'little'))
+  with pytest.raises(ValueError, match=rf"token file '{path}': its header length field says "
+                                       rf"{2 ** 62} bytes, but the file has \d+ bytes"):
+    sources.TokenFile(path)
+
+
+def test_pass_counts_past_the_limit_are_refused_before_computing(straight):
+  t = time.time()
+  with pytest.raises(ValueError, match=r'num_loops=100000 exceeds the limit of 16 passes '
+                                       r'\(8 x the trained model\.num_loops=2\)'):
+    evaluate_checkpoint(straight, [2, 100000])
+  with pytest.raises(ValueError, match=r'num_loops=100000 exceeds the limit'):
+    sample_text(straight, 'def ', 5, 0.8, 0, num_loops=100000)
+  assert time.time() - t < 30  # the checkpoint read, no forward pass
+
+
+def test_a_missing_step_lists_the_steps_and_generate_takes_a_step(straight):
+  with pytest.raises(FileNotFoundError, match=r'step 7: no such checkpoint .* \(steps there: '
+                                              r'\[3, 6\]\)'):
+    evaluate_checkpoint(straight, [None], step=7)
+  assert checkpoint.load_params(straight, 3)[2] == 3
+  text = sample_text(straight, 'def ', 5, 0.0, 0, step=3)
+  assert text.startswith('def ') and len(text) >= 5
+
+
+def test_divergence_before_any_checkpoint_says_so(tmp_path):
+  with pytest.raises(TrainingDiverged, match='no checkpoint has been written yet'):
+    train(tiny(steps=9, lr=1e30, warmup=0, save_every=9), str(tmp_path / 'run'))
+
+
+def test_every_logged_step_has_a_throughput_and_saves_are_printed(straight):
+  rows = [json.loads(l) for l in open(os.path.join(straight, 'metrics.jsonl'))]
+  assert [r['step'] for r in rows] == list(range(1, 7))  # log_every=1, saves at 3 and 6
+  assert all(r['tokens_per_s'] > 0 for r in rows)
+
+
+def _cli(*args, env_extra=None):
+  env = dict(os.environ, **(env_extra or {}))
+  return subprocess.run([sys.executable, os.path.join(ROOT, 'scripts', 'train.py'), *args],
+                        capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+
+
+def test_cli_errors_are_one_line_and_debug_shows_the_traceback(tmp_path):
+  work = f'--workdir={tmp_path / "w"}'
+  missing = _cli('--config=configs/nope.py', work)
+  assert missing.returncode == 1 and 'Traceback' not in missing.stderr
+  assert missing.stderr.strip().splitlines()[-1] == ("error: --config=configs/nope.py: "
+                                                     "FileNotFoundError: no config file "
+                                                     "'configs/nope.py'")
+  invalid = _cli('--config.model.top_k=99', work)
+  assert invalid.returncode == 1 and 'Traceback' not in invalid.stderr
+  assert invalid.stderr.strip().splitlines()[-1] == (
+      'error: model.top_k=99: exceeds model.prelude_experts=4')
+  debug = _cli('--config.model.top_k=99', work, '--debug')
+  assert debug.returncode == 1 and 'Traceback' in debug.stderr
