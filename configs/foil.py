@@ -37,7 +37,8 @@ def core_shape(opts):
 
 
 def get_config(arg=None):
-  opts = parse_arg(arg, {'variant': 'base', 'shape': '', 'tied': False, 'smoke': False})
+  opts = parse_arg(arg, {'variant': 'base', 'shape': '', 'tied': False, 'smoke': False},
+                   choices={'variant': tuple(FLATTEN) + tuple(TIED)})
   e, d, l, tied = core_shape(opts)
   model = model_config_dict(
       smoke=opts['smoke'], vocab_size=49152, d_model=1024, num_heads=16, head_dim=64,

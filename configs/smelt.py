@@ -13,7 +13,8 @@ baseline to 6 of 192). `smoke` shrinks both to CPU size.
 from loopmoe_jax.config import middle_span, model_config_dict, parse_arg
 from loopmoe_jax.experiment import experiment_config
 
-VARIANTS = ('200m,baseline', '200m,looped', 'smoke,baseline', 'smoke,looped')
+VARIANTS = ('200m,baseline', '200m,looped', 'smoke,baseline', 'smoke,looped', '200m', 'looped',
+            'size=smoke,variant=baseline')
 SIZES = {
     # name: (baseline fields, looped-twin fields)
     '200m': (dict(d_model=1280, num_heads=10, head_dim=128, num_kv_heads=10,
@@ -30,11 +31,9 @@ SIZES = {
 
 def get_config(arg=None):
   opts = parse_arg(arg, {'variant': 'looped', 'size': '200m', 'smoke': False, 'layers': 12,
-                         'span': 0.5, 'loops': 2})
+                         'span': 0.5, 'loops': 2},
+                   choices={'variant': ('baseline', 'looped'), 'size': tuple(SIZES)})
   size = 'smoke' if opts['smoke'] else opts['size']
-  if size not in SIZES or opts['variant'] not in ('baseline', 'looped'):
-    raise ValueError(f"smelt argument {arg!r}: size in {sorted(SIZES)}, variant in "
-                     "('baseline', 'looped')")
   fields = dict(SIZES[size][opts['variant'] == 'looped'])
   experts = fields['core_experts']
   if opts['variant'] == 'looped':

@@ -180,26 +180,34 @@ def flatten(experts: int, layers: int, loops: int, factor: int) -> tuple[int, in
   return experts * factor, layers // factor, loops * factor
 
 
-def parse_arg(arg: str | None, defaults: Mapping[str, Any]) -> dict[str, Any]:
+def parse_arg(arg: str | None, defaults: Mapping[str, Any],
+              choices: Mapping[str, Any] | None = None) -> dict[str, Any]:
   """Parses a config-file argument 'name,key=value,flag' against typed `defaults`.
 
-  A bare word sets a bool default to True, or sets the 'variant' key when it is not a bool
-  field. Unknown keys raise with near names.
+  A bare word sets a bool default to True, selects the key whose `choices` hold it (so
+  'smelt.py:200m' picks size=200m), or else sets the 'variant' key. A value outside a key's
+  choices, and unknown keys, raise naming them (unknown keys with near names).
   """
   out = dict(defaults)
+  choices = dict(choices or {})
   for tok in filter(None, (t.strip() for t in (arg or '').split(','))):
     key, eq, val = tok.partition('=')
     if not eq:
       if isinstance(defaults.get(key), bool):
         out[key] = True
         continue
-      if 'variant' not in defaults:
-        raise ValueError(f'config argument {tok!r}: not a flag; known {sorted(defaults)}')
-      key, val = 'variant', tok
+      owner = next((k for k, allowed in choices.items() if tok in allowed), None)
+      if owner is None and 'variant' not in defaults:
+        raise ValueError(f'config argument {tok!r}: not a flag' + ''.join(
+            f'; {k} is one of {sorted(v)}' for k, v in choices.items()) +
+            f'; known keys {sorted(defaults)}')
+      key, val = owner or 'variant', tok
     if key not in defaults:
       near = difflib.get_close_matches(key, list(defaults), n=3, cutoff=0.5)
       raise ValueError(f'config argument {key!r} is unknown' +
                        (f'; did you mean {near}?' if near else f'; known {sorted(defaults)}'))
+    if key in choices and val not in choices[key]:
+      raise ValueError(f'config argument {key}={val!r}: must be one of {sorted(choices[key])}')
     typ = type(defaults[key])
     if typ is bool:
       if val.lower() not in ('1', 'true', 'yes', '0', 'false', 'no'):

@@ -202,6 +202,38 @@ def test_config_file_bad_arguments():
   assert config_lib.parse_arg('a=3,flag', {'a': 1, 'flag': False}) == {'a': 3, 'flag': True}
 
 
+def _documented_arguments():
+  """Every `--config=configs/FILE.py:ARG` written in the config files' docstrings and README."""
+  import re
+  texts = [open(p).read() for p in CONFIG_FILES] + [open(os.path.join(ROOT, 'README.md')).read()]
+  found = set()
+  for text in texts:
+    found |= set(re.findall(r'configs/(\w+)\.py:([\w=,.]+)', text))
+  return sorted(found)
+
+
+@pytest.mark.parametrize('stem,arg', _documented_arguments())
+def test_every_documented_config_argument_parses(stem, arg):
+  module = load_config_file(os.path.join(ROOT, 'configs', f'{stem}.py'))
+  ModelConfig.from_dict(module.get_config(arg).model)
+
+
+def test_a_bare_word_selects_the_key_whose_choices_hold_it():
+  smelt = load_config_file(os.path.join(ROOT, 'configs', 'smelt.py'))
+  assert smelt.get_config('200m').model.to_dict() == smelt.get_config('200m,looped').model.to_dict()
+  assert smelt.get_config('baseline').model.d_model == 1280
+  assert smelt.get_config('smoke,baseline').model.to_dict() == smelt.get_config(
+      'size=smoke,variant=baseline').model.to_dict()
+  with pytest.raises(ValueError, match=r"size='1b': must be one of \['200m', 'smoke'\]"):
+    smelt.get_config('size=1b')
+  with pytest.raises(ValueError, match=r"variant='tiny': must be one of"):
+    smelt.get_config('tiny')
+  assert config_lib.parse_arg('b', {'a': 'x', 'n': 1}, choices={'a': ('x', 'b')}) == {'a': 'b',
+                                                                                      'n': 1}
+  with pytest.raises(ValueError, match=r"'c': not a flag; a is one of \['b', 'x'\]"):
+    config_lib.parse_arg('c', {'a': 'x'}, choices={'a': ('x', 'b')})
+
+
 # Parameter accounting ---------------------------------------------------------------------
 
 @pytest.mark.parametrize('path,arg', VARIANTS, ids=VARIANT_IDS)
