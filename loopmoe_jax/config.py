@@ -15,6 +15,7 @@ import difflib
 from typing import Any, Mapping
 
 RESIDUAL_SCALES = ('none', 'inverse_loops')
+SCALE_PASSES = ('trained', 'executed')
 INJECTIONS = ('none', 'add', 'concat')
 REMAT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch')
 LOOP_IMPLS = ('scan', 'unroll')
@@ -52,7 +53,9 @@ class ModelConfig:
   coda_experts: int = 4
   # Loop options.
   tie_attention: bool = True     # False: each pass has its own attention ("Foil")
-  residual_scale: str = 'none'   # 'inverse_loops': every write inside the core scaled by 1/L
+  residual_scale: str = 'none'   # 'inverse_loops': every write inside the core scaled by 1/r
+  scale_passes: str = 'trained'  # r of that 1/r when a forward runs another pass count than
+                                 # the trained one: 'trained' (model.num_loops) or 'executed'
   injection: str = 'none'        # prelude output injected into each pass: none | add | concat
   remat: str = 'none'
   loop_impl: str = 'scan'        # 'unroll': Python loop over the same shared params
@@ -140,7 +143,7 @@ def _validate(c: ModelConfig):
     _err('core_layers', c.core_layers, 'the model has no layers')
   choices = dict(residual_scale=RESIDUAL_SCALES, injection=INJECTIONS, remat=REMAT_POLICIES,
                  loop_impl=LOOP_IMPLS, dtype=DTYPES, param_dtype=DTYPES, dispatch=DISPATCHES,
-                 expert_exchange=EXCHANGES)
+                 expert_exchange=EXCHANGES, scale_passes=SCALE_PASSES)
   for name, allowed in choices.items():
     if getattr(c, name) not in allowed:
       _err(name, getattr(c, name), f'must be one of {allowed}')

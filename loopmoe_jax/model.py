@@ -97,7 +97,7 @@ class Core(nn.Module):
   @nn.compact
   def __call__(self, x_BTD, positions_BT, num_loops: int):
     c = self.cfg
-    scale = 1.0 / c.num_loops if c.residual_scale == 'inverse_loops' else 1.0
+    scale = residual_scale(c, num_loops)
     pass_attn = None
     if not c.tie_attention:
       stacked = [AttentionWeights(c, stack=c.num_loops, name=f'pass_attn_{i}')()
@@ -188,6 +188,15 @@ def _extras(per_visit, return_routing):
     extras['routing'] = {seg: {n: s[n] for n in ('experts', 'logits')}
                          for seg, s in per_visit.items() if s}
   return extras
+
+
+def residual_scale(c: ModelConfig, num_loops: int) -> float:
+  """SMELT's 1/r on every write inside the core (`model.residual_scale='inverse_loops'`), with
+  r the trained pass count or, with `model.scale_passes='executed'`, the count this forward
+  runs (SMELT's reference code); 1 otherwise. The two agree at the trained count."""
+  if c.residual_scale != 'inverse_loops':
+    return 1.0
+  return 1.0 / (num_loops if c.scale_passes == 'executed' else c.num_loops)
 
 
 # Test-time recurrence runs at most this many times the trained passes: a count beyond it is

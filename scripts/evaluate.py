@@ -1,6 +1,7 @@
 """Validation loss of a checkpoint; --num_loops changes the passes (test-time recurrence).
 
     python scripts/evaluate.py --workdir=/tmp/run [--num_loops=6] [--step=400]
+        [--scale_passes=executed]   # SMELT's 1/r by the executed passes
 """
 import json
 
@@ -11,6 +12,9 @@ from loopmoe_jax.cli import run
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory.', required=True)
 _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step (default: latest readable).')
 _LOOPS = flags.DEFINE_list('num_loops', [], 'Pass counts to evaluate (default: trained).')
+_SCALE = flags.DEFINE_enum('scale_passes', None, ['trained', 'executed'],
+                           'r of the 1/r residual scale at another pass count (default: the '
+                           "model's model.scale_passes, 'trained' unless set).")
 
 
 def main(argv):
@@ -20,7 +24,7 @@ def main(argv):
     loops = [int(n) for n in _LOOPS.value] or [None]
   except ValueError:
     raise ValueError(f'--num_loops={",".join(_LOOPS.value)}: pass counts must be integers') from None
-  print(json.dumps(evaluate_checkpoint(_WORKDIR.value, loops, _STEP.value), indent=1))
+  print(json.dumps(evaluate_checkpoint(_WORKDIR.value, loops, _STEP.value, _SCALE.value), indent=1))
 
 
 if __name__ == '__main__':

@@ -13,13 +13,15 @@ _TEMP = flags.DEFINE_float('temperature', 0.8, 'Sampling temperature (0: greedy)
 _SEED = flags.DEFINE_integer('seed', 0, 'Sampling seed.')
 _LOOPS = flags.DEFINE_integer('num_loops', None, 'Passes through the core (tied models).')
 _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step (default: latest readable).')
+_SCALE = flags.DEFINE_enum('scale_passes', None, ['trained', 'executed'],
+                           'r of the 1/r residual scale at another pass count.')
 
 
 def main(argv):
   del argv
   from loopmoe_jax.train.evaluation import sample_text
   print(sample_text(_WORKDIR.value, _PROMPT.value, _TOKENS.value, _TEMP.value, _SEED.value,
-                    _LOOPS.value, _STEP.value))
+                    _LOOPS.value, _STEP.value, _SCALE.value))
 
 
 if __name__ == '__main__':

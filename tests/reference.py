@@ -127,7 +127,8 @@ def forward(cfg, params, tokens_BT=None, num_loops=None, x_BTD=None):
   if cfg.core_layers:
     core = params['core']
     body = core['body']
-    scale = 1.0 / cfg.num_loops if cfg.residual_scale == 'inverse_loops' else 1.0
+    r = passes if cfg.scale_passes == 'executed' else cfg.num_loops
+    scale = 1.0 / r if cfg.residual_scale == 'inverse_loops' else 1.0
     e = x  # the prelude output, injected into every pass
     for l in range(passes):
       if cfg.injection == 'add':

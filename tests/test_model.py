@@ -337,6 +337,23 @@ def test_tied_test_time_recurrence_matches_reference():
   assert sum(v['segment'] == 'core' for v in visits) == 5 * cfg.core_layers
 
 
+@pytest.mark.parametrize('scale_passes', ['trained', 'executed'])
+def test_scale_by_trained_or_executed_passes(scale_passes):
+  """model.scale_passes: 1/r with r the trained passes (default) or the executed ones; with
+  'executed', running 5 passes equals a model trained for 5 (tied weights do not depend on r),
+  and at the trained count both options agree."""
+  cfg = make_cfg(num_loops=2, residual_scale='inverse_loops', dispatch='reference',
+                 scale_passes=scale_passes)
+  params, toks = make_params(cfg), tokens(cfg)
+  logits, _ = apply_fn(cfg, num_loops=5)(params, toks)
+  assert_close(logits, reference.forward(cfg, params, toks, num_loops=5)[0])
+  as_five, _ = apply_fn(cfg.replace(num_loops=5, scale_passes='trained'))(params, toks)
+  same = np.abs(np.asarray(logits) - np.asarray(as_five)).max() < 1e-5
+  assert same == (scale_passes == 'executed')
+  other = cfg.replace(scale_passes='executed' if scale_passes == 'trained' else 'trained')
+  assert_close(apply_fn(cfg)(params, toks)[0], apply_fn(other)(params, toks)[0])
+
+
 def test_untied_refuses_more_loops_than_trained():
   cfg = make_cfg(tie_attention=False, num_loops=2)
   params, toks = make_params(cfg), tokens(cfg)

@@ -14,9 +14,13 @@ from loopmoe_jax.model import LoopedMoE, check_loops
 from loopmoe_jax.train import checkpoint, step as steps
 
 
-def evaluate_checkpoint(workdir: str, num_loops=(None,), step: int | None = None) -> dict:
-  """Validation LM loss of a checkpoint for each pass count in `num_loops`."""
+def evaluate_checkpoint(workdir: str, num_loops=(None,), step: int | None = None,
+                        scale_passes: str | None = None) -> dict:
+  """Validation LM loss of a checkpoint for each pass count in `num_loops`; `scale_passes`
+  ('trained' or 'executed') overrides the model's choice of r in the 1/r residual scale."""
   cfg, params, s, config = checkpoint.load_params(workdir, step)
+  if scale_passes:
+    cfg = cfg.replace(scale_passes=scale_passes)
   for n in num_loops:  # every count checked before any is evaluated
     check_loops(cfg, n)
   dc = pipeline.DataConfig.from_dict(config['data'])
@@ -25,7 +29,7 @@ def evaluate_checkpoint(workdir: str, num_loops=(None,), step: int | None = None
     raise ValueError(f'{workdir}: the run has no validation data (data.val_path is empty)')
   batch_sh = sharding.batch_sharding(sharding.make_mesh(sharding.MeshConfig(data=1),
                                                        jax.devices()[:1]))
-  out = {'step': s, 'val_loss': {}}
+  out = {'step': s, 'scale_passes': cfg.scale_passes, 'val_loss': {}}
   for n in num_loops:
     model = LoopedMoE(cfg)
     loss = steps.evaluate(steps.make_eval_step(model, n), params, batches, batch_sh)
@@ -54,8 +58,11 @@ def _check_length(cfg, prompt_len: int, tokens: int, train_len: int, num_loops) 
 
 
 def sample_text(workdir: str, prompt: str, tokens: int, temperature: float, seed: int,
-                num_loops: int | None = None, step: int | None = None) -> str:
+                num_loops: int | None = None, step: int | None = None,
+                scale_passes: str | None = None) -> str:
   cfg, params, _, config = checkpoint.load_params(workdir, step)
+  if scale_passes:
+    cfg = cfg.replace(scale_passes=scale_passes)
   check_loops(cfg, num_loops)
   if tokens < 1:
     raise ValueError(f'--tokens={tokens}: must be >= 1')
