@@ -9,6 +9,14 @@ with 8 experts. Variants: `base` (8,8,2), `foil3` (16,4,4), `foil2` (32,2,8), `f
 (64,1,16), each with per-pass attention; the tied controls `base_tied`, `protofoil3/2/1`;
 and `shape=ExDxL` (untied; add `tied`). Base and every Foil have 553.7M parameters,
 Base-tied 520.2M, proto-Foil-1 490.8M. `smoke` shrinks the widths to CPU size.
+
+The paper recipe trains in bfloat16 (float32 master weights and optimizer state) for 50k
+steps of 96 x 4096 tokens and keeps step 45,000 for good (`train.keep_steps`), the start of
+the 100B continuation:
+
+    python scripts/train.py --config=configs/foil.py:foil1 --config.data.path=TRAIN.bin \
+        --config.train.steps=254313 --config.train.init_from=RUN --config.train.init_step=45000 \
+        --workdir=RUN_100B
 """
 from loopmoe_jax.config import flatten, model_config_dict, parse_arg
 from loopmoe_jax.experiment import experiment_config
@@ -48,9 +56,10 @@ def get_config(arg=None):
   if opts['smoke']:
     return experiment_config(model, train=dict(steps=200, warmup=20, lr=3e-3, final_window=50),
                              data=dict(seq_len=128, batch_size=8))
-  # Foil's recipe: 50k steps of 96 x 4096 tokens (19.66B); continue to 100B with
-  # --config.train.steps=254313 --config.train.init_from=RUN --config.train.init_step=45000.
-  return experiment_config(model, train=dict(
+  # Foil's recipe: 50k steps of 96 x 4096 tokens (19.66B), bfloat16 compute with float32
+  # master weights; step 45,000 is kept for good (train.keep_steps) for the 100B continuation.
+  model.dtype, model.param_dtype = 'bfloat16', 'float32'
+  return experiment_config(model, train=dict(keep_steps='45000',
       steps=50_000, lr=3e-4, warmup=1000, schedule='wsd', decay_fraction=0.1,
       decay_shape='1-sqrt', final_lr_fraction=0.05, b1=0.9, b2=0.95, weight_decay=0.1, clip=1.0,
       lb_coef=0.01, z_coef=0.001, final_window=2000, seed=42, log_every=50, eval_every=1000,

@@ -257,3 +257,23 @@ def test_evaluate_and_sample_from_a_workdir(tmp_path, monkeypatch):
     sample_text(work, '', 4, 0.0, 0)
   with pytest.raises(ValueError, match=r'--tokens=1000000000000: a KV cache of .* GiB'):
     sample_text(work, 'def ', 10**12, 0.0, 0)  # refused before anything is allocated
+
+
+def test_kept_steps_survive_keep(tmp_path):
+  """train.keep=2 plus keep_every=4 and keep_steps='3': the newest two, every 4th and step 3."""
+  work = str(tmp_path / 'k')
+  train(tiny(steps=9, save_every=1, keep=2, keep_every=4, keep_steps='3'), work)
+  kept = sorted(int(p) for p in os.listdir(os.path.join(work, 'checkpoints')) if p.isdigit())
+  assert kept == [3, 4, 8, 9]
+  with pytest.raises(ValueError, match=r"train\.keep_steps='4x'"):
+    TrainConfig(keep_steps='4x')
+
+
+def test_foil_recipe_trains_in_bfloat16_and_keeps_its_continuation_step():
+  import importlib.util
+  spec = importlib.util.spec_from_file_location('foil', os.path.join(ROOT, 'configs', 'foil.py'))
+  foil = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(foil)
+  exp = build(foil.get_config('foil1'))
+  assert (exp.model.dtype, exp.model.param_dtype) == ('bfloat16', 'float32')
+  assert 45000 in exp.train.kept_steps and exp.train.steps == 50000

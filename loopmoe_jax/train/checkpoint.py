@@ -23,8 +23,20 @@ from loopmoe_jax.config import ModelConfig
 log = logging.getLogger(__name__)
 
 
-def manager(directory: str, keep: int = 3, async_save: bool = True, read_only: bool = False):
-  opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
+def manager(directory: str, keep: int = 3, async_save: bool = True, read_only: bool = False,
+            keep_every: int = 0, keep_steps=()):
+  """Keeps the newest `keep` steps, plus every multiple of `keep_every` and the `keep_steps`
+  for good (a continuation's starting point survives `keep`)."""
+  kept = dict(max_to_keep=keep)
+  if keep_every or keep_steps:
+    from orbax.checkpoint import checkpoint_managers as policies
+    rules = [policies.LatestN(keep)]
+    if keep_every:
+      rules.append(policies.EveryNSteps(keep_every))
+    if keep_steps:
+      rules.append(policies.CustomSteps(list(keep_steps)))
+    kept = dict(preservation_policy=policies.AnyPreservationPolicy(rules))
+  opts = ocp.CheckpointManagerOptions(**kept, create=not read_only,
                                       enable_async_checkpointing=async_save, read_only=read_only)
   handlers = {'state': ocp.StandardCheckpointHandler(), 'data': ocp.JsonCheckpointHandler(),
               'config': ocp.JsonCheckpointHandler()}

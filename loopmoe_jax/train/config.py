@@ -31,7 +31,9 @@ class TrainConfig:
   log_every: int = 10
   eval_every: int = 100
   save_every: int = 100
-  keep: int = 3
+  keep: int = 3                  # newest checkpoints kept
+  keep_every: int = 0            # also keep every multiple of this step for good (0: none)
+  keep_steps: str = ''           # also keep these steps for good: '45000' or '1000,45000'
   async_save: bool = True
   routing_every: int = 50        # per-layer-per-pass routing statistics
   final_window: int = 50         # summary: mean LM loss over the last W steps
@@ -65,9 +67,23 @@ class TrainConfig:
       value = getattr(self, name)
       if not (ok and math.isfinite(value)):  # NaN fails every comparison
         raise ValueError(f'train.{name}={value}: must be finite and {want}')
+    if self.keep_every < 0:
+      raise ValueError(f'train.keep_every={self.keep_every}: must be >= 0 (0: none)')
+    self.kept_steps  # pylint: disable=pointless-statement  (validates train.keep_steps)
     if self.schedule_steps and self.schedule_steps < self.steps:
       raise ValueError(f'train.schedule_steps={self.schedule_steps} is shorter than '
                        f'train.steps={self.steps}')
+
+  @property
+  def kept_steps(self) -> tuple[int, ...]:
+    try:
+      steps = tuple(int(v) for v in str(self.keep_steps).split(',') if v.strip())
+    except ValueError:
+      raise ValueError(f'train.keep_steps={self.keep_steps!r}: expected comma-separated step '
+                       'numbers, e.g. 45000 or 1000,45000') from None
+    if any(v < 1 for v in steps):
+      raise ValueError(f'train.keep_steps={self.keep_steps!r}: steps must be >= 1')
+    return steps
 
   @property
   def total_steps(self) -> int:

@@ -82,7 +82,8 @@ def _train(cfg, exp, workdir: str) -> dict:
   sharding.check_batch(dc.batch_size, tc.microbatches, mesh)
   state_sh, batch_sh = steps.shardings(mesh, model, tx, dc.seq_len)
   target = steps.abstract_state(model, tx, dc.seq_len, state_sh)
-  mngr = checkpoint.manager(os.path.join(workdir, 'checkpoints'), tc.keep, tc.async_save)
+  mngr = checkpoint.manager(os.path.join(workdir, 'checkpoints'), tc.keep, tc.async_save,
+                            keep_every=tc.keep_every, keep_steps=tc.kept_steps)
   state, data_state, start = _initial_state(mngr, target, model, tx, exp, state_sh, workdir)
   summary_path = os.path.join(workdir, 'summary.json')
   if start >= tc.steps and os.path.exists(summary_path):
