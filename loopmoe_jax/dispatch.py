@@ -45,6 +45,12 @@ def _pad_rows(x, tile):
   return jnp.pad(x, ((0, pad), (0, 0))) if pad else x
 
 
+def _acc_dtype(*operands):
+  """The accumulation dtype of a grouped matmul: float32, or the operands' promoted dtype
+  when wider (float64 operands under jax_enable_x64 are computed in float64)."""
+  return jnp.promote_types(jnp.result_type(*operands), jnp.float32)
+
+
 # Smallest remainder chunk. Measured here (16384 rows, K 256, N 512, E 64): separate loops
 # for chunks 64, 32, 16, 8 cost more than the rows they save, so remainders take 1-2 sizes.
 MIN_CHUNK = 64
@@ -100,10 +106,11 @@ def _gmm_fwd_impl(lhs_MK, rhs_GKN, group_sizes_G, tile, transpose_rhs=False):
   rows_p = lhs.shape[0]
   sizes = group_sizes_G.astype(jnp.int32)
   starts, ends = group_bounds(sizes)
+  acc_dtype = _acc_dtype(lhs_MK, rhs_GKN)
   contract = (((1,), (1 if transpose_rhs else 0,)), ((), ()))
   matmul = lambda rows, g: jax.lax.dot_general(rows, rhs_GKN[g], contract,
-                                               preferred_element_type=jnp.float32)
-  out = jnp.zeros((rows_p, n), jnp.float32)
+                                               preferred_element_type=acc_dtype)
+  out = jnp.zeros((rows_p, n), acc_dtype)
   (group, row0, num_whole), remainders = _tile_plan(sizes, rows_p, tile)
 
   with jax.named_scope('whole_tiles'):
@@ -133,17 +140,19 @@ def _tgmm_impl(lhs_MK, grad_MN, group_sizes_G, num_groups, tile):
 
   The same two passes as _gmm_fwd_impl: whole tiles inside one group, then per group one
   chunk ending at its end whose rows outside the group's last size_g mod tile rows are zeroed
-  (so no row is counted twice)."""
+  in both operands (so no row is counted twice, and no other group's non-finite row enters
+  the sum as 0 x inf)."""
   m = lhs_MK.shape[0]
+  acc_dtype = _acc_dtype(lhs_MK, grad_MN)
   if m == 0:
-    return jnp.zeros((num_groups, lhs_MK.shape[1], grad_MN.shape[1]), jnp.float32)
+    return jnp.zeros((num_groups, lhs_MK.shape[1], grad_MN.shape[1]), acc_dtype)
   lhs, grad = _pad_rows(lhs_MK, tile), _pad_rows(grad_MN, tile)
   rows_p = lhs.shape[0]
   sizes = group_sizes_G.astype(jnp.int32)
   _, ends = group_bounds(sizes)
-  acc = jnp.zeros((num_groups, lhs.shape[1], grad.shape[1]), jnp.float32)
+  acc = jnp.zeros((num_groups, lhs.shape[1], grad.shape[1]), acc_dtype)
   outer = lambda a, b: jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())),
-                                           preferred_element_type=jnp.float32)
+                                           preferred_element_type=acc_dtype)
 
   (group, row0, num_whole), remainders = _tile_plan(sizes, rows_p, tile)
   rem = sizes % tile
@@ -165,19 +174,27 @@ def _tgmm_impl(lhs_MK, grad_MN, group_sizes_G, num_groups, tile):
         mine = ((rows >= ends[g] - rem[g]) & (rows < ends[g]))[:, None]
         lhs_c = jax.lax.dynamic_slice_in_dim(lhs, first, c)
         lhs_c = jnp.where(mine, lhs_c, 0).astype(lhs.dtype)
-        return acc.at[g].add(outer(lhs_c, jax.lax.dynamic_slice_in_dim(grad, first, c)))
+        grad_c = jax.lax.dynamic_slice_in_dim(grad, first, c)
+        grad_c = jnp.where(mine, grad_c, 0).astype(grad.dtype)
+        return acc.at[g].add(outer(lhs_c, grad_c))
 
       acc = jax.lax.fori_loop(0, count, remainder, acc)
   return acc
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def gmm_tiled(lhs_MK, rhs_GKN, group_sizes_G, tile=128):
   """Grouped matmul with `jax.lax.ragged_dot` semantics, tiled so no dense masking is done.
 
   lhs [M, K] rows sorted by group; rhs [G, K, N]; group_sizes [G] summing to at most M;
-  rows past the sum give zeros. Accumulates in float32.
+  rows past the sum give zeros. Operands may be numpy arrays. Accumulates in float32, or in
+  float64 for float64 operands (jax_enable_x64).
   """
+  return _gmm_tiled(jnp.asarray(lhs_MK), jnp.asarray(rhs_GKN), jnp.asarray(group_sizes_G),
+                    tile)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gmm_tiled(lhs_MK, rhs_GKN, group_sizes_G, tile):
   return _gmm_fwd_impl(lhs_MK, rhs_GKN, group_sizes_G, tile)
 
 
@@ -192,13 +209,15 @@ def _gmm_vjp_bwd(tile, res, g_MN):
   return d_lhs, d_rhs, None
 
 
-gmm_tiled.defvjp(_gmm_vjp_fwd, _gmm_vjp_bwd)
+_gmm_tiled.defvjp(_gmm_vjp_fwd, _gmm_vjp_bwd)
 
 
 def gmm_xla(lhs_MK, rhs_GKN, group_sizes_G, tile=None):
+  """jax.lax.ragged_dot, accumulating in float32 (float64 for float64 operands)."""
   del tile
   return jax.lax.ragged_dot(lhs_MK, rhs_GKN, group_sizes_G.astype(jnp.int32),
-                            preferred_element_type=jnp.float32).astype(lhs_MK.dtype)
+                            preferred_element_type=_acc_dtype(lhs_MK, rhs_GKN)
+                            ).astype(lhs_MK.dtype)
 
 
 # Dispatch backends ----------------------------------------------------------------------------

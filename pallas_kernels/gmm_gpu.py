@@ -6,7 +6,8 @@ L2. A program loops over the groups that own rows of its tile (metadata.tile_gro
 usually one; two or more only at group edges), and per group over K in `tile_k` steps (plain
 load + dot, which Triton software-pipelines), masking the rows of other groups once per group
 on the float32 accumulator. `tgmm`: one program per (N tile, K tile, group); it loops over the
-row tiles of its group, masking rows of neighbouring groups. No atomics: every output block has
+row tiles of its group, masking rows of neighbouring groups in both lhs and grad (so their
+non-finite values cannot enter as 0 x inf). No atomics: every output block has
 one writer; rows past the group-size sum and blocks of empty groups come out zero.
 """
 from __future__ import annotations
@@ -86,8 +87,9 @@ def _tgmm_kernel(starts_ref, ends_ref, lhs_ref, grad_ref, out_ref, *, tile_m):
     row0 = pl.multiple_of(t * tile_m, tile_m)
     rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (tile_m, 1), 0)
     mask = (rows >= start) & (rows < end)
+    # both operands: 0 x inf would let another group's non-finite rows into this sum
     lhs = jnp.where(mask, lhs_ref[pl.ds(row0, tile_m), :], 0).astype(lhs_ref.dtype)
-    grad = grad_ref[pl.ds(row0, tile_m), :]
+    grad = jnp.where(mask, grad_ref[pl.ds(row0, tile_m), :], 0).astype(grad_ref.dtype)
     return acc + jnp.dot(lhs.T, grad, preferred_element_type=jnp.float32)
 
   first, last = start // tile_m, (end + tile_m - 1) // tile_m

@@ -10,7 +10,8 @@ counts (the binary digits of the dynamic count), so every output row has exactly
 `tgmm`: one CTA per (K tile, N tile, group) (or persistent, as above; not yet timed on a
 device); the group's row tiles stream through a pipeline of
 dynamic length, rows of neighbouring groups in the two edge tiles are zeroed in shared memory
-before lhs^T @ grad goes to wgmma; empty groups store zeros.
+(in lhs and grad, so their non-finite values cannot enter as 0 x inf) before lhs^T @ grad
+goes to wgmma; empty groups store zeros.
 16-bit inputs (wgmma transposes no others; ops.py sends other dtypes to the Triton family).
 On CPU the kernels run under Mosaic GPU's interpreter, whose wgmma takes no transposed
 operands: there the transposes happen in XLA first (on the device, inside the kernel).
@@ -178,10 +179,11 @@ def _tgmm_block(k_tile, n_tile, g, starts_gmem, ends_gmem, lhs_gmem, grad_gmem, 
       row0 = (first + idx[0]) * tile_m
 
       @pl.when((row0 < start) | (row0 + tile_m > end))  # an edge tile: zero other groups' rows
-      def _mask():
-        rows = row0 + lax.broadcasted_iota(jnp.int32, lhs_block, row_axis)
-        keep = (rows >= start) & (rows < end)
-        lhs_smem[...] = jnp.where(keep, lhs_smem[...], jnp.zeros_like(lhs_smem[...]))
+      def _mask():  # in both operands (0 x inf would let their non-finite rows in)
+        for ref, axis in ((lhs_smem, row_axis), (grad_smem, 0)):
+          rows = row0 + lax.broadcasted_iota(jnp.int32, ref.shape, axis)
+          keep = (rows >= start) & (rows < end)
+          ref[...] = jnp.where(keep, ref[...], jnp.zeros_like(ref[...]))
         plgpu.commit_smem()
 
       lhs = lhs_smem if lhs_transposed else lhs_smem.transpose((1, 0))

@@ -12,7 +12,8 @@ tile with the power-of-two TMA row stores of gmm_mgpu.store_rows, waiting for it
 store only when it reuses the staging buffer (so the store overlaps the next tile's loads).
 `tgmm`: CTA tile 2 tile_k x tile_n of a group's lhs^T @ grad (warpgroup w owns rows
 [w tile_k, (w + 1) tile_k) of the K tile, i.e. its own columns of the lhs block, so each zeroes
-the rows of neighbouring groups in its own slice of shared memory, in the two edge tiles only);
+the rows of neighbouring groups in its own slice of shared memory, and both zero them in the
+shared grad tile, in the two edge tiles only);
 the group's row tiles stream through a pipeline of dynamic length; empty groups store zeros.
 The output leaves in row slices of `epi_k` rows (float32 outputs need less staging memory).
 16-bit inputs only (ops.py sends others to Triton). An N (gmm) or K (tgmm) that two
@@ -211,10 +212,12 @@ def _tgmm_body(starts_gmem, ends_gmem, lhs_gmem, grad_gmem, out_gmem, *, tile_m,
         shape = (tile_k, tile_m) if lhs_transposed else (tile_m, tile_k)
 
         @pl.when((rows0 < start) | (rows0 + tile_m > end))  # edge tile: other groups' rows
-        def _mask():
-          rows = rows0 + lax.broadcasted_iota(jnp.int32, shape, row_axis)
-          keep = (rows >= start) & (rows < end)
-          mine[...] = jnp.where(keep, mine[...], jnp.zeros_like(mine[...]))
+        def _mask():  # zeroed in both operands (0 x inf would let their non-finite rows in)
+          # grad is shared: both warpgroups write it the same values, each before its wgmma
+          for ref, ref_shape, axis in ((mine, shape, row_axis), (grad_smem, grad_smem.shape, 0)):
+            rows = rows0 + lax.broadcasted_iota(jnp.int32, ref_shape, axis)
+            keep = (rows >= start) & (rows < end)
+            ref[...] = jnp.where(keep, ref[...], jnp.zeros_like(ref[...]))
           plgpu.commit_smem()
 
         plgpu.wgmma(acc_ref, mine if lhs_transposed else mine.transpose((1, 0)), grad_smem)

@@ -5,7 +5,8 @@ The work-item metadata (metadata.resident_items) is scalar-prefetched into SMEM.
 items), K an axis of its [G, K, N] output. Consecutive steps that share an output block keep it
 resident and accumulate in a float32 VMEM scratch (zeroed at the block's first (item, k=0),
 stored at its last), so each block is written once. Row masks cut the ragged group edges inside
-a tile. K tiling bounds VMEM whatever K: per step gmm holds lhs (tile_m, tile_k), rhs
+a tile (tgmm masks both operands, so a non-finite row of another group cannot enter as
+0 x inf). K tiling bounds VMEM whatever K: per step gmm holds lhs (tile_m, tile_k), rhs
 (tile_k, tile_n), tgmm lhs (tile_m, tile_k), grad (tile_m, tile_n), out (tile_k, tile_n).
 """
 from __future__ import annotations
@@ -21,11 +22,6 @@ from pallas_kernels import metadata
 
 _META = ('group', 'tile', 'valid', 'tile_first', 'tile_last', 'group_first', 'group_last',
          'starts', 'ends')
-
-
-def _row_mask(tile_m, row0, group, starts_ref, ends_ref):
-  rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (tile_m, 1), 0)
-  return (rows >= starts_ref[group]) & (rows < ends_ref[group])
 
 
 def _row_mask(tile_m, row0, group, starts_ref, ends_ref):
@@ -105,8 +101,10 @@ def _tgmm_kernel(*refs, tile_m):
   @pl.when(valid_ref[i] == 1)
   def _accumulate():
     mask = _row_mask(tile_m, tile_ref[i] * tile_m, group_ref[i], starts_ref, ends_ref)
+    # both operands: 0 x inf would let another group's non-finite rows into this sum
     lhs = jnp.where(mask, lhs_ref[...], 0).astype(lhs_ref.dtype)
-    acc_ref[...] += jax.lax.dot_general(lhs, grad_ref[...], (((0,), (0,)), ((), ())),
+    grad = jnp.where(mask, grad_ref[...], 0).astype(grad_ref.dtype)
+    acc_ref[...] += jax.lax.dot_general(lhs, grad, (((0,), (0,)), ((), ())),
                                         preferred_element_type=jnp.float32)
 
   @pl.when(last_ref[i] == 1)

@@ -5,9 +5,11 @@
     gmm_swiglu(x_MD, gate_GDF, up_GDF, group_sizes_G)   (fused gate/up: one gmm, N = 2F)
 
 Backward of gmm: d_lhs = gmm(g, rhs, transposed) and d_rhs = tgmm(lhs, g). float32
-accumulation whatever the input dtype. `target` picks the kernel family: 'tpu' (Mosaic),
-'gpu' (Triton), 'mgpu' (Mosaic GPU: TMA + wgmma, Hopper) or 'mgpu_ws' (the same,
-warp-specialised); None follows
+accumulation whatever the input dtype (float64 operands are refused with a ValueError).
+Groups stay isolated as in ragged_dot: a non-finite row of one group (or past the group-size
+sum) reaches no other group's output or weight gradient. `target` picks the kernel family:
+'tpu' (Mosaic), 'gpu' (Triton), 'mgpu' (Mosaic GPU: TMA + wgmma, Hopper) or 'mgpu_ws' (the
+same, warp-specialised); None follows
 jax.default_backend() ('tpu' on TPU, GPU_DEFAULT on GPU, interpreted 'gpu' on CPU).
 `interpret` None means: interpret on CPU (TPU kernels under pltpu.InterpretParams()).
 Tile sizes are parameters; None takes the per-target default in TILES.
@@ -129,6 +131,18 @@ def _check_gmm(op: str, lhs_MK, rhs_GKN, group_sizes_G):
   _check_sizes(op, group_sizes_G, rhs_GKN.shape[0])
 
 
+def _check_dtype(op: str, *operands):
+  """The operands' promoted dtype, refused when float64: the kernels compute in float32 /
+  bfloat16, so float64 operands would silently lose precision."""
+  dtype = jnp.result_type(*operands)
+  if dtype == jnp.float64:
+    given = ', '.join(str(x.dtype) for x in operands)
+    raise _shape_error(op, f'operands of dtype {dtype} (given {given}) are not supported: the '
+                           f'Pallas kernels compute in float32/bfloat16; cast them to float32 '
+                           f'(or use the xla / tiled grouped matmul for float64)')
+  return dtype
+
+
 def clip_sizes(group_sizes_G, num_rows: int):
   """int32 group sizes with negatives taken as 0 and the groups ending at num_rows at the
   latest (rows of a group past the end are dropped), so every kernel sees sum <= num_rows."""
@@ -232,12 +246,13 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, target: str | None = None, interpret=
   """Grouped matmul with `jax.lax.ragged_dot` semantics, differentiable in lhs and rhs.
 
   lhs [M, K] rows sorted by group; rhs [G, K, N]; group_sizes [G] int summing to at most M
-  (rows past the sum are zero; see clip_sizes for other sizes). Bad shapes raise a
-  ValueError naming them. Output dtype: the promoted input dtype, float32 accumulation.
+  (rows past the sum are zero; see clip_sizes for other sizes). Bad shapes, and float64
+  operands, raise a ValueError naming them. Output dtype: the promoted input dtype, float32
+  accumulation.
   `tiles` overrides TILES per op ({'gmm': {...}, 'tgmm': {...}}, each may name its
   'family'); tile_m / tile_n set both ops."""
   _check_gmm('gmm', lhs_MK, rhs_GKN, group_sizes_G)
-  dtype = jnp.result_type(lhs_MK, rhs_GKN)  # mixed dtypes promote, as in ragged_dot
+  dtype = _check_dtype('gmm', lhs_MK, rhs_GKN)  # mixed dtypes promote, as in ragged_dot
   lhs_MK, rhs_GKN = lhs_MK.astype(dtype), rhs_GKN.astype(dtype)
   with jax.named_scope('gmm'):
     return _gmm(lhs_MK, rhs_GKN, clip_sizes(group_sizes_G, lhs_MK.shape[0]),
@@ -251,7 +266,7 @@ def tgmm(lhs_MK, grad_MN, group_sizes_G, *, target: str | None = None, interpret
     raise _shape_error('tgmm', f'lhs must be [M, K] and grad [M, N] with the same M, got '
                                f'lhs.shape {lhs_MK.shape} grad.shape {grad_MN.shape}')
   _check_sizes('tgmm', group_sizes_G, None)
-  dtype = jnp.result_type(lhs_MK, grad_MN)
+  dtype = _check_dtype('tgmm', lhs_MK, grad_MN)
   lhs_MK, grad_MN = lhs_MK.astype(dtype), grad_MN.astype(dtype)
   with jax.named_scope('tgmm'):
     return _tgmm_impl(lhs_MK, grad_MN, clip_sizes(group_sizes_G, lhs_MK.shape[0]),
@@ -264,6 +279,7 @@ def gmm_swiglu(x_MD, gate_GDF, up_GDF, group_sizes_G, **kw):
   if gate_GDF.shape != up_GDF.shape:
     raise _shape_error('gmm_swiglu', f'gate and up shapes differ: {gate_GDF.shape} and '
                                      f'{up_GDF.shape}')
+  _check_dtype('gmm_swiglu', x_MD, gate_GDF, up_GDF)
   f = gate_GDF.shape[2]
   with jax.named_scope('gate_up'):
     h_MF2 = gmm(x_MD, jnp.concatenate([gate_GDF, up_GDF], axis=2), group_sizes_G, **kw)

@@ -3,7 +3,9 @@
 - `gmm_tiled` == `jax.lax.ragged_dot` == a float64 numpy per-group loop, forward and VJP
   (lhs and rhs), on ragged group sizes: empty groups, one group taking every row, sizes not a
   multiple of the tile, sizes summing to less than M (trailing rows and their lhs gradient are
-  exactly zero), a tile larger than M.
+  exactly zero), a tile larger than M; an inf / NaN row of one group (or past the sum) leaves
+  the other groups == ragged_dot (finite); numpy operands eagerly; float64 operands
+  (jax_enable_x64) computed in float64 by gmm_tiled and gmm_xla (rtol 1e-12).
 - `dispatch` backends 'tiled' and 'xla' == 'reference' in outputs and in gradients w.r.t. x,
   the combine weights and every expert tensor, with an idle expert and with every token
   routed to one expert (top-1 and top-2).
@@ -22,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from loopmoe_jax.dispatch import dispatch, gmm_tiled
+from loopmoe_jax.dispatch import dispatch, gmm_tiled, gmm_xla
 from pallas_kernels.metadata import work_items
 from reference import assert_close, gmm_numpy
 
@@ -136,6 +138,94 @@ def test_gmm_tiled_under_grad_of_scalar_loss_and_jit():
   g_r = jax.grad(lambda l, r: loss(jax.lax.ragged_dot, l, r), (0, 1))(lhs, rhs)
   for a, b in zip(g_t, g_r):
     assert_close(a, np.asarray(b), 1e-5)
+
+
+# (m, tile, sizes, bad rows): rows of one group, or past the group-size sum, that lie inside
+# the remainder chunk (the last `tile` rows up to its end, or rows 0..tile-1) of another group.
+ISOLATION_CASES = [
+    (30, 8, [3, 0, 10, 6, 4], {'group 2, in the chunk of group 3': 11,
+                               'group 3, in the chunk of group 4': 16}),
+    (13, 8, [2, 0, 3], {'group 2, in the chunk of group 0': 3,
+                        'past the sum, in the chunks of groups 0 and 2': 6}),
+]
+
+
+def _assert_close_and_finite(got, want, keep, tol, what):
+  """got == want (assert_close) on the entries `keep` selects, where want is finite."""
+  got, want = (np.asarray(a.astype(jnp.float32), np.float64)[keep] for a in (got, want))
+  assert np.all(np.isfinite(want)), f'{what}: the reference is not finite'
+  assert np.all(np.isfinite(got)), f'{what}: a non-finite value leaked in'
+  assert_close(got, want, tol, what)
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_gmm_tiled_groups_stay_isolated_from_non_finite_rows(dtype):
+  """An inf or NaN in one row of the cotangent or of lhs reaches no other group, as in
+  ragged_dot: the remainder pass zeroes the rows outside the group in both operands of its
+  outer product (0 x inf is NaN), so every other group's d_rhs, and every other row of the
+  output and of d_lhs, == ragged_dot (finite)."""
+  k_dim, n_dim = 6, 5
+  dt, tol = DTYPES[dtype], TOL[dtype]
+  for m, tile, sizes, bad_rows in ISOLATION_CASES:
+    rng = np.random.default_rng(m)
+    lhs, cot = rng.standard_normal((m, k_dim)), rng.standard_normal((m, n_dim))
+    rhs = jnp.asarray(rng.standard_normal((len(sizes), k_dim, n_dim)), dt)
+    ends = np.cumsum(sizes)
+    for where, row in bad_rows.items():
+      for operand in ('cot', 'lhs'):
+        for value in (np.inf, np.nan):
+          lhs_b, cot_b = lhs.copy(), cot.copy()
+          (lhs_b if operand == 'lhs' else cot_b)[row, 2] = value
+          got, want = _gmm_both(jnp.asarray(lhs_b, dt), rhs, jnp.asarray(sizes, jnp.int32),
+                                jnp.asarray(cot_b, dt), tile)
+          what = f'{dtype} sizes {sizes}: {value} in {operand} row {row}, {where}'
+          keep_rows = np.arange(m) != row
+          keep_groups = np.arange(len(sizes)) != np.searchsorted(ends, row, side='right')
+          for name, g, w, keep in (('out', got[0], want[0], keep_rows),
+                                   ('d_lhs', got[1], want[1], keep_rows),
+                                   ('d_rhs', got[2], want[2], keep_groups)):
+            _assert_close_and_finite(g, w, keep, tol, f'{what}: {name}')
+
+
+def test_gmm_tiled_accepts_numpy_operands_eagerly():
+  """Eagerly (outside jit) with numpy lhs, rhs and sizes, as every backend accepts: gmm_tiled
+  (and gmm_xla) == ragged_dot, forward and VJP."""
+  rng = np.random.default_rng(3)
+  lhs = rng.standard_normal((21, 6)).astype(np.float32)
+  rhs = rng.standard_normal((4, 6, 5)).astype(np.float32)
+  cot = rng.standard_normal((21, 5)).astype(np.float32)
+  sizes = np.array([5, 0, 9, 4], np.int32)  # sum 18 < 21
+  ragged = lambda l, r: jax.lax.ragged_dot(l, r, jnp.asarray(sizes),
+                                           preferred_element_type=jnp.float32)
+  want, vjp_r = jax.vjp(ragged, lhs, rhs)
+  for name, fn in (('gmm_tiled', gmm_tiled), ('gmm_xla', gmm_xla)):
+    assert_close(fn(lhs, rhs, sizes, 8), want, TOL['float32'], f'{name}: numpy operands')
+    got, vjp_t = jax.vjp(lambda l, r, fn=fn: fn(l, r, sizes, 8), lhs, rhs)
+    for what, a, b in zip(('d_lhs', 'd_rhs'), vjp_t(cot), vjp_r(cot)):
+      assert_close(a, b, TOL['float32'], f'{name}: {what}')
+
+
+def test_gmm_tiled_and_xla_compute_float64_in_float64():
+  """float64 operands (jax_enable_x64) are accumulated in float64 (float32 would be ~3e-8
+  off): gmm_tiled (forward and VJP) and gmm_xla == a float64 numpy loop to rtol 1e-12."""
+  rng = np.random.default_rng(8)
+  m, sizes, tile = 29, [5, 0, 11, 9], 8  # sum 25 < 29
+  lhs64, ct64 = rng.standard_normal((m, 7)), rng.standard_normal((m, 6))
+  rhs64 = rng.standard_normal((4, 7, 6))
+  want = gmm_numpy(lhs64, rhs64, sizes)
+  want_lhs, want_rhs = gmm_vjp_numpy(lhs64, rhs64, sizes, ct64)
+  with jax.enable_x64(True):
+    lhs, rhs, ct = (jnp.asarray(a, jnp.float64) for a in (lhs64, rhs64, ct64))
+    gs = jnp.asarray(sizes, jnp.int32)
+    out_x = gmm_xla(lhs, rhs, gs)
+    out_t, vjp_t = jax.vjp(lambda l, r: gmm_tiled(l, r, gs, tile), lhs, rhs)
+    d_lhs, d_rhs = vjp_t(ct)
+    assert out_x.dtype == out_t.dtype == d_lhs.dtype == d_rhs.dtype == jnp.float64
+    for what, got, ref in (('gmm_xla', out_x, want), ('gmm_tiled', out_t, want),
+                           ('gmm_tiled d_lhs', d_lhs, want_lhs),
+                           ('gmm_tiled d_rhs', d_rhs, want_rhs)):
+      # np.testing, not assert_close (which compares in float32)
+      np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-12, atol=1e-12, err_msg=what)
 
 
 # Work items -------------------------------------------------------------------------------

@@ -7,7 +7,11 @@
   jax.lax.ragged_dot, forward and both gradients, float32 and bf16, K in two tile steps, on
   ragged sizes: empty groups, one group taking every row, sizes not a multiple of the tile,
   sizes summing to less than M (trailing rows zero).
+- Group isolation (every family): an inf / NaN in a row of the cotangent or of lhs, of one
+  group or past the group-size sum, leaves every other group's d_rhs and every other row of
+  the output and d_lhs == ragged_dot's (finite).
 - tgmm == numpy per-group lhs^T @ grad (empty groups give zero blocks).
+- float64 operands (jax_enable_x64) are refused by gmm, tgmm and gmm_swiglu with a ValueError.
 - gmm_swiglu (fused gate/up) == separate ragged_dots.
 - route == softmax/sigmoid + jax.lax.top_k (+ bias steering only the choice), counts ==
   bincount, positions == inverse of a stable argsort; permute/combine == gathers by the sort.
@@ -151,6 +155,71 @@ def test_gmm_forward_and_vjp_match_numpy_and_ragged_dot(family, dtype):
       assert not np.any(as64(dr_k[g])), f'{what}: d_rhs of empty group {g} not zero'
 
 
+# Groups of the isolation test, on the first 48 rows: row tile 16..31 holds rows of groups
+# 1, 3 and 4; tile 32..47 rows of group 4 and rows 41..47, past the group-size sum 41.
+ISOLATION_SIZES = [0, 21, 0, 7, 13, 0]
+# (operand, {row: value}): inf / NaN in rows of the cotangent or of lhs. Row 24 is in group 3,
+# rows 44 and 47 are past the sum.
+NON_FINITE_CASES = [('cot', {24: np.inf}), ('cot', {24: np.nan}),
+                    ('cot', {44: np.inf, 47: np.nan}), ('lhs', {24: np.nan, 44: np.inf})]
+
+
+def group_of_row(sizes, row):
+  """The group owning `row`, or None past the group-size sum."""
+  ends = np.cumsum(sizes)
+  return int(np.searchsorted(ends, row, side='right')) if row < ends[-1] else None
+
+
+def assert_close_and_finite(got, want, keep, tol, what):
+  """got == want (assert_close) on the entries `keep` selects, where want is finite."""
+  got, want = as64(got)[keep], as64(want)[keep]
+  assert np.all(np.isfinite(want)), f'{what}: the reference is not finite'
+  assert np.all(np.isfinite(got)), f'{what}: a non-finite value leaked in'
+  assert_close(got, want, tol, what)
+
+
+@pytest.mark.filterwarnings('ignore:invalid value encountered:RuntimeWarning')  # the bad group
+@pytest.mark.parametrize('family', list(FAMILIES))
+def test_gmm_groups_stay_isolated_from_non_finite_rows(family):
+  """An inf or NaN in rows of the cotangent or of lhs (of group 3, or past the group-size sum)
+  reaches no other group, as in ragged_dot: every other group's d_rhs (tgmm masks both of its
+  operands: 0 x inf is NaN), every other row of the output and of d_lhs == ragged_dot
+  (finite). bf16 where the family needs 16-bit inputs (Mosaic GPU), else float32."""
+  target, tiles = FAMILIES[family]
+  dtype = 'float32' if family in ('gpu', 'tpu') else 'bfloat16'
+  m, n = 48, 16
+  lhs, rhs, cot = (np.asarray(a.astype(jnp.float32)) for a in operands(dtype, seed=5))
+  lhs, rhs, cot = lhs[:m], rhs[:, :, :n], cot[:m, :n]
+  sizes = ISOLATION_SIZES
+  gs = jnp.asarray(sizes, jnp.int32)
+  kern = lambda l, r: pk.gmm(l, r, gs, target=target, tile_m=TILE_M, tile_n=TILE_N, tiles=tiles)
+  ragged = lambda l, r: jax.lax.ragged_dot(l, r, gs, preferred_element_type=jnp.float32)
+
+  @jax.jit
+  def both(l, r, c):
+    out_k, vjp_k = jax.vjp(kern, l, r)
+    out_r, vjp_r = jax.vjp(ragged, l.astype(jnp.float32), r.astype(jnp.float32))
+    return (out_k, *vjp_k(c)), (out_r, *vjp_r(c.astype(jnp.float32)))
+
+  cast = lambda a: jnp.asarray(a).astype(DTYPES[dtype])
+  for operand, bad in NON_FINITE_CASES:
+    lhs_b, cot_b = lhs.copy(), cot.copy()
+    for row, value in bad.items():
+      (lhs_b if operand == 'lhs' else cot_b)[row, 3] = value
+    got, want = both(cast(lhs_b), cast(rhs), cast(cot_b))
+    bad_groups = {group_of_row(sizes, row) for row in bad}
+    what = f'{family} {dtype}: {bad} in {operand} rows (groups {bad_groups})'
+    # the bad rows' own output / d_lhs rows and their group's d_rhs may be non-finite
+    keep_rows = ~np.isin(np.arange(m), list(bad))
+    keep_groups = ~np.isin(np.arange(G), [g for g in bad_groups if g is not None])
+    for name, g, w, keep in (('out', got[0], want[0], keep_rows),
+                             ('d_lhs', got[1], want[1], keep_rows),
+                             ('d_rhs', got[2], want[2], keep_groups)):
+      assert_close_and_finite(g, w, keep, TOL[dtype], f'{what}: {name}')
+    for g in np.flatnonzero(np.asarray(sizes) == 0):
+      assert not np.any(as64(got[2][g])), f'{what}: d_rhs of empty group {g} not zero'
+
+
 def test_mgpu_ws_splits_tiles_between_warpgroups_or_falls_back():
   """The warp-specialised kernels give each of the two compute warpgroups the largest tile
   (>= 8) whose double divides the dimension, with several column / K tiles per group here,
@@ -171,6 +240,21 @@ def test_mgpu_ws_splits_tiles_between_warpgroups_or_falls_back():
     got = pk.tgmm(lhs, grad, jnp.asarray(sizes), **kw)
     want = np.stack([as64(lhs)[e - s:e].T @ as64(grad)[e - s:e] for s, e in zip(sizes, ends)])
     assert_close(got, want, TOL['bfloat16'], f'tgmm k={k}')
+
+
+def test_float64_operands_are_refused_naming_the_dtype():
+  """The kernels compute in float32 / bfloat16: float64 operands (jax_enable_x64), also mixed
+  with float32, raise a ValueError naming the dtype rather than silently losing precision."""
+  with jax.enable_x64(True):
+    lhs, rhs = jnp.zeros((8, 4), jnp.float64), jnp.zeros((2, 4, 3), jnp.float64)
+    sizes = jnp.array([4, 4])
+    cases = [('gmm', lambda: pk.gmm(lhs, rhs, sizes)),
+             ('gmm', lambda: pk.gmm(lhs.astype(jnp.float32), rhs, sizes, target='tpu')),
+             ('tgmm', lambda: pk.tgmm(lhs, jnp.zeros((8, 3), jnp.float32), sizes)),
+             ('gmm_swiglu', lambda: pk.gmm_swiglu(lhs, rhs, rhs, sizes, target='mgpu'))]
+    for op, fn in cases:
+      with pytest.raises(ValueError, match=rf'pallas_kernels\.{op}: .*float64.*float32/bfloat16'):
+        fn()
 
 
 @pytest.mark.parametrize('target', ['gpu', 'mgpu', 'tpu'])
