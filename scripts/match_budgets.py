@@ -2,6 +2,8 @@
 
     python scripts/match_budgets.py --baseline=configs/smelt.py:200m,baseline \
         --span=0.5 --loops=2 --json /tmp/match.json
+    python scripts/match_budgets.py --baseline=configs/smelt.py:200m,baseline \
+        --fix=d_model=1056,core_experts=288 --context=2048     # SMELT's published twin
 
 Prints the three ratios (twin / baseline) and the matched model config; --json writes
 `flops_ratio`, `params_ratio`, `kv_ratio`, `max_deviation`, `model` (every ModelConfig
@@ -22,6 +24,9 @@ _LOOPS = flags.DEFINE_integer('loops', 2, 'Passes over the looped span.')
 _TOL = flags.DEFINE_float('tol', 0.04, 'Largest allowed |ratio - 1| on every budget.')
 _WIDTH = flags.DEFINE_bool('search_expert_width', False, 'Also search the expert width.')
 _CONTEXT = flags.DEFINE_integer('context', 0, 'Context for FLOPs; 0: the baseline seq_len.')
+_FIX = flags.DEFINE_list('fix', [], 'Twin fields held fixed, e.g. d_model=1056,core_experts=288.')
+_MULTIPLE = flags.DEFINE_integer('multiple_of', 0, 'Width, expert width and head size as '
+                                 'multiples of this (0: the defaults, 32/16/2).')
 _JSON = flags.DEFINE_string('json', None, 'Write the result here.')
 
 
@@ -31,10 +36,20 @@ def main(argv):
   cfg = _BASELINE.value
   base = ModelConfig.from_dict(cfg.model)
   context = _CONTEXT.value or cfg.data.seq_len
+  fixed = {}
+  for item in _FIX.value:
+    key, eq, val = item.partition('=')
+    if not eq or not val.strip().isdigit():
+      raise ValueError(f'--fix={item!r}: expected FIELD=INTEGER')
+    fixed[key.strip()] = int(val)
+  steps = {}
+  if _MULTIPLE.value:
+    steps = dict(d_step=_MULTIPLE.value, width_step=_MULTIPLE.value, head_step=_MULTIPLE.value)
   m = match(base, span=_SPAN.value, loops=_LOOPS.value, context=context, tol=_TOL.value,
-            search_expert_width=_WIDTH.value)
+            search_expert_width=_WIDTH.value, fixed=fixed, **steps)
+  print(f'ratios (twin / baseline; FLOPs per token at context {context}):')
   for name, value in m.ratios.items():
-    print(f'{name}: {value:.4f}')
+    print(f'  {name}: {value:.4f}')
   changed = {k: v for k, v in dataclasses.asdict(m.config).items()
              if getattr(base, k) != v}
   print('matched model (fields changed from the baseline): ' + json.dumps(changed))

@@ -58,3 +58,27 @@ def test_match_refuses_a_looped_baseline():
   base = ModelConfig.from_dict(_smelt('200m,looped').model)
   with pytest.raises(ValueError, match='unlooped'):
     match(base)
+
+
+def test_fixed_to_smelts_width_and_pool_finds_the_published_twin():
+  """SMELT's worked example: width 1056 and 288 experts held (10 heads), the search finds
+  top-7, head size 88 and expert width 368, within 4% of every budget (the paper reports
+  1.029 FLOPs, 1.004 params, 1.031 KV; ours at context 2048 is in the closing assertion)."""
+  base = ModelConfig.from_dict(_smelt('200m,baseline').model)
+  m = match(base, context=2048, fixed={'d_model': 1056, 'core_experts': 288, 'num_heads': 10},
+            head_step=8)
+  c = m.config
+  assert (c.d_model, c.core_experts, c.num_heads) == (1056, 288, 10)
+  assert (c.top_k, c.head_dim, c.expert_width) == (7, 88, 368)
+  assert m.ratios['kv_ratio'] == pytest.approx(1.031, abs=1e-3)
+  assert m.max_deviation <= 0.04
+
+
+def test_constraints_are_honoured():
+  base = ModelConfig.from_dict(_smelt('200m,baseline').model)
+  m = match(base, context=2048, fixed={'top_k': 6}, d_step=32, width_step=32, head_step=16)
+  c = m.config
+  assert c.top_k == 6
+  assert c.d_model % 32 == 0 and c.expert_width % 32 == 0 and c.head_size % 16 == 0
+  with pytest.raises(ValueError, match=r"cannot hold \['vocab_size'\] fixed"):
+    match(base, fixed={'vocab_size': 10})

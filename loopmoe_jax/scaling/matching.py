@@ -32,6 +32,8 @@ from loopmoe_jax.config import ModelConfig, middle_span
 
 BUDGETS = (('flops_ratio', 'flops_per_token'), ('params_ratio', 'params_total'),
            ('kv_ratio', 'kv_per_token'))
+FIXABLE = ('d_model', 'core_experts', 'top_k', 'expert_width', 'num_heads', 'num_kv_heads',
+           'head_dim')
 
 
 @dataclasses.dataclass
@@ -63,14 +65,22 @@ def _with_experts(cfg: ModelConfig, experts: int) -> ModelConfig:
 
 
 def head_configs(baseline: ModelConfig, executed_layers: int, kv_target: float, tol: float,
-                 num_heads: Sequence[int] | None = None, limit: int = 12):
-  """(num_heads, num_kv_heads, head_dim) whose KV per token is within tol, nearest first."""
+                 num_heads: Sequence[int] | None = None, limit: int = 12, head_step: int = 2,
+                 fixed=None):
+  """(num_heads, num_kv_heads, head_dim) whose KV per token is within tol, nearest first;
+  head_dim a multiple of `head_step`; `fixed` fields (num_heads, num_kv_heads, head_dim)
+  held."""
+  fixed = fixed or {}
   hd0 = baseline.head_size
   out = []
   h0 = baseline.num_heads
-  for h in num_heads or sorted({max(1, h0 // 2), h0, 2 * h0}):
-    for kv in (g for g in range(1, h + 1) if h % g == 0):
-      for hd in range(max(8, hd0 // 4) // 2 * 2, 2 * hd0 + 1, 2):
+  for h in ([fixed['num_heads']] if 'num_heads' in fixed else
+            num_heads or sorted({max(1, h0 // 2), h0, 2 * h0})):
+    kvs = [fixed['num_kv_heads']] if 'num_kv_heads' in fixed else range(1, h + 1)
+    for kv in (g for g in kvs if h % g == 0):
+      first = max(head_step, max(8, hd0 // 4) // head_step * head_step)
+      hds = [fixed['head_dim']] if 'head_dim' in fixed else range(first, 2 * hd0 + 1, head_step)
+      for hd in hds:
         dev = abs(executed_layers * 2 * kv * hd / kv_target - 1.0)
         if dev <= tol:
           out.append((dev, h, kv, hd))
@@ -82,8 +92,17 @@ def match(baseline: ModelConfig, span: float = 0.5, loops: int = 2, context: int
           tol: float = 0.04, d_step: int | None = None, d_range=(0.75, 1.0),
           top_ks: Sequence[int] | None = None, num_heads: Sequence[int] | None = None,
           search_expert_width: bool = False, width_step: int | None = None,
-          residual_scale: str = 'inverse_loops') -> Match:
-  """The best looped twin of an unlooped `baseline`; raises if none is within `tol`."""
+          residual_scale: str = 'inverse_loops', fixed=None, head_step: int = 2) -> Match:
+  """The best looped twin of an unlooped `baseline`; raises if none is within `tol`.
+
+  `fixed` holds twin fields at given values (any of d_model, core_experts, top_k,
+  expert_width, num_heads, num_kv_heads, head_dim; e.g. SMELT's published width 1056 and
+  expert pool 288) and searches the rest; `d_step`, `width_step` and `head_step` make the
+  width, expert width and head size multiples of a hardware-friendly number."""
+  fixed = dict(fixed or {})
+  unknown = sorted(set(fixed) - set(FIXABLE))
+  if unknown:
+    raise ValueError(f'cannot hold {unknown} fixed; fixable fields: {list(FIXABLE)}')
   if baseline.num_loops != 1:
     raise ValueError(f'baseline has model.num_loops={baseline.num_loops}: expected an '
                      'unlooped baseline')
@@ -100,7 +119,12 @@ def match(baseline: ModelConfig, span: float = 0.5, loops: int = 2, context: int
   width_step = width_step or (16 if f0 >= 256 else 4)
   d_values = range(max(d_step, math.ceil(d_range[0] * d0 / d_step) * d_step),
                    int(d_range[1] * d0) + 1, d_step)
-  heads = head_configs(baseline, layers, base['kv_per_token'], tol, num_heads)
+  if 'd_model' in fixed:
+    d_values = [fixed['d_model']]
+  if 'top_k' in fixed:
+    top_ks = [fixed['top_k']]
+  heads = head_configs(baseline, layers, base['kv_per_token'], tol, num_heads,
+                       head_step=head_step, fixed=fixed)
   if not heads:
     raise ValueError(f'no head size / KV heads holds the KV cache within {tol:.0%} over '
                      f'{layers} executed layers')
@@ -111,6 +135,8 @@ def match(baseline: ModelConfig, span: float = 0.5, loops: int = 2, context: int
                      int(1.25 * f0) + 1, width_step)
     else:
       widths = (max(width_step, round(f0 * d / d0 / width_step) * width_step),)
+    if 'expert_width' in fixed:
+      widths = (fixed['expert_width'],)
     for f in widths:
       try:
         cfg = twin.replace(d_model=d, num_heads=h, num_kv_heads=kv, head_dim=hd,
@@ -122,7 +148,9 @@ def match(baseline: ModelConfig, span: float = 0.5, loops: int = 2, context: int
         continue
       slope = count(_with_experts(cfg, e0 + 1), context)['params_total'] - c0['params_total']
       e_star = e0 + (base['params_total'] - c0['params_total']) / slope
-      for e in {math.floor(e_star), math.ceil(e_star)}:
+      experts = ({fixed['core_experts']} if 'core_experts' in fixed else
+                 {math.floor(e_star), math.ceil(e_star)})
+      for e in experts:
         if e < k:
           continue
         cand = _with_experts(cfg, e)
