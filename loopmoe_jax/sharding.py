@@ -88,18 +88,21 @@ def _fmt(sizes):
 
 def make_mesh(cfg: MeshConfig | None = None, devices: Sequence[Any] | None = None):
   """The 5-axis mesh (AxisType.Auto). With dcn_data > 1 the devices are grouped by TPU slice
-  (or by process on GPU nodes) so only `dcn_data` crosses the slow network."""
+  (or by process on GPU nodes) so only `dcn_data` crosses the slow network; on one host
+  (fake devices) the axes are laid out in order."""
   cfg = cfg or MeshConfig()
   devices = list(devices if devices is not None else jax.devices())
   sizes = cfg.sizes(len(devices))
   shape = tuple(sizes[a] for a in AXES)
-  if sizes['dcn_data'] > 1 and (hasattr(devices[0], 'slice_index') or
-                                jax.process_count() == sizes['dcn_data']):
+  slices = len({getattr(d, 'slice_index', 0) for d in devices})
+  by_process = len({d.process_index for d in devices})
+  if sizes['dcn_data'] > 1 and sizes['dcn_data'] in (slices, by_process):
+    # granules: TPU slices when there are several, else processes (GPU nodes)
     from jax.experimental import mesh_utils
     ici = (1,) + shape[1:]
     dcn = (sizes['dcn_data'],) + (1,) * (len(AXES) - 1)
-    grid = mesh_utils.create_hybrid_device_mesh(
-        ici, dcn, devices, process_is_granule=not hasattr(devices[0], 'slice_index'))
+    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices,
+                                                process_is_granule=slices != sizes['dcn_data'])
     return jax.sharding.Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
   return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES),
                        devices=devices)

@@ -1,6 +1,5 @@
 """One process of a two-process CPU training run (used by test_multiprocess.py): 2 CPU devices
-per process, an expert=4 mesh spanning both processes (the expert exchange crosses them).
-Prints what it fed per step."""
+per process, the mesh given as 'axis=size,...' spanning both processes. Prints what it fed."""
 import json
 import os
 import sys
@@ -8,7 +7,7 @@ import sys
 import jax
 import numpy as np
 
-pid, port, work = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+pid, port, work, mesh = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 jax.config.update('jax_num_cpu_devices', 2)
 jax.config.update('jax_platforms', 'cpu')
 jax.distributed.initialize(coordinator_address=f'127.0.0.1:{port}', num_processes=2,
@@ -30,7 +29,9 @@ def recording_put_batch(batch, batch_sh):
 
 steps.put_batch = recording_put_batch
 cfg = tiny(steps=4)
-cfg.mesh.data, cfg.mesh.expert = 1, 4
+for axis_size in mesh.split(','):  # e.g. data=1,expert=4
+  axis, size = axis_size.split('=')
+  cfg.mesh[axis] = int(size)
 summary = train(cfg, work)
 print('RESULT', json.dumps({'process': jax.process_index(), 'devices': jax.device_count(),
                             'fed': fed, **summary}), flush=True)

@@ -27,11 +27,14 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def test_two_processes_match_one(tmp_path):
+@pytest.mark.parametrize('mesh', ['data=1,expert=4', 'data=1,dcn_data=2,expert=2'])
+def test_two_processes_match_one(tmp_path, mesh):
+  """expert=4: the expert exchange crosses the processes; dcn_data=2 x expert=2: a hybrid mesh
+  with each process one granule (data parallel across them, experts inside)."""
   work, port = str(tmp_path / 'mp'), str(_free_port())
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   procs = [subprocess.Popen([sys.executable, os.path.join(HERE, 'mp_worker.py'), str(p), port,
-                             work], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             work, mesh], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True) for p in range(2)]
   outs = [p.communicate(timeout=400)[0] for p in procs]
   for p, out in zip(procs, outs):
