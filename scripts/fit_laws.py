@@ -9,6 +9,9 @@
 S, r, E, k, loss); --format=epoch reads Epoch AI's digitisation of Chinchilla's Figure 4
 (D = C / 6N; the five highest-loss points dropped). --n_column picks the column used as the
 law's N (e.g. N_active). --fix holds named parameters (e.g. --fix=beta=0.3,B=0).
+
+    python scripts/fit_laws.py --data=LOOPED.csv --forms=smelt --smelt_baseline=BASE.csv \
+        --budget=1e20          # SMELT's frontier exponent, optimum and compute efficiency
 """
 import json
 
@@ -28,6 +31,10 @@ _TOP = flags.DEFINE_integer('top', 16, 'L-BFGS runs from the best grid starts.')
 _PLOT = flags.DEFINE_string('plot', None, 'PNG path for the fits.')
 _X = flags.DEFINE_string('x', None, 'Plot x axis (default N, or r for loop forms).')
 _JSON = flags.DEFINE_string('json', None, 'Write fitted params and the table here.')
+_SMELT_BASE = flags.DEFINE_string(
+    'smelt_baseline', None, 'With --forms=smelt and --budget: the baseline grid\'s CSV; prints '
+    'SMELT\'s analyses (frontier exponent, optimum, tokens/param, compute efficiency).')
+_RESAMPLES = flags.DEFINE_integer('cell_resamples', 2000, 'Cell-bootstrap resamples (SMELT).')
 
 
 def main(argv):
@@ -38,7 +45,8 @@ def main(argv):
     data = scaling.chinchilla_epoch(_DATA.value)
   else:
     data = scaling.as_columns(scaling.read_csv(_DATA.value))
-    data['N'] = data[_N.value]
+    if _N.value in data:
+      data['N'] = data[_N.value]
   fixed = {k: float(v) for k, v in (s.split('=') for s in _FIX.value)}
   holdouts = [(a, float(v)) for a, v in (s.split('=') for s in _HOLDOUT.value)]
   kw = dict(top=_TOP.value, fixed=fixed or None)
@@ -61,6 +69,8 @@ def main(argv):
       print(f'compute-optimal at C={_BUDGET.value:.3g}: N*={n_opt:.4g} params, '
             f'D*={d_opt:.4g} tokens ({d_opt / n_opt:.1f} tokens/param)')
     out['fits'][name] = entry
+  if _SMELT_BASE.value:
+    out['smelt_analysis'] = _smelt_analysis(scaling, data)
   if _PLOT.value:
     loop = any(n.startswith('loop_') for n in fits)
     x = _X.value or ('r' if loop and len(np.unique(data.get('r', [1]))) > 1 else 'N')
@@ -70,6 +80,27 @@ def main(argv):
   if _JSON.value:
     with open(_JSON.value, 'w') as f:
       json.dump(out, f, indent=1, default=float)
+
+
+def _smelt_analysis(scaling, data):
+  from loopmoe_jax.scaling import smelt_analysis
+  if not _BUDGET.value:
+    raise ValueError('--smelt_baseline needs --budget (the training compute of the optimum)')
+  base = scaling.as_columns(scaling.read_csv(_SMELT_BASE.value))
+  rep = smelt_analysis.report(base, data, _BUDGET.value, resamples=_RESAMPLES.value)
+  print(f'SMELT analyses at C={_BUDGET.value:.3g} ({_RESAMPLES.value} cell resamples, 95%):')
+  for name in ('baseline', 'smelt'):
+    r = rep[name]
+    print(f'  {name} (S={r["S"]:.3f}): ' + ', '.join(
+        f'{k} {r[k]["value"]:.4g} [{r[k]["ci"][0]:.4g}, {r[k]["ci"][1]:.4g}]'
+        for k in ('gamma', 'F', 'D', 'tokens_per_param')))
+  e = rep['compute_efficiency']
+  print(f'  compute efficiency at loss {e["loss"]:.4f}: {e["value"]:.3f} '
+        f'[{e["ci"][0]:.3f}, {e["ci"][1]:.3f}]')
+  strip = lambda d: {k: (v if not isinstance(v, dict) else
+                         {kk: vv for kk, vv in v.items() if kk != 'samples'})
+                     for k, v in d.items()}
+  return {k: strip(v) for k, v in rep.items()}
 
 
 if __name__ == '__main__':

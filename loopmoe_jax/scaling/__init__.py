@@ -6,7 +6,8 @@
 
 Modules: forms (law forms, N_eff mappings), fitting (Huber/L-BFGS fit, bootstrap, held-out
 RMSE, comparison table), design (compute-/memory-optimal choices, compute efficiency),
-matching (SMELT's FLOPs/params/KV matching), sweep (grids of runs from configs), data (CSV
+matching (SMELT's FLOPs/params/KV matching), smelt_analysis (SMELT's frontier exponent,
+optimum, tokens per parameter and compute efficiency with cell-bootstrap intervals), sweep (grids of runs from configs), data (CSV
 loaders), synthetic (data from known laws), plots (PNG figures).
 """
 from loopmoe_jax.scaling.data import chinchilla_epoch, read_csv, write_csv

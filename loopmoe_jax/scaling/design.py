@@ -87,6 +87,9 @@ def frontier_loss(fit: Fit, compute: float, cols: Mapping[str, float] | None = N
   cols: fixed extra columns (r, k, E); block_fraction: N_block = fraction * N for loop laws
   (then c should include the passes' cost, e.g. 6 (1 + (r-1) fraction)).
   """
+  if fit.form.name == 'smelt':
+    raise ValueError('the smelt law has no N column: its frontier is over F at a fixed S, '
+                     'in closed form in loopmoe_jax.scaling.smelt_analysis')
   cols = dict(cols or {})
 
   def loss(log_n):
