@@ -5,10 +5,10 @@
     python scripts/fit_laws.py --data=/tmp/sweep/sweep.csv \
         --forms=loop_linear,loop_power,loop_bounded --holdout=r=4 --plot=/tmp/sweep.png
 
---format=sweep reads the columns that scripts/sweep.py writes (N, N_active, N_block, D, C, F,
-S, r, E, k, loss); --format=epoch reads Epoch AI's digitisation of Chinchilla's Figure 4
+--format=sweep reads the columns that scripts/sweep.py writes (N_stored, N_active_pass,
+N_active_executed, N_block_stored, N_block_active, D, C, F, S, r, E, k, loss); --format=epoch reads Epoch AI's digitisation of Chinchilla's Figure 4
 (D = C / 6N; the five highest-loss points dropped). --n_column picks the column used as the
-law's N (e.g. N_active). --fix holds named parameters (e.g. --fix=beta=0.3,B=0).
+law's N for chinchilla/clark (e.g. N_active_pass). --fix holds named parameters (e.g. --fix=beta=0.3,B=0).
 
     python scripts/fit_laws.py --data=LOOPED.csv --forms=smelt --smelt_baseline=BASE.csv \
         --budget=1e20          # SMELT's frontier exponent, optimum and compute efficiency
@@ -22,7 +22,9 @@ from loopmoe_jax.cli import run
 _DATA = flags.DEFINE_string('data', None, 'CSV of points.', required=True)
 _FORMAT = flags.DEFINE_enum('format', 'sweep', ['sweep', 'epoch'], 'CSV layout.')
 _FORMS = flags.DEFINE_list('forms', ['chinchilla'], 'Law forms to fit.')
-_N = flags.DEFINE_string('n_column', 'N', 'Column used as the law\'s N.')
+_N = flags.DEFINE_string('n_column', None, 'Column used as the N of chinchilla/clark '
+                         '(default: N, else N_stored); the loop and moe laws read '
+                         'N_active_pass and N_block_active.')
 _HOLDOUT = flags.DEFINE_list('holdout', [], 'AXIS=VALUE held out, e.g. r=4,E=16.')
 _BOOT = flags.DEFINE_integer('bootstrap', 0, 'Bootstrap resamples (0: none).')
 _BUDGET = flags.DEFINE_float('budget', 0.0, 'Compute budget (FLOPs) for compute-optimal N, D.')
@@ -45,8 +47,11 @@ def main(argv):
     data = scaling.chinchilla_epoch(_DATA.value)
   else:
     data = scaling.as_columns(scaling.read_csv(_DATA.value))
-    if _N.value in data:
-      data['N'] = data[_N.value]
+    column = _N.value or ('N' if 'N' in data else 'N_stored')
+    if column in data:
+      data['N'] = data[column]
+    elif _N.value:
+      raise ValueError(f'--n_column={column}: no such column in {_DATA.value}')
   fixed = {k: float(v) for k, v in (s.split('=') for s in _FIX.value)}
   holdouts = [(a, float(v)) for a, v in (s.split('=') for s in _HOLDOUT.value)]
   kw = dict(top=_TOP.value, fixed=fixed or None)

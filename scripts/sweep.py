@@ -9,7 +9,8 @@ Without --sweep the config file's own `get_sweep(arg)` grid is used. `model.num_
 every MoE segment's expert count; any other key is a config field (`model.FIELD`,
 `train.FIELD`, ...). Every point shares the data order and seeds. Finished points are
 skipped and interrupted ones resume, so re-running the command completes a sweep. The CSV
-(ROOT/sweep.csv) holds N, N_active, N_block, D, C, F, S, r, E, k and the final-window loss.
+(ROOT/sweep.csv) holds N_stored, N_active_pass, N_active_executed, N_block_stored,
+N_block_active, D, C, F, S, r, E, k and the final-window loss.
 """
 from absl import flags
 from ml_collections import config_flags
@@ -34,7 +35,7 @@ def main(argv):
       raise SystemExit(f'{path} has no get_sweep(); pass --sweep SECTION.FIELD=v1,v2')
   print(f'sweep over {grid}')
   rows = sweep.run_sweep(_CONFIG.value, grid, _ROOT.value)
-  keys = ['point', 'N', 'N_active', 'D', 'C', 'r', 'E', 'loss']
+  keys = ['point', 'N_stored', 'N_active_pass', 'D', 'C', 'r', 'E', 'loss']
   print('  '.join(f'{k:>14}' for k in keys))
   for r in rows:
     print('  '.join(f'{r[k]:>14.5g}' if isinstance(r[k], float) else f'{r[k]!s:>14}'

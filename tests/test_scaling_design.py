@@ -34,7 +34,7 @@ def test_compute_efficiency_of_a_uniformly_better_law():
 
 def test_optimal_passes_follows_the_tolerance_rule():
   law = from_params('loop_bounded', {**LAW, 'gamma': 3.0, 'beta_r': 0.5})
-  cols = {'N': 1e8, 'N_block': 5e7}
+  cols = {'N_active_pass': 1e8, 'N_block_active': 5e7, 'E': 1.0, 'k': 1.0}
   passes = range(1, 13)
   prev = None
   for tol in (0.0, 1e-3, 5e-3, 2e-2, 1.0):
@@ -56,7 +56,8 @@ def test_optimal_passes_follows_the_tolerance_rule():
 def test_memory_optimal_experts_respects_the_limit():
   law = from_params('loop_sparse_bounded', {**LAW, 'gamma0': 1.0, 'beta0': 0.8, 'delta': 0.3})
   per_expert = 2e6
-  cands = {e: {'N': 1e8 + e * per_expert, 'N_block': 5e7 + e * per_expert, 'r': 4.0, 'k': 2.0,
+  cands = {e: {'N_active_pass': 1e8 + e * per_expert, 'N_block_active': 5e7 + e * per_expert,
+               'r': 4.0, 'k': 2.0,
                'E': float(e), 'D': 2e10, 'params_total': 1e8 + e * per_expert}
            for e in (4, 8, 16, 32, 64, 128)}
   limit = 2 * (1e8 + 40 * per_expert)  # bytes at 2 bytes/param: up to 40 experts fit

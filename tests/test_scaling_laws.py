@@ -62,6 +62,59 @@ def test_loop_form_recovers_truth_and_ranks_first(form):
   assert rows[0]['form'] == form, [(r['form'], r['heldout_mean']) for r in rows]
 
 
+MOE_TRUTH = {**LOOP_TRUTH, 'delta_e': 0.12, 'gamma_e': 0.01, 'omega_e': 0.05, 'zeta_e': -0.005}
+BOUNDED = {'gamma0': 1.0, 'beta0': 0.8, 'delta': 0.3}
+
+
+def _reduced_cols(passes, experts, top_k):
+  rng = np.random.default_rng(0)
+  n = np.exp(rng.uniform(np.log(1e7), np.log(1e9), 64))
+  return {'N_active_pass': n, 'N_block_active': 0.4 * n, 'N': n,
+          'D': n * rng.uniform(5, 100, 64), 'r': np.full(64, float(passes)),
+          'E': np.full(64, float(experts)), 'k': np.full(64, float(top_k))}
+
+
+def _chinchilla(p, n, d):
+  return p['E'] + p['A'] / n ** p['alpha'] + p['B'] / d ** p['beta']
+
+
+@pytest.mark.parametrize('form', list(MAPPING_TRUTH))
+def test_loop_laws_reduce_to_the_moe_dense_loop_and_dense_laws(form):
+  """The seed's three reduced forms of its Eq. 9, numerically: r = 1 gives the MoE law on the
+  per-pass active params; one expert gives the dense loop law (Chinchilla on N_eff); both give
+  Chinchilla's law."""
+  law = from_params(form, {**MOE_TRUTH, **MAPPING_TRUTH[form]})
+  moe = from_params('moe', MOE_TRUTH)
+  one_pass = _reduced_cols(1, 32, 4)                         # r = 1, Ê = 8
+  np.testing.assert_allclose(law.predict(one_pass), moe.predict(one_pass), rtol=1e-12)
+  assert np.all(np.abs(moe.predict(one_pass) - _chinchilla(MOE_TRUTH, one_pass['N'],
+                                                           one_pass['D'])) > 1e-4)
+  dense_loop = _reduced_cols(4, 1, 1)                        # one expert, four passes
+  n, nb = dense_loop['N_active_pass'], dense_loop['N_block_active']
+  gain = {'loop_linear': 3 * nb, 'loop_power': (4 ** 0.5 - 1) * nb,
+          'loop_bounded': 2.0 * nb * (1 - np.exp(-0.6 * 3)),
+          'loop_sparse_bounded': 1.0 * nb * (1 - np.exp(-0.8 * 3))}[form]
+  np.testing.assert_allclose(law.predict(dense_loop),
+                             _chinchilla(MOE_TRUTH, n + gain, dense_loop['D']), rtol=1e-12)
+  dense = _reduced_cols(1, 1, 1)                             # both
+  np.testing.assert_allclose(law.predict(dense), _chinchilla(MOE_TRUTH, dense['N'], dense['D']),
+                             rtol=1e-12)
+  assert np.all(law.predict(_reduced_cols(4, 32, 4)) < law.predict(_reduced_cols(1, 32, 4)))
+
+
+def test_moe_base_recovers_its_expert_terms():
+  rng = np.random.default_rng(3)
+  rows = 96
+  n = np.exp(rng.uniform(np.log(2e7), np.log(6e8), rows))
+  cols = {'N': n, 'D': n * rng.uniform(5, 80, rows), 'E': rng.choice([1.0, 8, 16, 32, 64], rows),
+          'k': np.full(rows, 2.0)}
+  truth = {**LOOP_TRUTH, 'delta_e': 0.12, 'gamma_e': 0.0, 'omega_e': 0.05, 'zeta_e': 0.0}
+  data = generate('moe', truth, cols, noise=0.002, seed=4)
+  f = fit('moe', data, top=16, fixed={'gamma_e': 0.0, 'zeta_e': 0.0})
+  assert abs(f.params['delta_e'] - 0.12) < 0.03 and abs(f.params['omega_e'] - 0.05) < 0.03
+  assert f.rmse < 0.01
+
+
 def test_clark_and_smelt_recover_truth():
   n, e = np.meshgrid([1e7, 3e7, 1e8, 3e8, 1e9], [1, 2, 4, 8, 16, 32, 64, 128, 256])
   truth = {'a': -0.08, 'b': -0.06, 'c': 0.003, 'd': 2.2, 'E_start': 1.9, 'E_max': 300.0}
@@ -87,6 +140,9 @@ def test_fixed_parameters_and_from_params_roundtrip():
   assert f.params['alpha'] == 0.34 and f.rmse < 1e-4
   with pytest.raises(ValueError, match='missing'):
     fit('loop_bounded', {'N': [1.0], 'D': [1.0], 'loss': [1.0]})
+  with pytest.raises(ValueError, match=r"missing \['N_block_active'"):  # stored counts: no
+    fit('loop_bounded', {'N_active_pass': [1.0], 'N_stored': [2.0], 'D': [1.0], 'r': [1.0],
+                         'E': [1.0], 'k': [1.0], 'loss': [1.0]})
 
 
 def test_fit_laws_cli_on_epoch_data(tmp_path):

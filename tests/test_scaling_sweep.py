@@ -104,7 +104,7 @@ def test_skips_finished_and_reruns_unfinished(tmp_path):
   assert list(csv['r']) == [1, 2] and list(csv['loss']) == [4.0, 5.0]
   mc = ModelConfig.from_dict(cfg.model)
   assert csv['D'][0] == 7 * cfg.data.batch_size * cfg.data.seq_len
-  assert csv['N'][0] == count(mc)['params_total'] == rows[1]['N']  # passes keep params
+  assert csv['N_stored'][0] == count(mc)['params_total'] == rows[1]['N_stored']  # passes keep params
   assert csv['C'][1] > csv['C'][0]  # a pass costs compute
 
 

@@ -39,7 +39,7 @@ def optimal_passes(fit: Fit, compute: float, passes: Sequence[int], cols: Mappin
                    active: float, active_block: float, tol: float | None = None) -> dict:
   """Compute-optimal passes at fixed experts.
 
-  cols: the law's columns other than r and D (N, N_block, and k, E for sparse forms).
+  cols: the law's columns other than r and D (N_active_pass, N_block_active, k, E).
   active / active_block: active params per token outside/of one pass of the looped block
   (training FLOPs per token are 6 (active + (r-1) active_block)).
   """
@@ -84,7 +84,8 @@ def frontier_loss(fit: Fit, compute: float, cols: Mapping[str, float] | None = N
                   flops_per_param_token: float = 6.0, block_fraction: float = 0.0) -> tuple:
   """L*(C) = min over N of the law at D = C / (c N); returns (loss, N*).
 
-  cols: fixed extra columns (r, k, E); block_fraction: N_block = fraction * N for loop laws
+  cols: fixed extra columns (r, k, E); block_fraction: N_block_active = fraction * N for loop
+  laws (N the active params of one pass)
   (then c should include the passes' cost, e.g. 6 (1 + (r-1) fraction)).
   """
   if fit.form.name == 'smelt':
@@ -94,7 +95,8 @@ def frontier_loss(fit: Fit, compute: float, cols: Mapping[str, float] | None = N
 
   def loss(log_n):
     n = np.exp(log_n)
-    return _predict(fit, {**cols, 'N': n, 'N_block': block_fraction * n,
+    return _predict(fit, {**cols, 'N': n, 'N_active_pass': n,
+                          'N_block_active': block_fraction * n,
                           'D': compute / (flops_per_param_token * n)})
 
   hi = np.log(compute / flops_per_param_token)  # D >= 1 token

@@ -241,7 +241,7 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
 def from_params(form, params: Mapping[str, float]) -> Fit:
   """A Fit holding given named parameters (a known law, e.g. to design with or to test)."""
   form = get_form(form)
-  raw = form.raw_of(dict(params))
+  raw = form.raw_of({**form.defaults, **dict(params)})
   missing = [n for n in form.raw if n not in raw]
   if missing:
     raise ValueError(f'law {form.name!r}: parameters for raw {missing} are missing')

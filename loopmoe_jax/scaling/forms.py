@@ -11,9 +11,17 @@ Forms (`FORMS[name]`):
   clark                log L = a log N + b log Ê + c log N log Ê + d,             (N, E)
                        1/Ê = 1/(E - 1 + (1/E_start - 1/E_max)^-1) + 1/E_max
   smelt                L = E + A (1-S)^b / F^a + K / D^c                          (S, F, D)
-  loop_<mapping>       L = E + A/N_eff^alpha + B/D^beta with N_eff from MAPPINGS  (N, D, r, N_block [, k, E])
+  moe                  L = E + A Ê^-delta_e N^-(alpha + gamma_e ln Ê)
+                             + B Ê^-omega_e D^-(beta + zeta_e ln Ê),  Ê = E/k        (N, D, E, k)
+  loop_<mapping>       the moe law with N -> N_eff from MAPPINGS
+                       (N_active_pass, N_block_active, D, r, E, k)
 
-Loop mappings (N = stored params, N_b = looped-block params, r = passes, rho = k/E):
+Reduced forms (tests/test_scaling_laws.py): r = 1 gives the moe law on the per-pass active
+params; one expert (Ê = 1, rho = 1) gives the dense loop law L = E + A/N_eff^alpha + B/D^beta;
+both give Chinchilla's law.
+
+Loop mappings (N = active params of one pass, N_b = active params of one pass of the looped
+block, r = passes, rho = k/E):
   linear          N + (r-1) N_b                                   (unrolled; no parameters)
   power           (N - N_b) + r^phi N_b                           (Iso-Depth)
   bounded         N + gamma N_b (1 - exp(-beta_r (r-1)))          (finite asymptote, = N at r=1)
@@ -50,6 +58,7 @@ class Form:
   named: Callable[[np.ndarray], dict]                       # theta -> named params
   raw_of: Callable[[Mapping[str, float]], dict]             # named -> raw (for fixing)
   grid: Mapping[str, Sequence[float]]                       # starting values per raw name
+  defaults: Mapping[str, float] = dataclasses.field(default_factory=dict)  # for from_params
 
   def loss(self, theta, cols: Columns) -> np.ndarray:
     return np.exp(self.log_loss(np.asarray(theta), cols))
@@ -154,15 +163,62 @@ SMELT = Form('smelt', ('S', 'F', 'D'), ('e', 'log_A', 'b', 'a', 'log_K', 'c'), _
 
 # Loop laws ------------------------------------------------------------------------------
 
+# The MoE base law ------------------------------------------------------------------------
+#
+# The loop laws replace the active-parameter term of an MoE scaling law with N_eff (the seed's
+# Eq. 9). Its equations were lost in the text copy; this base is the joint MoE law of
+# Ludziejewski et al. (2025) in this file's positive-exponent convention, over the active
+# parameters N (per pass) and the effective expert expansion Ê:
+#   L = E + A Ê^-delta_e N^-(alpha + gamma_e ln Ê) + B Ê^-omega_e D^-(beta + zeta_e ln Ê)
+# with Ê = E/k for top-k routing over E experts (the seed: "the number of experts under top-1
+# routing"), 1 for dense points (E <= 1) and when every expert is active. At Ê = 1 every
+# expert term vanishes and the law is Chinchilla's on N. Clark et al.'s saturating transform of
+# Ê is the `clark` form's; here Ê enters directly (a documented choice where the seed is
+# silent; swap it through `expansion`).
+
+def expansion(c):
+  """Ê: E/k for top-k routing over E experts; 1 for dense points (E <= 1 or k = 0)."""
+  k, e = np.asarray(c['k'], float), np.asarray(c['E'], float)
+  return np.where((e > 1) & (k > 0), e / np.maximum(k, 1.0), 1.0)
+
+
+_MOE_RAW = _BASE_RAW + ('delta_e', 'gamma_e', 'omega_e', 'zeta_e')
+_MOE_GRID = {'delta_e': (0.0,), 'gamma_e': (0.0,), 'omega_e': (0.0,), 'zeta_e': (0.0,)}
+
+
+def _moe_log_loss(t, c, n=None):
+  n = c['N'] if n is None else n
+  log_e = np.log(expansion(c))
+  return lse(t[0] - t[5] * log_e - (t[3] + t[6] * log_e) * np.log(n),
+             t[1] - t[7] * log_e - (t[4] + t[8] * log_e) * np.log(c['D']), t[2])
+
+
+def _moe_named(t):
+  return {**_base_named(t[:5]), 'delta_e': t[5], 'gamma_e': t[6], 'omega_e': t[7],
+          'zeta_e': t[8]}
+
+
+def _moe_raw(p):
+  return {**_base_raw(p), **{k: p[k] for k in _MOE_RAW[5:] if k in p}}
+
+
+# A known law given without its expert terms has none (from_params fills these in).
+_MOE_DEFAULTS = {'delta_e': 0.0, 'gamma_e': 0.0, 'omega_e': 0.0, 'zeta_e': 0.0}
+MOE = Form('moe', ('N', 'D', 'E', 'k'), _MOE_RAW, _moe_log_loss, _moe_named, _moe_raw,
+           {**_BASE_GRID, **_MOE_GRID}, _MOE_DEFAULTS)
+
+
 @dataclasses.dataclass(frozen=True)
 class LoopMapping:
-  """N_eff(theta_map, cols): extra raw names, the function, named view and starts."""
+  """N_eff(theta_map, cols): extra raw names, the function, named view and starts. N_eff is
+  built from the active parameters of one pass (`N_active_pass`) and of one pass of the looped
+  block (`N_block_active`), never from stored counts."""
   raw: tuple[str, ...]
   n_eff: Callable[[np.ndarray, Columns], np.ndarray]
   named: Callable[[np.ndarray], dict]
   raw_of: Callable[[Mapping[str, float]], dict]
   grid: Mapping[str, Sequence[float]]
-  columns: tuple[str, ...] = ('N', 'D', 'r', 'N_block')
+  columns: tuple[str, ...] = ('N_active_pass', 'N_block_active', 'D', 'r', 'E', 'k')
 
 
 def _rho(c):
@@ -197,24 +253,31 @@ def _sparse_raw(p):
   return out
 
 
+def _n(c):
+  return c['N_active_pass']
+
+
+def _nb(c):
+  return c['N_block_active']
+
+
 MAPPINGS: dict[str, LoopMapping] = {
-    'linear': LoopMapping((), lambda t, c: c['N'] + (c['r'] - 1.0) * c['N_block'],
+    'linear': LoopMapping((), lambda t, c: _n(c) + (c['r'] - 1.0) * _nb(c),
                        lambda t: {}, lambda p: {}, {}),
     'power': LoopMapping(('phi',),
-                      lambda t, c: c['N'] - c['N_block'] + np.power(c['r'], t[0]) * c['N_block'],
+                      lambda t, c: _n(c) - _nb(c) + np.power(c['r'], t[0]) * _nb(c),
                       lambda t: {'phi': t[0]}, lambda p: {k: p[k] for k in ('phi',) if k in p},
                       {'phi': (0.3, 0.7, 1.0)}),
     'bounded': LoopMapping(('log_gamma', 'log_beta_r'),
-                        lambda t, c: _bounded(c['N'], c['N_block'], c['r'], np.exp(t[0]),
+                        lambda t, c: _bounded(_n(c), _nb(c), c['r'], np.exp(t[0]),
                                               np.exp(t[1])),
                         _bn, _br, {'log_gamma': (0.0, 1.5), 'log_beta_r': (-1.5, 0.0)}),
     'sparse_bounded': LoopMapping(
         ('log_gamma0', 'log_beta0', 'delta'),
-        lambda t, c: _bounded(c['N'], c['N_block'], c['r'], np.exp(t[0]) * _rho(c) ** -t[2],
+        lambda t, c: _bounded(_n(c), _nb(c), c['r'], np.exp(t[0]) * _rho(c) ** -t[2],
                               np.exp(t[1]) * _rho(c) ** t[2]),
         _sparse_named, _sparse_raw,
-        {'log_gamma0': (0.0, 1.5), 'log_beta0': (-1.5, 0.0), 'delta': (0.0, 0.5)},
-        columns=('N', 'D', 'r', 'N_block', 'k', 'E')),
+        {'log_gamma0': (0.0, 1.5), 'log_beta0': (-1.5, 0.0), 'delta': (0.0, 0.5)}),
 }
 
 _LOOP_GRID = {'a': (5, 10, 20), 'b': (5, 10, 20), 'e': (-0.5, 0.5), 'alpha': (0.25, 0.5, 1.0),
@@ -222,27 +285,28 @@ _LOOP_GRID = {'a': (5, 10, 20), 'b': (5, 10, 20), 'e': (-0.5, 0.5), 'alpha': (0.
 
 
 def loop_form(name: str, mapping: LoopMapping) -> Form:
-  k = len(_BASE_RAW)
+  """The MoE base law with its active-parameter term N replaced by N_eff (Eq. 9)."""
+  k = len(_MOE_RAW)
 
   def log_loss(t, c):
-    return _chinchilla_log_loss(t[:k], c, n=mapping.n_eff(t[k:], c))
+    return _moe_log_loss(t[:k], c, n=mapping.n_eff(t[k:], c))
 
   def named(t):
-    return {**_base_named(t[:k]), **mapping.named(t[k:])}
+    return {**_moe_named(t[:k]), **mapping.named(t[k:])}
 
   def raw_of(p):
-    return {**_base_raw(p), **mapping.raw_of(p)}
+    return {**_moe_raw(p), **mapping.raw_of(p)}
 
-  return Form(f'loop_{name}', mapping.columns, _BASE_RAW + mapping.raw, log_loss, named,
-              raw_of, {**_LOOP_GRID, **mapping.grid})
+  return Form(f'loop_{name}', mapping.columns, _MOE_RAW + mapping.raw, log_loss, named,
+              raw_of, {**_LOOP_GRID, **_MOE_GRID, **mapping.grid}, _MOE_DEFAULTS)
 
 
-FORMS: dict[str, Form] = {'chinchilla': CHINCHILLA, 'clark': CLARK, 'smelt': SMELT}
+FORMS: dict[str, Form] = {'chinchilla': CHINCHILLA, 'clark': CLARK, 'smelt': SMELT, 'moe': MOE}
 FORMS.update({f'loop_{n}': loop_form(n, m) for n, m in MAPPINGS.items()})
 
 
 def register_mapping(name: str, raw: Sequence[str], n_eff, named, raw_of, grid,
-                     columns=('N', 'D', 'r', 'N_block')) -> Form:
+                     columns=LoopMapping.columns) -> Form:
   """Adds an N_eff mapping and its law `loop_<name>` (e.g. the published form)."""
   MAPPINGS[name] = LoopMapping(tuple(raw), n_eff, named, raw_of, grid, tuple(columns))
   FORMS[f'loop_{name}'] = loop_form(name, MAPPINGS[name])

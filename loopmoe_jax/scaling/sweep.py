@@ -12,8 +12,10 @@ data order never depends on the model).
 
 Points run one after another in `ROOT/<key=value,...>/`. A point whose `summary.json` reports
 the configured steps (and a loss) is skipped; any other point is (re)run with the trainer,
-which resumes from its newest checkpoint. The collected rows -- N (params), N_active, N_block
-(looped-block params), D (tokens), C (training FLOPs = 3 x forward FLOPs/token x D), F
+which resumes from its newest checkpoint. The collected rows -- N_stored (every stored param),
+N_active_pass (active params per token of one pass), N_active_executed (active params per
+token over every executed pass), N_block_stored, N_block_active (the looped block's, one pass),
+D (tokens), C (training FLOPs = 3 x forward FLOPs/token x D), F
 (forward FLOPs/token), S (sparsity), r (passes), E (core experts), k (top-k), loss (final
 window) -- are written to ROOT/sweep.csv, ready for `fit_laws.py`.
 """
@@ -130,16 +132,19 @@ def point_name(point: Mapping[str, Any]) -> str:
   return ','.join(f'{k.split(".")[-1]}={v}' for k, v in point.items()) or 'base'
 
 
-def block_params(mc: ModelConfig) -> int:
-  """Stored params of the looped block: the model's minus the model without its core."""
+def block_params(mc: ModelConfig, key: str = 'params_total') -> int:
+  """Params of the looped block (stored with params_total; active per token of one pass with
+  params_active): one pass of the model minus the model without its core."""
   if not mc.core_layers:
     return 0
-  total = count(mc)['params_total']
+  once = count(mc.replace(num_loops=1))
   try:
-    rest = count(mc.replace(core_layers=0, num_loops=1, injection='none'))['params_total']
+    rest = count(mc.replace(core_layers=0, num_loops=1, injection='none'))[key]
   except ValueError:  # the core is the whole model: everything but embeddings/final norm
-    return count(mc)['params_nonembedding'] - (mc.d_model if mc.norm_gain else 0)
-  return total - rest
+    nonembedding = 'params_active_nonembedding' if key == 'params_active' else \
+        'params_nonembedding'
+    return once[nonembedding] - (mc.d_model if mc.norm_gain else 0)
+  return once[key] - rest
 
 
 def point_row(cfg, summary: Mapping[str, Any]) -> dict[str, Any]:
@@ -147,8 +152,10 @@ def point_row(cfg, summary: Mapping[str, Any]) -> dict[str, Any]:
   mc = ModelConfig.from_dict(cfg.model)
   acct = count(mc, cfg.data.seq_len)
   tokens = summary['steps'] * cfg.data.batch_size * cfg.data.seq_len
-  return {'N': acct['params_total'], 'N_active': acct['params_active'],
-          'N_block': block_params(mc), 'D': tokens, 'C': 3 * acct['flops_per_token'] * tokens,
+  once = count(mc.replace(num_loops=1), cfg.data.seq_len)
+  return {'N_stored': acct['params_total'], 'N_active_pass': once['params_active'],
+          'N_active_executed': acct['params_active'], 'N_block_stored': block_params(mc),
+          'N_block_active': block_params(mc, 'params_active'), 'D': tokens, 'C': 3 * acct['flops_per_token'] * tokens,
           'F': acct['flops_per_token'], 'S': acct['sparsity'], 'r': mc.num_loops,
           'E': mc.core_experts, 'k': mc.top_k if mc.core_experts else 0,
           'loss': summary['final_window_loss'], 'steps': summary['steps']}

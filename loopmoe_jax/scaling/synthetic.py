@@ -23,10 +23,12 @@ def loop_grid(sizes: Sequence[float] = (2e7, 6e7, 2e8, 6e8),
               tokens_per_param: Sequence[float] = (5, 20, 80),
               passes: Sequence[int] = (1, 2, 4, 8), experts: Sequence[int] = (1,),
               top_k: int = 1, block_fraction: float = 0.5) -> dict[str, np.ndarray]:
-  """Columns N, N_block, D, r, E, k over a product grid (E = 1, k = 1: dense)."""
+  """Columns N_active_pass, N_block_active (and N, their dense alias), D, r, E, k over a
+  product grid (E = 1, k = 1: dense); sizes are active params per pass."""
   rows = list(itertools.product(sizes, tokens_per_param, passes, experts))
   n = np.array([r[0] for r in rows])
-  return {'N': n, 'N_block': block_fraction * n, 'D': n * np.array([r[1] for r in rows]),
+  return {'N': n, 'N_active_pass': n, 'N_block_active': block_fraction * n,
+          'D': n * np.array([r[1] for r in rows]),
           'r': np.array([r[2] for r in rows], float), 'E': np.array([r[3] for r in rows], float),
           'k': np.full(len(rows), float(top_k) if max(experts) > 1 else 1.0)}
 
