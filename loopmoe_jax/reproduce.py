@@ -198,7 +198,7 @@ def foil(out: str, scale: str, log=print) -> tuple[dict, str]:
     cfg.train.routing_every, cfg.train.eval_every = steps // 3, steps
     if scale == 'gpu':
       cfg.data.source = 'embedded'
-    (row,) = _sweep(cfg, {'train.seed': [cfg.train.seed]}, os.path.join(out, v), log)
+    (row,) = _sweep(cfg, {'train.steps': [steps]}, os.path.join(out, v), log)
     mc = ModelConfig.from_dict(cfg.model)
     with open(os.path.join(row['workdir'], 'metrics.jsonl')) as f:
       metrics = [json.loads(line) for line in f]
