@@ -13,7 +13,7 @@ import jax
 from loopmoe_jax.bench import register
 from loopmoe_jax.cli import DEFAULT_CONFIG
 from loopmoe_jax.data import pipeline
-from loopmoe_jax.experiment import build
+from loopmoe_jax.experiment import build, load_config
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax import sharding
 from loopmoe_jax.train import step as steps
@@ -21,8 +21,7 @@ from loopmoe_jax.train.optimizer import make_optimizer
 
 
 def _default_experiment():
-  from ml_collections import config_flags
-  return build(config_flags.config_flags.ConfigFileFlagParser('config').parse(DEFAULT_CONFIG))
+  return build(load_config(DEFAULT_CONFIG))
 
 
 @register('data')

@@ -24,8 +24,10 @@ import numpy as np
 
 from loopmoe_jax import expert_parallel, sharding
 from loopmoe_jax.bench import TARGETS, register, time_interleaved
+from loopmoe_jax.cli import DEFAULT_CONFIG
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.dry_run import collective_bytes
+from loopmoe_jax.experiment import load_config
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.sharding import MeshConfig
 from loopmoe_jax.train import step as steps
@@ -90,12 +92,7 @@ def _exchange_ratios(res, quick):
 
 
 def _model(quick):
-  from loopmoe_jax.cli import DEFAULT_CONFIG  # the README's main job
-  import importlib.util
-  spec = importlib.util.spec_from_file_location('default_config', DEFAULT_CONFIG)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  cfg = module.get_config('smoke')
+  cfg = load_config(DEFAULT_CONFIG + ':smoke')  # the README's main job at smoke widths
   return ModelConfig.from_dict(cfg.model), cfg.data.batch_size, cfg.data.seq_len
 
 

@@ -48,11 +48,9 @@ def config_flag(default: str = DEFAULT_CONFIG):
 def _check_config(argv, default):
   """Loads the config file (its errors surface here, once) and names near keys for a
   --config.X.Y=... that does not exist."""
+  from loopmoe_jax.experiment import load_config
   path = next((a.split('=', 1)[1] for a in argv if a.startswith('--config=')), default)
-  file_part = path.split(':', 1)[0]
-  if not os.path.exists(file_part):
-    raise FileNotFoundError(f'no config file {file_part!r}')
-  cfg = config_flags.config_flags.ConfigFileFlagParser('config').parse(path)
+  cfg = load_config(path)
   overrides = [a[2:].split('=')[0] for a in argv if a.startswith('--config.')]
   for key in overrides:
     node, parts = cfg, key.split('.')[1:]
@@ -72,15 +70,23 @@ def distributed_flags():
   detect the cluster: TPU pods, SLURM, Open MPI, Kubernetes)."""
   from absl import flags
   env = os.environ.get
+
+  def env_int(name):
+    value = env(name)
+    if value is None or value == '':
+      return None
+    try:
+      return int(value)
+    except ValueError:
+      fail(f'environment variable {name}={value!r}: expected an integer')
   return {
       'coordinator_address': flags.DEFINE_string(
           'coordinator_address', env('JAX_COORDINATOR_ADDRESS'),
           'host:port of process 0 for a multi-process run.'),
       'num_processes': flags.DEFINE_integer(
-          'num_processes', int(env('JAX_NUM_PROCESSES', 0)) or None, 'Processes in the run.'),
+          'num_processes', env_int('JAX_NUM_PROCESSES'), 'Processes in the run.'),
       'process_id': flags.DEFINE_integer(
-          'process_id', int(env('JAX_PROCESS_ID', -1)) if env('JAX_PROCESS_ID') else None,
-          'This process\'s index.'),
+          'process_id', env_int('JAX_PROCESS_ID'), 'This process\'s index.'),
       'distributed': flags.DEFINE_bool(
           'distributed', False, 'Initialise jax.distributed from the cluster environment.'),
   }

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Mapping, NamedTuple
 
 import ml_collections
@@ -35,6 +36,21 @@ def experiment_config(model: ml_collections.ConfigDict, train=None, data=None, m
     SECTIONS[name](**fields)  # validate
     cfg[name] = ml_collections.ConfigDict(fields)
   return cfg
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_config(spec: str) -> ml_collections.ConfigDict:
+  """The ConfigDict of 'FILE[:ARG]' as --config reads it; FILE may be relative to the
+  repository (configs/foil.py:foil2). A missing file is a FileNotFoundError naming it."""
+  from ml_collections import config_flags
+  path, colon, arg = spec.partition(':')
+  if not os.path.exists(path) and os.path.exists(os.path.join(ROOT, path)):
+    path = os.path.join(ROOT, path)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f'no config file {spec.partition(":")[0]!r}')
+  return config_flags.config_flags.ConfigFileFlagParser('config').parse(path + colon + arg)
 
 
 def build(cfg: ml_collections.ConfigDict) -> Experiment:

@@ -26,17 +26,9 @@ from typing import Any
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from loopmoe_jax.experiment import load_config
+
 SCALES = ('cpu', 'gpu')
-
-
-def load_config(spec: str):
-  """A config file's ConfigDict from 'configs/FILE.py:ARG' (relative to the repository)."""
-  from ml_collections import config_flags
-  path, _, arg = spec.partition(':')
-  full = os.path.join(ROOT, path)
-  return config_flags.config_flags.ConfigFileFlagParser('config').parse(
-      full + (f':{arg}' if arg else ''))
 
 
 def _sweep(cfg, grid, out, log):
@@ -122,7 +114,6 @@ RMSE, {opt['tol']:.4f}). Paper: the law selects a finite r* that grows with spar
 
 def smelt(out: str, scale: str, log=print) -> tuple[dict, str]:
   from loopmoe_jax import scaling
-  from loopmoe_jax.scaling.forms import Form, lse
   size = 'smoke' if scale == 'cpu' else '200m'
   steps = (60, 120, 240) if scale == 'cpu' else (2000, 4000, 8000)
   arch_rows = {}
@@ -133,21 +124,20 @@ def smelt(out: str, scale: str, log=print) -> tuple[dict, str]:
       cfg.data.source = 'embedded'
     arch_rows[variant] = _sweep(cfg, {'train.steps': list(steps)},
                                 os.path.join(out, variant), log)
-  # L(D) = E + K / D^c per architecture (one model each: F and S are fixed)
-  data_form = Form('tokens', ('D',), ('e', 'log_K', 'c'),
-                   lambda t, c: lse(t[0], t[1] - t[2] * np.log(c['D'])),
-                   lambda t: {'E': np.exp(t[0]), 'K': np.exp(t[1]), 'c': t[2]},
-                   lambda p: {}, {'e': (-0.5, 0.0, 0.5), 'log_K': (0, 3, 6), 'c': (0.2, 0.5, 1.0)})
+  # L(D) = E + K / D^c per architecture (one model each: F and S are fixed), as Chinchilla's
+  # law without its parameter term (A = 0): K = B, c = beta
   fits, flops = {}, {}
   for variant, rows in arch_rows.items():
     cols = _columns(rows)
-    fits[variant] = scaling.fit(data_form, cols)
+    cols['N'] = np.ones_like(cols['D'])
+    f = scaling.fit('chinchilla', cols, fixed={'A': 0.0, 'alpha': 0.0})
+    fits[variant] = {'E': f.params['E'], 'K': f.params['B'], 'c': f.params['beta']}
     flops[variant] = float(cols['F'][0])
   losses = [r['loss'] for rows in arch_rows.values() for r in rows]
   target = float(np.max([min(r['loss'] for r in rows) for rows in arch_rows.values()]))
 
   def compute_at(variant, loss):
-    p = fits[variant].params
+    p = fits[variant]
     if loss <= p['E']:
       return float('inf')
     return 3.0 * flops[variant] * (p['K'] / (loss - p['E'])) ** (1.0 / p['c'])
@@ -156,7 +146,7 @@ def smelt(out: str, scale: str, log=print) -> tuple[dict, str]:
   points = [{'arch': v, 'steps': int(r['steps']), 'D': int(r['D']), 'F': int(r['F']),
              'S': float(r['S']), 'C': float(r['C']), 'loss': r['loss']}
             for v, rows in arch_rows.items() for r in rows]
-  results = {'points': points, 'fits': {v: f.params for v, f in fits.items()},
+  results = {'points': points, 'fits': fits,
              'matched_loss': target, 'compute_efficiency': efficiency,
              'flops_ratio': flops['looped'] / flops['baseline'], 'loss_range': [min(losses),
                                                                                max(losses)]}

@@ -180,13 +180,17 @@ def param_specs(boxed_params, mesh):
   return jax.tree_util.tree_map_with_path(one, boxed_params, is_leaf=_is_box)
 
 
+def param_shardings(mesh, boxed_params):
+  """NamedShardings of the params (param_specs on `mesh`)."""
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(boxed_params, mesh),
+                      is_leaf=lambda x: isinstance(x, P))
+
+
 def state_shardings(mesh, boxed_params, tx):
   """NamedShardings of {'params', 'opt_state', 'step'}: optimizer moments follow their
   params (optax.tree_map_params), counters and other scalars are replicated."""
-  specs = param_specs(boxed_params, mesh)
   params = nn.unbox(boxed_params)
-  named = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                       is_leaf=lambda x: isinstance(x, P))
+  named = param_shardings(mesh, boxed_params)
   rep = NamedSharding(mesh, P())
   opt_shapes = jax.eval_shape(tx.init, params)
   opt = optax.tree_map_params(tx, lambda _, sh: sh, opt_shapes, named,

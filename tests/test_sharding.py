@@ -355,15 +355,10 @@ def test_dry_run_reads_bytes_and_exchanges_from_the_program():
   are the padded exchange's: 8 MoE visits (the core's 2 layers run 3 times inside a loop),
   4 exchanges each (forward and back, and their transposes), n*M*D float32 each."""
   from loopmoe_jax import dry_run
-  from loopmoe_jax.cli import DEFAULT_CONFIG
-  import importlib.util
-  spec = importlib.util.spec_from_file_location('default_config', DEFAULT_CONFIG)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  cfg = _on(module.get_config('smoke'), MESHES['data2_expert4'])
+  from loopmoe_jax.experiment import load_config
+  cfg = _on(load_config('configs/default.py:smoke'), MESHES['data2_expert4'])
   report = dry_run.dry_run(cfg)
-  boxed = jax.eval_shape(lambda: LoopedMoE(ModelConfig.from_dict(cfg.model)).lazy_init(
-      steps.init_key(0), jax.ShapeDtypeStruct((1, 8), jnp.int32))['params'])
+  boxed = steps.boxed_params(LoopedMoE(ModelConfig.from_dict(cfg.model)))
   want = 0
   for box in jax.tree.leaves(boxed, is_leaf=lambda x: hasattr(x, 'names')):
     nbytes = int(np.prod(box.value.shape)) * 4

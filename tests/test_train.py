@@ -270,10 +270,7 @@ def test_kept_steps_survive_keep(tmp_path):
 
 
 def test_foil_recipe_trains_in_bfloat16_and_keeps_its_continuation_step():
-  import importlib.util
-  spec = importlib.util.spec_from_file_location('foil', os.path.join(ROOT, 'configs', 'foil.py'))
-  foil = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(foil)
-  exp = build(foil.get_config('foil1'))
+  from loopmoe_jax.experiment import load_config
+  exp = build(load_config('configs/foil.py:foil1'))
   assert (exp.model.dtype, exp.model.param_dtype) == ('bfloat16', 'float32')
   assert 45000 in exp.train.kept_steps and exp.train.steps == 50000

@@ -267,8 +267,5 @@ def _param_shardings(cfg: ModelConfig, shapes, mesh):
     return jax.tree.map(lambda _: device, shapes)
   from loopmoe_jax import sharding
   from loopmoe_jax.model import LoopedMoE
-  boxed = jax.eval_shape(lambda: LoopedMoE(cfg).lazy_init(
-      jax.random.key(0, impl='rbg'), jax.ShapeDtypeStruct((1, 8), jax.numpy.int32))['params'])
-  specs = sharding.param_specs(boxed, mesh)
-  return jax.tree.map(lambda sp: jax.sharding.NamedSharding(mesh, sp), specs,
-                      is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  from loopmoe_jax.train.step import boxed_params
+  return sharding.param_shardings(mesh, boxed_params(LoopedMoE(cfg)))

@@ -34,9 +34,14 @@ def init_state(model, tx, rng, seq_len: int):
   return {'params': params, 'opt_state': tx.init(params), 'step': jnp.zeros((), jnp.int32)}
 
 
+def boxed_params(model, seq_len: int = 8):
+  """The params' shapes with their logical axis names (nothing is computed)."""
+  return jax.eval_shape(lambda: model.lazy_init(init_key(0), _tokens(seq_len))['params'])
+
+
 def shardings(mesh, model, tx, seq_len: int):
   """(state shardings, batch sharding) on `mesh`, from the params' logical axis names."""
-  boxed = jax.eval_shape(lambda: model.lazy_init(init_key(0), _tokens(seq_len))['params'])
+  boxed = boxed_params(model, seq_len)
   return sharding.state_shardings(mesh, boxed, tx), sharding.batch_sharding(mesh)
 
 
