@@ -28,6 +28,12 @@ from loopmoe_jax.sharding import constrain
 
 ACTIVATION = ('batch', 'length', 'act_embed')  # the residual stream's logical axes
 
+# Variable collections the core's scan shares across passes (the weights, and read-only
+# per-layer inputs such as the expert masks of analysis/masking.py) and those it stacks
+# per pass (the KV cache, and values sown for probes under 'intermediates').
+BROADCAST = ('params', 'routing_mask')
+PER_PASS = {'cache': 0, 'intermediates': 0}
+
 REMAT = {
     'full': None,
     'dots': jax.checkpoint_policies.checkpoint_dots,
@@ -110,7 +116,7 @@ class Core(nn.Module):
               injection=c.injection, decode=self.decode, record=self.record)
     e_BTD = x_BTD if c.injection != 'none' else None
     if c.loop_impl == 'scan' or self.decode:
-      scanned = nn.scan(body, variable_broadcast='params', variable_axes={'cache': 0},
+      scanned = nn.scan(body, variable_broadcast=BROADCAST, variable_axes=PER_PASS,
                         split_rngs={'params': False}, in_axes=(0, nn.broadcast, nn.broadcast),
                         length=num_loops)
       return scanned(**kw, name='body')(x_BTD, pass_attn, e_BTD, positions_BT)
