@@ -8,9 +8,10 @@ different scale), OUT/results.json, OUT/sweep.csv and plots.
 - loop_laws: passes x core experts on the loop-laws family; the loop forms (linear, power,
   bounded, sparsity-conditional bounded) compared by held-out RMSE at the largest pass count
   and the largest expert count; the compute-optimal pass count of the best form.
-- smelt: the baseline and its compute-matched looped twin at several training lengths; per
-  architecture L(D) = E + K / D^c in training compute C = 3 F D, and the compute saved at a
-  matched loss (Hernandez & Brown).
+- smelt: the baseline and its compute-matched looped twin, each on a grid of widths x expert
+  pools x training lengths; SMELT's law fitted per architecture, its compute-optimal frontier
+  (gamma, tokens per parameter) and the compute saved at a matched loss (Hernandez & Brown),
+  with cell-bootstrap intervals (scaling/smelt_analysis.py).
 - foil: the looped-block shapes (E, D, L) at equal parameters on one data order: final
   losses, paired per-step loss differences against Base, and MaxVio per pass.
 
@@ -29,6 +30,7 @@ import numpy as np
 from loopmoe_jax.experiment import load_config
 
 SCALES = ('cpu', 'gpu')
+SMELT_RESAMPLES = {'cpu': 200, 'gpu': 2000}  # cell-bootstrap resamples of the SMELT analyses
 
 
 def _sweep(cfg, grid, out, log):
@@ -113,63 +115,78 @@ RMSE, {opt['tol']:.4f}). Paper: the law selects a finite r* that grows with spar
 # SMELT --------------------------------------------------------------------------------------
 
 def smelt(out: str, scale: str, log=print) -> tuple[dict, str]:
-  from loopmoe_jax import scaling
+  from loopmoe_jax.scaling import smelt_analysis
   size = 'smoke' if scale == 'cpu' else '200m'
-  steps = (60, 120, 240) if scale == 'cpu' else (2000, 4000, 8000)
-  arch_rows = {}
+  steps = (50, 100, 200) if scale == 'cpu' else (2000, 4000, 8000)
+  resamples = SMELT_RESAMPLES[scale]
+  arch_rows, matched = {}, {}
   for variant in ('baseline', 'looped'):
     cfg = load_config(f'configs/smelt.py:{size},{variant}')
     cfg.train.sample_tokens, cfg.train.warmup = 0, 10
     if scale == 'gpu':
       cfg.data.source = 'embedded'
-    arch_rows[variant] = _sweep(cfg, {'train.steps': list(steps)},
-                                os.path.join(out, variant), log)
-  # L(D) = E + K / D^c per architecture (one model each: F and S are fixed), as Chinchilla's
-  # law without its parameter term (A = 0): K = B, c = beta
-  fits, flops = {}, {}
-  for variant, rows in arch_rows.items():
-    cols = _columns(rows)
-    cols['N'] = np.ones_like(cols['D'])
-    f = scaling.fit('chinchilla', cols, fixed={'A': 0.0, 'alpha': 0.0})
-    fits[variant] = {'E': f.params['E'], 'K': f.params['B'], 'c': f.params['beta']}
-    flops[variant] = float(cols['F'][0])
-  losses = [r['loss'] for rows in arch_rows.values() for r in rows]
-  target = float(np.max([min(r['loss'] for r in rows) for rows in arch_rows.values()]))
-
-  def compute_at(variant, loss):
-    p = fits[variant]
-    if loss <= p['E']:
-      return float('inf')
-    return 3.0 * flops[variant] * (p['K'] / (loss - p['E'])) ** (1.0 / p['c'])
-  c_base, c_loop = compute_at('baseline', target), compute_at('looped', target)
-  efficiency = 1.0 - c_loop / c_base
-  points = [{'arch': v, 'steps': int(r['steps']), 'D': int(r['D']), 'F': int(r['F']),
-             'S': float(r['S']), 'C': float(r['C']), 'loss': r['loss']}
-            for v, rows in arch_rows.items() for r in rows]
-  results = {'points': points, 'fits': fits,
-             'matched_loss': target, 'compute_efficiency': efficiency,
-             'flops_ratio': flops['looped'] / flops['baseline'], 'loss_range': [min(losses),
-                                                                               max(losses)]}
+    width, experts = cfg.model.d_model, cfg.model.core_experts
+    matched[variant] = (width, experts)
+    # four cells per architecture (width x1, x1.5 by experts x1, x2: F and S vary), each at
+    # three training lengths: the fewest that identify the SMELT law's six coefficients
+    rows = _sweep(cfg, {'model.d_model': [width, width * 3 // 2],
+                        'model.core_experts': [experts, 2 * experts],
+                        'train.steps': list(steps)}, os.path.join(out, variant), log)
+    arch_rows[variant] = rows
+  cols = {v: _columns(rows) for v, rows in arch_rows.items()}
+  compute = float(max(np.max(c['C']) for c in cols.values()))
+  rep = smelt_analysis.report(cols['baseline'], cols['looped'], compute, resamples=resamples)
+  fits = {v: rep[name]['params'] for v, name in (('baseline', 'baseline'), ('looped', 'smelt'))}
+  pair = {v: {int(r['steps']): r['loss'] for r in rows
+              if (r['model.d_model'], r['model.core_experts']) == matched[v]}
+          for v, rows in arch_rows.items()}
+  points = [{'arch': v, 'width': int(r['model.d_model']), 'experts': int(r['model.core_experts']),
+             'steps': int(r['steps']), 'F': int(r['F']), 'S': float(r['S']), 'C': float(r['C']),
+             'loss': r['loss']} for v, rows in arch_rows.items() for r in rows]
+  summary = {v: {k: rep[name][k]['value'] for k in ('gamma', 'F', 'D', 'tokens_per_param',
+                                                    'loss')}
+             | {k + '_ci': rep[name][k]['ci'] for k in ('gamma', 'tokens_per_param')}
+             | {'S': rep[name]['S']}
+             for v, name in (('baseline', 'baseline'), ('looped', 'smelt'))}
+  eff = rep['compute_efficiency']
+  results = {'points': points, 'fits': fits, 'frontier': summary, 'compute': compute,
+             'matched_loss': eff['loss'], 'compute_efficiency': eff['value'],
+             'compute_efficiency_ci': eff['ci'], 'matched_pair': pair}
+  frontier_rows = [{'arch': v, **{k: summary[v][k] for k in ('S', 'gamma', 'F', 'D',
+                                                             'tokens_per_param', 'loss')},
+                    'gamma 95%': '[{:.3g}, {:.3g}]'.format(*summary[v]['gamma_ci'])}
+                   for v in summary]
+  pair_rows = [{'steps': s, 'baseline': pair['baseline'][s], 'looped': pair['looped'][s]}
+               for s in sorted(pair['baseline'])]
   report = f"""# SMELT, mini-replication ({scale} scale)
 
-Baseline and compute-matched looped twin (`configs/smelt.py:{size},baseline|looped`; the twin
-loops the middle half twice, 1/r scaling) trained for {list(steps)} steps on one data order.
-FLOPs per token twin / baseline: {flops['looped'] / flops['baseline']:.4f}. **Different scale
-from the paper** (200M-active models, billions of tokens).
+Each architecture of `configs/smelt.py:{size},baseline|looped` (the twin loops the middle half
+twice with 1/r scaling) in four cells (1x and 1.5x the width by 1x and 2x the experts; the
+first is the compute-matched pair) at training lengths {list(steps)}, one data order. **Different scale
+from the paper** (200M-active models, billions of tokens): read the pipeline, not the constants.
 
 ## Points
 
-{_table(points, ['arch', 'steps', 'D', 'F', 'S', 'C', 'loss'])}
+{_table(points, ['arch', 'width', 'experts', 'steps', 'F', 'S', 'C', 'loss'])}
 
-## Compute at a matched loss
+## The compute-matched pair
 
-Per architecture L(D) = E + K / D^c (fitted), training compute C = 3 F D. At the loss both
-reach ({target:.4f}): baseline {c_base:.4g} FLOPs, looped {c_loop:.4g} FLOPs, so the looped
-twin saves **{efficiency:.1%}** of the training compute (negative: it costs more).
+{_table(pair_rows, ['steps', 'baseline', 'looped'])}
 
-Paper: a 6.8-18.0% training-compute discount across its grid, growing with compute (frontier
-exponents 0.250 for SMELT vs 0.237 for the baseline). With a grid of sizes and sparsities,
-`fit_laws.py --forms=smelt --smelt_baseline=...` computes those figures with intervals.
+## SMELT law per architecture, L = E + A (1-S)^b / F^a + K / D^c
+
+{_table([{'arch': v, **fits[v]} for v in fits], ['arch', 'E', 'A', 'b', 'a', 'K', 'c'])}
+
+## Compute-optimal frontier at C = {compute:.3g} FLOPs (cell bootstrap, {resamples} resamples)
+
+{_table(frontier_rows, ['arch', 'S', 'gamma', 'gamma 95%', 'F', 'D', 'tokens_per_param', 'loss'])}
+
+At the baseline frontier's loss at this compute ({eff['loss']:.4f}) the looped frontier needs
+**{eff['value']:.1%}** less training compute (95% interval {eff['ci'][0]:.1%} to
+{eff['ci'][1]:.1%}; negative: it costs more).
+
+Paper: a 6.8-18.0% training-compute discount across its grid, growing with compute; frontier
+exponents gamma 0.250 (SMELT) vs 0.237 (baseline).
 """
   return results, report
 

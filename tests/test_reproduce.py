@@ -37,18 +37,35 @@ def test_loop_laws_report_ranks_the_generating_form(tmp_path, monkeypatch):
   assert (tmp_path / 'fits.png').read_bytes()[:4] == b'\x89PNG'
 
 
-def test_smelt_report_saves_the_compute_a_known_law_says(tmp_path, monkeypatch):
-  laws = {'baseline': (1.9, 300.0, 0.35, 1.0e6), 'looped': (1.9, 250.0, 0.35, 1.0e6)}
+def test_smelt_report_recovers_a_known_law_per_architecture(tmp_path, monkeypatch):
+  from loopmoe_jax.scaling import smelt_analysis
+  laws = {'baseline': dict(E=1.9, A=60.0, b=0.6, a=0.3, K=300.0, c=0.35),
+          'looped': dict(E=1.9, A=45.0, b=0.6, a=0.3, K=300.0, c=0.35)}
 
   def fake_sweep(cfg, grid, out, log):
-    e, k, c, f = laws[os.path.basename(out)]
-    return [{'steps': s, 'D': s * 1024.0, 'F': f, 'S': 0.5, 'C': 3 * f * s * 1024.0,
-             'loss': e + k / (s * 1024.0) ** c} for s in grid['train.steps']]
+    p = laws[os.path.basename(out)]
+    rows = []
+    for w in grid['model.d_model']:
+      for e in grid['model.core_experts']:
+        for s in grid['train.steps']:
+          f, sp, d = 2e3 * w ** 2, 1 - 4.0 / e, s * 1024.0
+          row = {'steps': s, 'D': d, 'F': f, 'S': sp, 'C': 3 * f * d,
+                 'loss': p['E'] + p['A'] * (1 - sp) ** p['b'] / f ** p['a']
+                         + p['K'] / d ** p['c']}
+          rows.append(row | {'model.d_model': w, 'model.core_experts': e})
+    return rows
   monkeypatch.setattr(reproduce, '_sweep', fake_sweep)
+  monkeypatch.setitem(reproduce.SMELT_RESAMPLES, 'cpu', 8)
   res = reproduce.run('smelt', str(tmp_path), 'cpu', log=lambda *_: None)
-  # same F: at a matched loss C_loop / C_base = (K_loop / K_base)^(1/c)
-  assert res['compute_efficiency'] == pytest.approx(1 - (250 / 300) ** (1 / 0.35), rel=1e-4)
-  assert 'saves' in (tmp_path / 'report.md').read_text()
+  for arch, p in laws.items():
+    assert res['frontier'][arch]['gamma'] == pytest.approx(
+        smelt_analysis.frontier_exponent(p), rel=1e-2)
+  s = {a: float(np.median([r['S'] for r in res['points'] if r['arch'] == a])) for a in laws}
+  truth = smelt_analysis.compute_efficiency(laws['baseline'], laws['looped'],
+                                            res['matched_loss'], s['baseline'], s['looped'])
+  assert truth > 0.05 and res['compute_efficiency'] == pytest.approx(truth, abs=0.01)
+  assert sorted(res['matched_pair']['looped']) == [50, 100, 200]
+  assert 'less training compute' in (tmp_path / 'report.md').read_text()
 
 
 def test_unknown_replication_and_scale_are_errors(tmp_path):

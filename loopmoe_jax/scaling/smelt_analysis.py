@@ -106,7 +106,7 @@ def cell_bootstrap(data, statistic: Callable[[Mapping[str, float]], float | dict
 def report(base_data, new_data, compute: float, loss: float | None = None,
            resamples: int = 2000, seed: int = 0) -> dict:
   """The paper's figures for a baseline grid and a looped (SMELT) grid, each at its own
-  sparsity (the median S of its rows): gamma, the optimum at `compute` (F*, D*, tokens per
+  sparsity (the median S of its rows): the fitted law ('params'), gamma, the optimum at `compute` (F*, D*, tokens per
   parameter) with intervals, and the compute efficiency at a matched `loss` (default: the
   baseline frontier's loss at `compute`) with an interval from paired resamples."""
   out = {}
@@ -117,7 +117,8 @@ def report(base_data, new_data, compute: float, loss: float | None = None,
     fits[name] = (fit('smelt', cols), s, cols)
     stat = lambda p, s=s: {'gamma': frontier_exponent(p),
                            **{k: v for k, v in optimum(p, s, compute).items()}}
-    out[name] = {'S': s, **cell_bootstrap(cols, stat, resamples, seed, fits[name][0])}
+    out[name] = {'S': s, 'params': dict(fits[name][0].params),
+                 **cell_bootstrap(cols, stat, resamples, seed, fits[name][0])}
   (fb, sb, cb), (fn, sn, cn) = fits['baseline'], fits['smelt']
   target = loss if loss is not None else optimum(fb.params, sb, compute)['loss']
   rng = np.random.default_rng(seed + 1)
