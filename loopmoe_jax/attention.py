@@ -41,6 +41,11 @@ class Attention(nn.Module):
 
   positions_BT are absolute positions; in decode mode the chunk is written to the cache at
   positions_BT[0, 0] (the same for every row) and attends to every filled slot before it.
+
+  Probes (opt-in, analysis/probes.py): only when the caller applies the model with
+  mutable=['intermediates'] (outside decode), it sows float32 'q' [B,T,H,K], 'k' and 'v'
+  [B,T,G,K] (after RoPE) and 'sink' [B,H], the attention mass on key 0 averaged over queries
+  1..T-1. Otherwise nothing is sown and the traced program is unchanged.
   """
   cfg: ModelConfig
   decode: bool = False
@@ -68,12 +73,21 @@ class Attention(nn.Module):
         # larger than every query's).
         k_pos_BS = jnp.broadcast_to(jnp.arange(k_BSGK.shape[1]), (x_BTD.shape[0],
                                                                    k_BSGK.shape[1]))
-    out_BTHK = attend(q_BTHK, k_BSGK, v_BSGK, positions_BT, k_pos_BS)
+    if not self.decode and self.is_mutable_collection('intermediates'):
+      out_BTHK, sink_BH = attend(q_BTHK, k_BSGK, v_BSGK, positions_BT, k_pos_BS, sink=True)
+      for name, val in (('q', q_BTHK), ('k', k_BSGK), ('v', v_BSGK), ('sink', sink_BH)):
+        self.sow('intermediates', name, val.astype(jnp.float32))
+    else:
+      out_BTHK = attend(q_BTHK, k_BSGK, v_BSGK, positions_BT, k_pos_BS)
     return jnp.einsum('bthk,hkd->btd', out_BTHK, w['o'].astype(dt))
 
 
-def attend(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS):
-  """Softmax attention in float32 with a causal mask by position; GQA by head groups."""
+def attend(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, sink: bool = False):
+  """Softmax attention in float32 with a causal mask by position; GQA by head groups.
+
+  With `sink=True` also returns sink_BH: the probability on key slot 0 (the segment's first
+  token, SMELT's attention sink) averaged over queries 1..T-1 (query 0 can only attend to
+  itself); a reduction, the [B,H,T,S] probabilities are never returned."""
   b, t, h, k = q_BTHK.shape
   g = k_BSGK.shape[2]
   q = q_BTHK.reshape(b, t, g, h // g, k)
@@ -83,4 +97,7 @@ def attend(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS):
   scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v_BSGK.dtype)
   out = jnp.einsum('bgqts,bsgk->btgqk', probs, v_BSGK)
+  if sink:
+    col0 = probs[..., 1:, 0].astype(jnp.float32) if t > 1 else probs[..., 0].astype(jnp.float32)
+    return out.reshape(b, t, h, k), jnp.mean(col0, axis=-1).reshape(b, h)
   return out.reshape(b, t, h, k)

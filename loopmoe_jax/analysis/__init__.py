@@ -1,0 +1,1 @@
+"""Analysis toolkit: routing diagnostics, mechanistic probes, evaluations, paired comparisons."""
