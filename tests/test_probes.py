@@ -218,3 +218,20 @@ def test_task_accuracy_oracle_and_constant():
   for task in ('parity', 'addition', 'induction'):
     assert evals.task_accuracy(oracle, task, examples=16, seq_len=64) == 1.0
     assert evals.task_accuracy(lambda x: np.zeros_like(x), task, examples=16, seq_len=64) == 0.0
+
+
+def test_ce_gain_by_domain_against_direct_nll(probed):
+  params, _, _, _ = probed
+  rng = np.random.default_rng(5)
+  domains = {'x': rng.integers(0, CFG.vocab_size, 2 * T + 1),
+             'y': rng.integers(0, CFG.vocab_size, 3 * T + 4)}
+  same = probes.ce_gain_by_domain((CFG, params), (CFG, params), domains, T)
+  assert all(g['gain'] == 0.0 and g['tokens'] == n * T for g, n in zip(same.values(), (2, 3)))
+  other = make_params(CFG, seed=1)
+  got = probes.ce_gain_by_domain((CFG, params), (CFG, other), domains, T)
+  x, y = probes.windows(domains['y'], T)
+  np.testing.assert_array_equal(x[1], domains['y'][T:2 * T])
+  logits, _ = reference.forward(CFG, params, x)
+  logp = jax.nn.log_softmax(np.asarray(logits, np.float64), -1)
+  nll = -np.take_along_axis(np.asarray(logp), y[..., None], -1).mean()
+  assert got['y']['ce_a'] == pytest.approx(nll, rel=1e-4)

@@ -19,6 +19,7 @@ The probes read values the attention sows only when applied with mutable=['inter
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Mapping, Sequence
 
@@ -174,4 +175,72 @@ def ce_gain_by_domain(model_a, model_b, domains: Mapping[str, np.ndarray], seq_l
     x, y = windows(toks, seq_len)
     out[name] = ce_gain(token_nll(cfg_a, pa, x, y, num_loops_a),
                         token_nll(cfg_b, pb, x, y, num_loops_b))
+  return out
+
+
+# ---- from run directories -------------------------------------------------------------------
+
+def _validation_inputs(config: dict, vocab: int, tokens: int):
+  """Validation (inputs, targets) [N, T] of a run, at least `tokens` tokens when it has them."""
+  from loopmoe_jax.data import pipeline
+  dc = pipeline.DataConfig.from_dict(config['data'])
+  need = max(1, -(-tokens // (dc.batch_size * dc.seq_len)))
+  batches = pipeline.validation_batches(dataclasses.replace(dc, val_batches=need), vocab)
+  if not batches:
+    raise ValueError('the run has no validation data (data.val_path is empty)')
+  have = sum(b['inputs'].size for b in batches)
+  if have < tokens:
+    print(f'WARNING: the validation split holds {have} tokens, fewer than the {tokens} asked')
+  return [b['inputs'] for b in batches], [b['targets'] for b in batches]
+
+
+def probe_workdir(workdir: str, tokens: int = 8192, step: int | None = None,
+                  num_loops: int | None = None) -> dict:
+  """mechanistic_probes of a checkpoint over about `tokens` validation tokens."""
+  from loopmoe_jax.train import checkpoint
+  cfg, params, s, config = checkpoint.load_params(workdir, step)
+  inputs, _ = _validation_inputs(config, cfg.vocab_size, tokens)
+  return {'step': s, **mechanistic_probes(cfg, params, inputs, num_loops)}
+
+
+def embedded_domains(config: dict, tokens_per_domain: int = 32768) -> dict[str, np.ndarray]:
+  """Domains of the embedded corpus's validation documents, by document name: 'code' (the
+  standard library's .py sources) and 'docs' (pydoc help topics), byte tokens, each capped
+  at tokens_per_domain. Other sources carry no domain labels: pass named token arrays."""
+  from loopmoe_jax.data import corpus
+  data = config['data']
+  if data['source'] != 'embedded' or data['tokenizer'] != 'byte':
+    raise ValueError(f"data.source={data['source']!r}: domain labels exist only for the "
+                     'embedded corpus; pass named token arrays (domains=...) instead')
+  docs = corpus.split(data['val_fraction'])['validation']
+  groups = {'code': [t for n, t in docs if n.endswith('.py')],
+            'docs': [t for n, t in docs if n.startswith('pydoc_data/')]}
+  out = {}
+  for name, texts in groups.items():
+    b = '\n'.join(texts).encode('utf-8', errors='replace')[:tokens_per_domain + 1]
+    if len(b) > data['seq_len']:
+      out[name] = np.frombuffer(b, np.uint8).astype(np.int32)
+  return out
+
+
+def ce_gain_workdirs(dir_a: str, dir_b: str, tokens: int = 8192, num_buckets: int = 8,
+                     domains: Mapping[str, np.ndarray] | None = None) -> dict:
+  """CE gain of run A's checkpoint over run B's: by window-position bucket on A's validation
+  windows, and by domain (`domains`, else the embedded corpus's code/docs split)."""
+  from loopmoe_jax.train import checkpoint
+  cfg_a, pa, sa, config = checkpoint.load_params(dir_a)
+  cfg_b, pb, sb, _ = checkpoint.load_params(dir_b)
+  if cfg_a.vocab_size != cfg_b.vocab_size:
+    raise ValueError(f'{dir_a!r} and {dir_b!r} have different vocabularies '
+                     f'({cfg_a.vocab_size} vs {cfg_b.vocab_size})')
+  inputs, targets = _validation_inputs(config, cfg_a.vocab_size, tokens)
+  nll_a = np.concatenate([token_nll(cfg_a, pa, x, y) for x, y in zip(inputs, targets)])
+  nll_b = np.concatenate([token_nll(cfg_b, pb, x, y) for x, y in zip(inputs, targets)])
+  out = {'step_a': sa, 'step_b': sb, 'gain': '(CE_B - CE_A) / CE_B', 'overall':
+         ce_gain(nll_a, nll_b), 'by_position': ce_gain_by_position(nll_a, nll_b, num_buckets)}
+  if domains is None:
+    domains = embedded_domains(config, tokens)
+    out['domains_from'] = 'embedded corpus validation documents: .py sources vs pydoc topics'
+  out['by_domain'] = ce_gain_by_domain((cfg_a, pa), (cfg_b, pb), domains,
+                                       config['data']['seq_len'])
   return out
