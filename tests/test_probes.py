@@ -186,7 +186,7 @@ def stack_closing(word: str) -> str:
 def test_dyck_prompts_close_by_stack_and_shots_are_solved():
   for shots in (0, 1, 4):
     for i in range(20):
-      p = evals.dyck_prompt(seed=3, index=i, shots=shots, context=2048)
+      p = evals.dyck_prompt(seed=3, index=i, shots=shots)
       text = bytes(p.tokens.astype(np.uint8)).decode()
       parts = text.split(evals.SEPARATOR)
       assert len(parts) == shots + 1
@@ -210,7 +210,7 @@ def test_dyck_oracle_scores_one_constant_scores_zero_and_long_prompts_refused():
   for s in ('0', '2'):
     assert res_c[s]['accuracy'] < 0.5
   assert res_c['0']['accuracy'] == pytest.approx(np.mean([
-      set(evals.dyck_prompt(0, i, 0, 256).answer) == {')'} for i in range(64)]))
+      set(evals.dyck_prompt(1234, i, 0).answer) == {')'} for i in range(64)]))
 
 
 def test_task_accuracy_oracle_and_constant():

@@ -41,11 +41,10 @@ class Prompt:
   answer_start: int    # index in tokens of the answer's first byte
 
 
-def dyck_prompt(seed: int, index: int, shots: int, context: int, k: int = 2,
-                max_depth: int = 4, length: int = 16) -> Prompt:
+def dyck_prompt(seed: int, index: int, shots: int, k: int = 2, max_depth: int = 4,
+                length: int = 16) -> Prompt:
   """The index-th Dyck-k query of `seed` with `shots` solved examples before it (drawn from
-  independent streams (seed, index, j)); `context` is only used by callers to refuse."""
-  del context
+  independent streams (seed, index, j)); callers refuse prompts longer than their context."""
   parts = []
   for j in range(1, shots + 1):
     p, a = synthetic.dyck(np.random.default_rng([seed, index, j]), k, max_depth, length)
@@ -79,7 +78,7 @@ def dyck_accuracy(predict: Predictor, shots: Sequence[int] = SHOTS, examples: in
   completion at each shot count; the same queries at every shot count."""
   out = {}
   for s in shots:
-    prompts = [dyck_prompt(seed, i, s, context, k, **dyck_kw) for i in range(examples)]
+    prompts = [dyck_prompt(seed, i, s, k, **dyck_kw) for i in range(examples)]
     need = max(p.tokens.size for p in prompts)
     if need > context:
       out[str(s)] = {'refused': f'{s} shots need up to {need} tokens > context {context}'}
