@@ -81,6 +81,8 @@ class MoE(nn.Module):
     x_TD = x_BTD.reshape(b * t, d)
     with jax.named_scope('route'):
       logits_TE = jnp.dot(x_TD.astype(jnp.float32), router_DE.astype(jnp.float32))
+      if self.has_variable('routing_mask', 'logit_bias'):  # analysis/masking.py: [E], 0 or -1e9
+        logits_TE = logits_TE + self.get_variable('routing_mask', 'logit_bias').astype(jnp.float32)
       experts_Tk, weights_Tk, probs_TE, plan = route_for(c.dispatch, logits_TE, c.top_k,
                                                          c.renormalize)
     stats = {'load_balance': load_balance_loss(experts_Tk, probs_TE), 'z_loss': z_loss(logits_TE),

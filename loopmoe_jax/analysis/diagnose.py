@@ -1,0 +1,149 @@
+"""`scripts/diagnose.py`: every routing diagnostic of a checkpoint over a probe set, as
+OUT/diagnostics.json and PNG heatmaps (definitions in diagnostics.py / DESIGN.md).
+
+Per core layer, per pass and overall for the looped core; prelude and coda MoE layers (one pass
+each) get load, N2/B2, MaxVio and MMR. Diagnostics that do not apply to the model (no looped
+core, no experts) are listed under 'not_applicable' with the reason, and the rest computed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+
+from loopmoe_jax.analysis import diagnostics, heatmaps, masking, probe_set
+from loopmoe_jax.train import checkpoint
+
+
+def _plain(x):
+  if isinstance(x, dict):
+    return {str(k): _plain(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_plain(v) for v in x]
+  if isinstance(x, np.ndarray):
+    return _plain(x.tolist())
+  if isinstance(x, (np.floating, float)):
+    return None if not np.isfinite(x) else float(x)
+  if isinstance(x, np.integer):
+    return int(x)
+  return x
+
+
+def segment_report(seg: str, rec: dict, num_experts: int, batch_tokens: int) -> dict:
+  sel, logits = rec['experts'], rec['logits']
+  bal = diagnostics.balance(sel, num_experts)
+  vio = diagnostics.maxvio(sel, num_experts, batch_tokens)
+  agg = diagnostics.mmr_aggregates(logits)
+  out = {'num_experts': num_experts, 'layers': sel.shape[1], 'passes': sel.shape[2],
+         'top_k': sel.shape[3], 'load_share_pooled': bal['share_pooled'],
+         'N2': bal['N2'], 'B2_pooled': bal['B2_pooled'],
+         'MaxVio_global': vio['global'], 'MaxVio_per_batch_mean': vio['per_batch_mean'],
+         'MaxVio_per_batch_max': vio['per_batch'].max(0),
+         'MMR_per_layer': agg['per_layer'], 'MMR_overall': agg['overall']}
+  if seg == 'core':
+    u = diagnostics.distinct_experts(sel, num_experts)
+    out.update({'load_share_per_pass': bal['share_per_pass'], 'N2_per_pass': bal['N2_per_pass'],
+                'B2_per_pass': bal['B2_per_pass'], 'MaxVio_global_per_pass': vio['global_per_pass'],
+                'MMR_per_layer_pass': agg['per_layer_pass'], 'MMR_per_pass': agg['per_pass'],
+                'U_mean': u['mean'], 'U_normalized': u['normalized'],
+                'U_per_layer': u['per_layer'], 'U_bounds': [u['lower_bound'], u['upper_bound']]})
+  return out
+
+
+def not_applicable(cfg) -> dict:
+  out = {}
+  experts = probe_set.segment_experts(cfg)
+  if not experts:
+    out['all routing diagnostics'] = 'the model has no routed experts (dense feed-forward layers)'
+    return out
+  if 'core' not in experts:
+    why = ('the model has no core layers' if not cfg.core_layers
+           else 'the core layers are dense (model.core_experts=0)')
+    out['U, per-pass load/B2/MaxVio/MMR, masking'] = why
+  elif cfg.num_loops == 1:
+    out['per-pass pooling'] = 'the core runs one pass (num_loops=1): pooled equals per pass'
+  return out
+
+
+def diagnose(workdir: str, out_dir: str, tokens: int, step: int | None = None,
+             mask_top: int = 1, mask_draws: int = 4, seed: int = 0, log=print) -> dict:
+  """Writes out_dir/diagnostics.json and the heatmaps; returns the JSON's dict."""
+  t0 = time.perf_counter()
+  cfg, params, s, config = checkpoint.load_params(workdir, step)
+  batches, info = probe_set.probe_batches(config['data'], cfg, tokens)
+  experts = probe_set.segment_experts(cfg)
+  if info['tokens'] != tokens:
+    log(f'probe set: {tokens} tokens requested, {info["tokens"]} used (whole windows of '
+        f'{info["seq_len"]} in batches of {info["batch_rows"]})')
+  t1 = time.perf_counter()
+  res = probe_set.run(cfg, params, batches, record=bool(experts))
+  t2 = time.perf_counter()
+  report = {'workdir': workdir, 'step': s, 'probe_set': info, 'loss': res['loss'],
+            'not_applicable': not_applicable(cfg), 'segments': {}}
+  for seg, rec in res.get('routing', {}).items():
+    report['segments'][seg] = segment_report(seg, rec, experts[seg][1], info['batch_tokens'])
+  os.makedirs(out_dir, exist_ok=True)
+  figures = []
+  if report['segments']:
+    shares = {seg: (r['load_share_per_pass'] if seg == 'core' else
+                    np.asarray(r['load_share_pooled'])[:, None, :])
+              for seg, r in report['segments'].items()}
+    path = os.path.join(out_dir, 'expert_load.png')
+    heatmaps.load_heatmap(path, shares, f'expert load share by layer and pass (step {s}, '
+                          f'{info["tokens"]} tokens)')
+    figures.append(path)
+  if 'core' in report['segments']:
+    path = os.path.join(out_dir, 'mmr.png')
+    heatmaps.mmr_heatmap(path, report['segments']['core']['MMR_per_layer_pass'],
+                         f'core MMR by layer and pass (step {s})')
+    figures.append(path)
+  masks = []
+  if 'core' in report['segments'] and mask_top > 0:
+    q = np.asarray(report['segments']['core']['load_share_pooled'])
+    for d in range(cfg.core_layers):
+      top = tuple(int(i) for i in np.argsort(-q[d], kind='stable')[:mask_top])
+      masks.append(masking.traffic_matched(cfg, params, batches, 'core', d, top, q[d],
+                                           mask_draws, seed + d, res['loss']))
+  elif mask_top > 0 and 'core' not in report['segments']:
+    report['not_applicable'].setdefault('masking', 'no MoE core layer to mask')
+  report['masking'] = masks
+  t3 = time.perf_counter()
+  report['timing_s'] = {'load': t1 - t0, 'records': t2 - t1, 'masking': t3 - t2,
+                        'total': t3 - t0,
+                        'records_per_1k_tokens': 1000 * (t2 - t1) / info['tokens'],
+                        'total_per_1k_tokens': 1000 * (t3 - t0) / info['tokens']}
+  report['figures'] = figures
+  report = _plain(report)
+  with open(os.path.join(out_dir, 'diagnostics.json'), 'w') as f:
+    json.dump(report, f, indent=1)
+  return report
+
+
+def summary_lines(r: dict) -> list[str]:
+  """A few printed lines: the headline figures and the timing."""
+  lines = [f'step {r["step"]}: {r["probe_set"]["tokens"]} probe tokens, LM loss {r["loss"]:.4f}']
+  for what, why in r['not_applicable'].items():
+    lines.append(f'not applicable: {what}: {why}')
+  for seg, s in r['segments'].items():
+    line = (f'{seg}: B2 pooled {_fmt(s["B2_pooled"])}  MaxVio {_fmt(s["MaxVio_global"])}  '
+            f'MMR {s["MMR_overall"]:.3f}')
+    if seg == 'core':
+      line += (f'  U {s["U_mean"]:.2f} (normalised {s["U_normalized"]:.3f})  '
+               f'B2 per pass {_fmt(s["B2_per_pass"])}  MMR per pass {_fmt(s["MMR_per_pass"])}')
+    lines.append(line)
+  for m in r['masking']:
+    rd = m['random_delta_mean']
+    lines.append(f'mask {m["segment"]} layer {m["layer"]} experts {m["experts"]} (traffic '
+                 f'{m["traffic"]:.3f}): dloss {m["delta_loss"]:+.4f}; random matched sets '
+                 f'(traffic {m["random_traffic_mean"] or 0:.3f}): '
+                 + (f'{rd:+.4f} +- {m["random_delta_std"] or 0:.4f}' if rd is not None else 'none'))
+  t = r['timing_s']
+  lines.append(f'time: {t["total"]:.1f} s total ({t["total_per_1k_tokens"]:.3f} s per 1,000 '
+               f'tokens; records {t["records_per_1k_tokens"]:.3f} s per 1,000 tokens)')
+  return lines
+
+
+def _fmt(x):
+  return json.dumps(np.round(np.asarray(x, np.float64), 3).tolist())

@@ -1,0 +1,98 @@
+"""The probe set of the routing diagnostics: N held-out tokens of a run's validation split (the
+split evaluation.py scores), read as whole windows of data.seq_len in order from the first,
+and the routing records and LM loss of a checkpoint over it.
+
+Records are numpy arrays per segment: 'experts' [N, D, L, k] and 'logits' [N, D, L, E] (tokens,
+layers, passes, choices/experts); prelude and coda layers run once, so their L is 1.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from loopmoe_jax.config import ModelConfig
+from loopmoe_jax.data import pipeline
+from loopmoe_jax.model import LoopedMoE
+from loopmoe_jax.objective import lm_loss
+
+SEGMENTS = ('prelude', 'core', 'coda')
+
+
+def segment_experts(cfg: ModelConfig) -> dict:
+  """{segment: (layers, experts)} for the segments whose layers have routed experts."""
+  out = {'prelude': (cfg.prelude_layers, cfg.prelude_experts),
+         'core': (cfg.core_layers, cfg.core_experts),
+         'coda': (cfg.coda_layers, cfg.coda_experts)}
+  return {s: v for s, v in out.items() if v[0] and v[1]}
+
+
+def probe_batches(data_config: dict, cfg: ModelConfig, tokens: int) -> tuple[list, dict]:
+  """(batches, info): ceil(tokens / seq_len) validation windows, rounded up to whole batches of
+  min(data.batch_size, windows) rows. More tokens than the split holds is a ValueError."""
+  if tokens < 1:
+    raise ValueError(f'--tokens={tokens}: must be >= 1')
+  dc = pipeline.DataConfig.from_dict(data_config)
+  if dc.source != 'synthetic' and pipeline.open_source(dc, 'validation') is None:
+    raise ValueError('the run has no validation data (data.val_path is empty)')
+  windows = pipeline.Windows(dc, 'validation', cfg.vocab_size)
+  s = dc.seq_len
+  n = math.ceil(tokens / s)
+  rows = min(dc.batch_size, n)
+  n = math.ceil(n / rows) * rows
+  if n > windows.num:
+    raise ValueError(f'--tokens={tokens}: the probe set would need {n} windows of {s} tokens, '
+                     f'but the validation split ({windows.name}) holds {windows.num} '
+                     f'({windows.num * s} tokens); use --tokens <= {windows.num * s}')
+  batches = [pipeline._stack([windows(i) for i in range(b, b + rows)])  # pylint: disable=protected-access
+             for b in range(0, n, rows)]
+  info = {'tokens_requested': tokens, 'tokens': n * s, 'windows': n, 'seq_len': s,
+          'batch_rows': rows, 'batch_tokens': rows * s, 'split': windows.name}
+  return batches, info
+
+
+def apply_variables(params, routing_mask):
+  return {'params': params, 'routing_mask': routing_mask} if routing_mask else {'params': params}
+
+
+@functools.lru_cache(maxsize=None)
+def loss_fn(cfg: ModelConfig, record: bool):
+  """jit(params, routing_mask, batch) -> (NLL sum, token count, routing records or {})."""
+  model = LoopedMoE(cfg)
+
+  def fn(params, routing_mask, batch):
+    logits, extras = model.apply(apply_variables(params, routing_mask), batch['inputs'],
+                                 return_routing=record)
+    count = jnp.sum(batch['mask'])
+    nll = lm_loss(logits, batch['targets'], batch['mask']) * count
+    return nll, count, extras.get('routing', {})
+  return jax.jit(fn)
+
+
+def to_NDL(seg: str, a) -> np.ndarray:
+  """A segment's record -> [N, D, L, last]: core [L, D, B, T, x]; prelude/coda [D, B, T, x]."""
+  a = np.asarray(a)
+  if seg == 'core':
+    l, d, b, t, x = a.shape
+    return a.transpose(2, 3, 1, 0, 4).reshape(b * t, d, l, x)
+  d, b, t, x = a.shape
+  return a.transpose(1, 2, 0, 3).reshape(b * t, d, 1, x)
+
+
+def run(cfg: ModelConfig, params, batches, routing_mask=None, record: bool = True) -> dict:
+  """{'loss': mean LM loss over the probe set, 'routing': {segment: {'experts', 'logits'}}}."""
+  fn = loss_fn(cfg, record)
+  total, count, recs = 0.0, 0.0, []
+  for b in batches:
+    nll, c, r = fn(params, routing_mask or {}, {k: jnp.asarray(v) for k, v in b.items()})
+    total, count = total + float(nll), count + float(c)
+    if record:
+      recs.append({seg: {n: to_NDL(seg, v) for n, v in s.items()} for seg, s in r.items()})
+  out = {'loss': total / max(count, 1.0)}
+  if record:
+    out['routing'] = {seg: {n: np.concatenate([r[seg][n] for r in recs]) for n in recs[0][seg]}
+                      for seg in (recs[0] if recs else {})}
+  return out
