@@ -117,9 +117,10 @@ CFG = ModelConfig(vocab_size=37, d_model=16, num_heads=2, expert_width=8, top_k=
                   tie_embeddings=True, renormalize=True, dispatch_tile=8)
 
 
-@functools.lru_cache(maxsize=None)
-def tiny_params():
-  shapes = nn.unbox(jax.eval_shape(lambda: LoopedMoE(CFG).init(
+def random_params(cfg: ModelConfig, masking_model: bool = False):
+  """Params of the model's tree drawn with numpy (no compile of the init); with
+  `masking_model` the construction above."""
+  shapes = nn.unbox(jax.eval_shape(lambda: LoopedMoE(cfg).init(
       jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))['params'])
   rng = np.random.default_rng(0)
 
@@ -128,15 +129,20 @@ def tiny_params():
     x = rng.standard_normal(s.shape) / np.sqrt(s.shape[-2] if len(s.shape) > 1 else 1)
     if name == 'scale':
       x = np.ones(s.shape)
-    elif name in ('router', 'o'):
-      x = np.zeros(s.shape)
-    elif name == 'down':
-      x = 10.0 * x
-      x[0] = 0.0
     elif name == 'embed':
       x = rng.standard_normal(s.shape)
+    elif masking_model and name in ('router', 'o'):
+      x = np.zeros(s.shape)
+    elif masking_model and name == 'down':
+      x = 10.0 * x
+      x[0] = 0.0
     return jnp.asarray(x, s.dtype)
   return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_params():
+  return random_params(CFG, masking_model=True)
 
 
 def tiny_batches():
@@ -148,9 +154,10 @@ def test_records_are_tokens_layers_passes_and_match_the_model_loads():
   cfg = ModelConfig(vocab_size=37, d_model=16, num_heads=2, expert_width=8, top_k=2,
                     prelude_layers=1, prelude_experts=4, core_layers=2, core_experts=8,
                     num_loops=3, coda_layers=1, coda_experts=4, dispatch_tile=8)
-  params = nn.unbox(LoopedMoE(cfg).init(jax.random.key(3), jnp.zeros((1, 4), jnp.int32))['params'])
+  params = random_params(cfg)
   tok = np.random.default_rng(2).integers(0, 37, (2, 5)).astype(np.int32)
-  _, extras = LoopedMoE(cfg).apply({'params': params}, tok, return_routing=True)
+  _, extras = jax.jit(lambda p, t: LoopedMoE(cfg).apply({'params': p}, t, return_routing=True))(
+      params, tok)
   for seg, e in (('prelude', 4), ('core', 8), ('coda', 4)):
     sel = probe_set.to_NDL(seg, extras['routing'][seg]['experts'])
     logits = probe_set.to_NDL(seg, extras['routing'][seg]['logits'])
@@ -192,3 +199,41 @@ def test_masked_experts_are_never_chosen_and_nothing_is_nan():
   res = probe_set.run(CFG, params, batches, masking.mask_tree(CFG, {('core', 0): [0, 1]}))
   sel = res['routing']['core']['experts']
   assert np.all(sel == 2) and np.isfinite(res['loss'])
+
+
+def test_not_applicable_names_what_a_model_lacks():
+  from loopmoe_jax.analysis.diagnose import not_applicable
+  dense = CFG.replace(core_experts=0)
+  assert 'all routing diagnostics' in not_applicable(dense)
+  flat = CFG.replace(core_layers=0, prelude_layers=2, prelude_experts=4)
+  assert 'no core layers' in ' '.join(not_applicable(flat).values())
+  assert not_applicable(CFG) == {}
+
+
+def test_diagnose_end_to_end_on_a_trained_workdir(tmp_path):
+  """A tiny run trained for 2 steps: diagnose writes the JSON (figures consistent with the
+  definitions) and both PNGs; a probe set past the split, and a workdir without checkpoints,
+  are errors naming the problem."""
+  from loopmoe_jax.analysis.diagnose import diagnose, summary_lines
+  from loopmoe_jax.train.trainer import train
+  from test_train import tiny
+  work, out = str(tmp_path / 'run'), str(tmp_path / 'diag')
+  train(tiny(steps=2, save_every=2, eval_every=2, routing_every=2), work)
+  r = diagnose(work, out, tokens=40, mask_draws=2, log=lambda *_: None)
+  assert r['probe_set']['tokens'] == 48  # 3 windows of 16
+  with open(os.path.join(out, 'diagnostics.json')) as f:
+    assert json.load(f)['step'] == 2
+  for name in ('expert_load.png', 'mmr.png'):
+    assert os.path.getsize(os.path.join(out, name)) > 1000
+  core = r['segments']['core']
+  assert core['passes'] == 2 and len(core['B2_per_pass'][0]) == 2
+  assert core['U_bounds'][0] <= core['U_mean'] <= core['U_bounds'][1]
+  assert core['U_normalized'] == pytest.approx(core['U_mean'] / core['U_bounds'][1])
+  assert np.sum(core['load_share_pooled']) == pytest.approx(1.0)
+  assert set(r['segments']) == {'prelude', 'core'}
+  assert len(r['masking']) == 1 and len(r['masking'][0]['random']) == 2
+  assert any(l.startswith('time:') for l in summary_lines(r))
+  with pytest.raises(ValueError, match='validation split'):
+    diagnose(work, out, tokens=10**9)
+  with pytest.raises(FileNotFoundError, match='no checkpoint'):
+    diagnose(str(tmp_path / 'empty'), out, tokens=40)

@@ -82,8 +82,11 @@ def diagnose(workdir: str, out_dir: str, tokens: int, step: int | None = None,
   t2 = time.perf_counter()
   report = {'workdir': workdir, 'step': s, 'probe_set': info, 'loss': res['loss'],
             'not_applicable': not_applicable(cfg), 'segments': {}}
-  for seg, rec in res.get('routing', {}).items():
-    report['segments'][seg] = segment_report(seg, rec, experts[seg][1], info['batch_tokens'])
+  routing = res.get('routing', {})
+  for seg in probe_set.SEGMENTS:
+    if seg in routing:
+      report['segments'][seg] = segment_report(seg, routing[seg], experts[seg][1],
+                                               info['batch_tokens'])
   os.makedirs(out_dir, exist_ok=True)
   figures = []
   if report['segments']:

@@ -14,12 +14,13 @@ def load_heatmap(path: str, shares: dict, title: str) -> None:
   the passes, columns the experts, colour the share of the pass's choices."""
   panels = [(seg, d, np.asarray(q)[d]) for seg, q in shares.items() for d in range(len(q))]
   vmax = max(float(p.max()) for _, _, p in panels)
-  fig, axes = plt.subplots(len(panels), 1, figsize=(max(6, 0.5 * max(p.shape[1] for *_, p in panels) + 3),
-                                                    1.2 + 1.0 * sum(p.shape[0] + 1.2 for *_, p in panels)),
-                           squeeze=False)
+  width = max(6, 0.5 * max(p.shape[1] for *_, p in panels) + 3)
+  heights = [p.shape[0] + 1.5 for *_, p in panels]
+  fig, axes = plt.subplots(len(panels), 1, figsize=(width, 1.0 + 0.45 * sum(heights)),
+                           squeeze=False, gridspec_kw={'height_ratios': heights})
   for ax, (seg, d, q_LE) in zip(axes[:, 0], panels):
     im = ax.imshow(q_LE, aspect='auto', cmap='viridis', vmin=0.0, vmax=vmax)
-    ax.set_title(f'{seg} layer {d}', fontsize=9)
+    ax.set_title(f'{seg} layer {d}' + ('' if seg == 'core' else ' (one pass)'), fontsize=9)
     ax.set_xlabel('expert')
     ax.set_ylabel('pass')
     ax.set_xticks(range(q_LE.shape[1]))
@@ -37,7 +38,9 @@ def mmr_heatmap(path: str, mmr_DL, title: str) -> None:
   fig, ax = plt.subplots(figsize=(2.0 + 1.1 * m.shape[1], 1.5 + 0.8 * m.shape[0]))
   im = ax.imshow(m, aspect='auto', cmap='magma')
   for (d, l), v in np.ndenumerate(m):
-    ax.text(l, d, f'{v:.2f}', ha='center', va='center', color='grey', fontsize=9)
+    light = im.norm(v) > 0.5
+    ax.text(l, d, f'{v:.2f}', ha='center', va='center', color='black' if light else 'white',
+            fontsize=9)
   ax.set_xlabel('pass')
   ax.set_ylabel('core layer')
   ax.set_xticks(range(m.shape[1]), [str(l + 1) for l in range(m.shape[1])])
