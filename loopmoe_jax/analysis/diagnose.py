@@ -116,7 +116,11 @@ def diagnose(workdir: str, out_dir: str, tokens: int, step: int | None = None,
   report['timing_s'] = {'load': t1 - t0, 'records': t2 - t1, 'masking': t3 - t2,
                         'total': t3 - t0,
                         'records_per_1k_tokens': 1000 * (t2 - t1) / info['tokens'],
-                        'total_per_1k_tokens': 1000 * (t3 - t0) / info['tokens']}
+                        'total_per_1k_tokens': 1000 * (t3 - t0) / info['tokens'],
+                        'records_first_batch': res['timing']['first_batch_s'],
+                        'records_per_1k_tokens_after_first_batch':
+                            1000 * res['timing']['rest_s'] / res['timing']['rest_tokens']
+                            if res['timing']['rest_tokens'] else None}
   report['figures'] = figures
   report = _plain(report)
   with open(os.path.join(out_dir, 'diagnostics.json'), 'w') as f:
@@ -143,8 +147,11 @@ def summary_lines(r: dict) -> list[str]:
                  f'(traffic {m["random_traffic_mean"] or 0:.3f}): '
                  + (f'{rd:+.4f} +- {m["random_delta_std"] or 0:.4f}' if rd is not None else 'none'))
   t = r['timing_s']
+  steady = t['records_per_1k_tokens_after_first_batch']
   lines.append(f'time: {t["total"]:.1f} s total ({t["total_per_1k_tokens"]:.3f} s per 1,000 '
-               f'tokens; records {t["records_per_1k_tokens"]:.3f} s per 1,000 tokens)')
+               f'tokens; records {t["records"]:.1f} s = first batch {t["records_first_batch"]:.1f} '
+               f's with compile, then '
+               + (f'{steady:.3f} s per 1,000 tokens)' if steady is not None else 'no more batches)'))
   return lines
 
 

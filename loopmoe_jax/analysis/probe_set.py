@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 
 import jax
 import jax.numpy as jnp
@@ -83,15 +84,21 @@ def to_NDL(seg: str, a) -> np.ndarray:
 
 
 def run(cfg: ModelConfig, params, batches, routing_mask=None, record: bool = True) -> dict:
-  """{'loss': mean LM loss over the probe set, 'routing': {segment: {'experts', 'logits'}}}."""
+  """{'loss': mean LM loss over the probe set, 'routing': {segment: {'experts', 'logits'}},
+  'timing': the first batch's seconds (with any compile) and the rest's}."""
   fn = loss_fn(cfg, record)
-  total, count, recs = 0.0, 0.0, []
+  total, count, recs, marks = 0.0, 0.0, [], [time.perf_counter()]
   for b in batches:
     nll, c, r = fn(params, routing_mask or {}, {k: jnp.asarray(v) for k, v in b.items()})
     total, count = total + float(nll), count + float(c)
     if record:
       recs.append({seg: {n: to_NDL(seg, v) for n, v in s.items()} for seg, s in r.items()})
-  out = {'loss': total / max(count, 1.0)}
+    marks.append(time.perf_counter())
+  rest = batches[1:]
+  out = {'loss': total / max(count, 1.0),
+         'timing': {'first_batch_s': marks[1] - marks[0] if rest or batches else 0.0,
+                    'rest_s': marks[-1] - marks[1] if rest else 0.0,
+                    'rest_tokens': sum(int(b['inputs'].size) for b in rest)}}
   if record:
     out['routing'] = {seg: {n: np.concatenate([r[seg][n] for r in recs]) for n in recs[0][seg]}
                       for seg in (recs[0] if recs else {})}
