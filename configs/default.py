@@ -2,10 +2,12 @@
 
     python scripts/train.py --workdir=/tmp/loopmoe_default
 
-Byte-level vocabulary, width 128, a prelude and a coda of one MoE layer, a core of 2 MoE
-layers (8 experts, top-2) looped 3 times with tied attention; 1.41M parameters.
+Byte-level vocabulary, width 128, a prelude and a coda of one MoE layer and a core of 2 MoE
+layers, every MoE layer 8 experts (top-2, so a Mixtral export can hold it), the core looped 3
+times with tied attention; 1.81M parameters (1.22M active per token).
 Expect the validation loss to fall from ~2.5 nats at step 100 to ~1.8 at step 400 (a fresh
-run here: 2.54, 2.23, 1.94, 1.82 in 3.5 min), then a text sample that looks like Python.
+run here: 2.51, 2.25, 1.95, 1.83; final-window train loss 1.489; 91 s), then a text sample
+that looks like Python.
 """
 from loopmoe_jax.config import model_config_dict, parse_arg
 from loopmoe_jax.experiment import experiment_config
@@ -17,8 +19,8 @@ def get_config(arg=None):
   opts = parse_arg(arg, {'smoke': False})
   model = model_config_dict(
       vocab_size=256, d_model=128, num_heads=4, num_kv_heads=2, expert_width=128, top_k=2,
-      prelude_layers=1, prelude_experts=4, core_layers=2, core_experts=8, num_loops=3,
-      coda_layers=1, coda_experts=4, tie_attention=True, tie_embeddings=True)
+      prelude_layers=1, prelude_experts=8, core_layers=2, core_experts=8, num_loops=3,
+      coda_layers=1, coda_experts=8, tie_attention=True, tie_embeddings=True)
   if opts['smoke']:
     model.d_model, model.expert_width = 64, 64
   return experiment_config(model, train=dict(steps=60 if opts['smoke'] else 400),

@@ -16,11 +16,16 @@ travel across machines better than absolute times.
   at the same width and top-k (same active FLOPs). The same ratio for 'xla' and 'reference'
   is reported for information, on `moe_info_tokens` tokens (both do dense work that grows with E
   on CPU); None when the E=64 call is predicted to be too slow.
+- bias_step_over_plain: the trainer's own jitted train step (AdamW, load-balance and z-loss,
+  on a one-device mesh) of the README's main job (configs/default.py) with
+  model.router_bias='shared' over the same step without a bias (the bias routes the step and
+  moves against the step's loads). Timed interleaved, median per model.
 
 `--quick` shrinks every size and repeat count for a smoke run (tests/test_benchmark.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import math
@@ -46,6 +51,7 @@ TARGETS = {  # key -> upper bound
     'compile_ratio_L16_over_L1': 1.3,
     'loop_over_unrolled': 1.15,
     'moe_E64_over_E8': 1.5,
+    'bias_step_over_plain': 1.03,
 }
 # XLA options that skip LLVM optimisation: param init always compiles with them (it runs once),
 # and so does everything in a --quick run (a smoke run; its figures are not comparable).
@@ -247,7 +253,44 @@ def bench_model(quick: bool = False) -> dict[str, Any]:
                   options=opts, cache=cache)
     res.update({f'moe_s_{backend}_E8': r['small'], f'moe_s_{backend}_E64': r['large'],
                 f'moe_{backend}_E64_over_E8': r['ratio']})
+
+  # 4. The router-bias update's cost in the trainer's train step of the README's main job.
+  secs = bias_step_seconds(quick, 3 if quick else 15)
+  res.update(step_s_plain=secs['none'], step_s_bias=secs['shared'],
+             bias_step_over_plain=secs['shared'] / secs['none'])
   return res
+
+
+def bias_step_seconds(quick: bool, repeats: int) -> dict[str, float]:
+  """Median seconds of the trainer's train step (train/step.py) on configs/default.py
+  ('smoke' when quick) with model.router_bias 'none' and 'shared', timed interleaved."""
+  from loopmoe_jax import sharding  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.experiment import build, load_config  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.train import step as steps  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.train.optimizer import make_optimizer  # pylint: disable=import-outside-toplevel
+  exp = build(load_config('configs/default.py' + (':smoke' if quick else '')))
+  tc, dc, mc = exp.train, exp.data, exp.model
+  if quick:  # a smoke run: the main job's structure at the quick sizes
+    mc = mc.replace(d_model=32, num_heads=2, num_kv_heads=1, expert_width=32)
+    dc = dataclasses.replace(dc, batch_size=2, seq_len=32)
+  mesh = sharding.make_mesh(devices=jax.devices()[:1])
+  tx, schedule = make_optimizer(tc)
+  batch = _batch(mc, dc.batch_size, dc.seq_len)
+  thunks = {}
+  for layout in ('none', 'shared'):
+    model = LoopedMoE(mc.replace(router_bias=layout))
+    state_sh, batch_sh = steps.shardings(mesh, model, tx, dc.seq_len)
+    state = steps.create_state(model, tx, tc.seed, dc.seq_len, state_sh)
+    step = steps.make_train_step(model, tx, schedule, tc.lb_coef, tc.z_coef, state_sh, batch_sh,
+                                 bias_rate=tc.bias_rate)
+    placed = jax.device_put(batch, batch_sh)
+    box = [state]
+
+    def run_step(step=step, box=box, placed=placed):  # the state is donated: carry it on
+      box[0], metrics = step(box[0], placed)
+      return metrics
+    thunks[layout] = run_step
+  return time_interleaved(thunks, repeats)
 
 
 # Reporting --------------------------------------------------------------------------------------

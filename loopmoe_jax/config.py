@@ -22,6 +22,8 @@ LOOP_IMPLS = ('scan', 'unroll')
 DTYPES = ('float32', 'bfloat16', 'float16')
 DISPATCHES = ('reference', 'tiled', 'xla', 'pallas', 'auto')
 EXCHANGES = ('auto', 'padded', 'ragged')
+ROUTER_SCORES = ('softmax', 'sigmoid')
+ROUTER_BIASES = ('none', 'shared', 'per_pass')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +38,12 @@ class ModelConfig:
   expert_width: int = 128        # F, hidden width of one SwiGLU expert (or the dense MLP)
   top_k: int = 2
   renormalize: bool = True       # Mixtral: softmax over all experts, renormalise over top-k
+  router_score: str = 'softmax'  # 'sigmoid' (DeepSeek-V3): sigmoid affinities, the weights
+                                 # always normalised over the k chosen
+  router_bias: str = 'none'      # aux-loss-free balancing: a per-expert bias on the selection
+                                 # scores (never on the weights), moved by train.bias_rate after
+                                 # each step; 'shared' one per MoE layer, 'per_pass' one per
+                                 # (pass, layer) in the core
   num_shared_experts: int = 0
   shared_expert_width: int = 0   # 0: expert_width
   dispatch: str = 'tiled'
@@ -143,7 +151,8 @@ def _validate(c: ModelConfig):
     _err('core_layers', c.core_layers, 'the model has no layers')
   choices = dict(residual_scale=RESIDUAL_SCALES, injection=INJECTIONS, remat=REMAT_POLICIES,
                  loop_impl=LOOP_IMPLS, dtype=DTYPES, param_dtype=DTYPES, dispatch=DISPATCHES,
-                 expert_exchange=EXCHANGES, scale_passes=SCALE_PASSES)
+                 expert_exchange=EXCHANGES, scale_passes=SCALE_PASSES,
+                 router_score=ROUTER_SCORES, router_bias=ROUTER_BIASES)
   for name, allowed in choices.items():
     if getattr(c, name) not in allowed:
       _err(name, getattr(c, name), f'must be one of {allowed}')
@@ -151,6 +160,12 @@ def _validate(c: ModelConfig):
     _err('capacity_factor', c.capacity_factor, 'must be 0 (dropless) or finite and > 0')
   if c.injection != 'none' and not c.core_layers:
     _err('injection', c.injection, 'needs a looped core (model.core_layers >= 1)')
+  if c.router_bias != 'none' and not any(experts for _, _, experts, _ in c.segments):
+    _err('router_bias', c.router_bias, "the model has no MoE layer (set model.router_bias='none' "
+         'or give a segment experts, e.g. model.core_experts=8)')
+  if c.router_bias == 'per_pass' and not (c.core_layers and c.core_experts and c.num_loops > 1):
+    _err('router_bias', c.router_bias, 'needs a looped MoE core (model.core_layers >= 1, '
+         "model.core_experts >= 1, model.num_loops >= 2); use model.router_bias='shared'")
 
 
 # Layout helpers ---------------------------------------------------------------------------

@@ -45,8 +45,10 @@ def cache_length(cache) -> int:
   return next(x.shape[-3] for x in jax.tree.leaves(cache) if x.ndim >= 4)
 
 
-def decode_step(cfg: ModelConfig, params, cache, tokens_BT, num_loops: int | None = None):
+def decode_step(cfg: ModelConfig, params, cache, tokens_BT, num_loops: int | None = None,
+                router_bias=None):
   """Feeds a chunk of tokens (a prompt, or one token) and returns (logits_BTV, new cache).
+  `router_bias`: the trained router bias (model.router_bias other than 'none').
 
   Writing past the cache's length raises when the position is concrete; under jit the
   logits of such a step are NaN instead of silently wrong."""
@@ -59,8 +61,11 @@ def decode_step(cfg: ModelConfig, params, cache, tokens_BT, num_loops: int | Non
   if concrete_end is not None and concrete_end > max_len:
     raise ValueError(f'decode_step: position {int(pos)} + {tokens_BT.shape[1]} tokens exceeds '
                      f'the cache length max_len={max_len}')
+  variables = {'params': params, 'cache': cache}
+  if router_bias is not None:
+    variables['router_bias'] = router_bias
   (logits, _), mutated = LoopedMoE(cfg, decode=True).apply(
-      {'params': params, 'cache': cache}, tokens_BT, num_loops=num_loops, mutable=['cache'])
+      variables, tokens_BT, num_loops=num_loops, mutable=['cache'])
   return jnp.where(end > max_len, jnp.nan, logits), mutated['cache']
 
 
@@ -72,7 +77,7 @@ def sample(logits_BV, key, temperature: float):
 
 @functools.partial(jax.jit, static_argnames=('cfg', 'steps', 'temperature', 'num_loops'))
 def generate(cfg: ModelConfig, params, prompt_BT, steps: int, key, temperature: float = 0.0,
-             num_loops: int | None = None):
+             num_loops: int | None = None, router_bias=None):
   """Greedy (temperature 0) or sampled continuation; returns [B, P + steps] tokens."""
   if steps < 1:
     raise ValueError(f'steps={steps}: must be >= 1')
@@ -80,12 +85,12 @@ def generate(cfg: ModelConfig, params, prompt_BT, steps: int, key, temperature: 
     raise ValueError('prompt tokens must be integer ids')
   batch, plen = prompt_BT.shape
   cache = init_cache(cfg, batch, plen + steps, num_loops)
-  logits, cache = decode_step(cfg, params, cache, prompt_BT, num_loops)
+  logits, cache = decode_step(cfg, params, cache, prompt_BT, num_loops, router_bias)
   first = sample(logits[:, -1], jax.random.fold_in(key, 0), temperature)
 
   def body(carry, i):
     cache, tok = carry
-    logits, cache = decode_step(cfg, params, cache, tok[:, None], num_loops)
+    logits, cache = decode_step(cfg, params, cache, tok[:, None], num_loops, router_bias)
     nxt = sample(logits[:, -1], jax.random.fold_in(key, i), temperature)
     return (cache, nxt), tok
 

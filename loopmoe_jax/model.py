@@ -50,7 +50,7 @@ class Layer(nn.Module):
   record: bool = False
 
   @nn.compact
-  def __call__(self, x_BTD, positions_BT, attn_w=None):
+  def __call__(self, x_BTD, positions_BT, attn_w=None, bias_E=None):
     c = self.cfg
     if attn_w is None:
       attn_w = AttentionWeights(c, name='attn')()
@@ -59,7 +59,7 @@ class Layer(nn.Module):
     x_BTD = x_BTD + self.scale * h
     u = norm('mlp_norm')(x_BTD)
     if self.num_experts:
-      h, stats = MoE(c, self.num_experts, self.record, name='moe')(u)
+      h, stats = MoE(c, self.num_experts, self.record, name='moe')(u, bias_E)
     else:
       h, stats = DenseMLP(c.expert_width, c.param_dtype, name='mlp')(u), {}
     return constrain(x_BTD + self.scale * h, ACTIVATION), stats
@@ -77,7 +77,7 @@ class Stack(nn.Module):
   record: bool = False
 
   @nn.compact
-  def __call__(self, x_BTD, pass_attn, e_BTD, positions_BT):
+  def __call__(self, x_BTD, pass_attn, e_BTD, positions_BT, bias_DE=None):
     c = self.cfg
     if self.injection == 'add':
       x_BTD = x_BTD + e_BTD
@@ -88,7 +88,8 @@ class Stack(nn.Module):
     stats = []
     for i in range(self.num_layers):
       layer = Layer(c, self.num_experts, self.scale, self.decode, self.record, name=f'layer_{i}')
-      x_BTD, s = layer(x_BTD, positions_BT, None if pass_attn is None else pass_attn[i])
+      x_BTD, s = layer(x_BTD, positions_BT, None if pass_attn is None else pass_attn[i],
+                       None if bias_DE is None else bias_DE[i])
       stats.append(s)
     stacked = jax.tree.map(lambda *a: jnp.stack(a), *stats) if stats[0] else {}
     return x_BTD, stacked
@@ -101,8 +102,13 @@ class Core(nn.Module):
   record: bool = False
 
   @nn.compact
-  def __call__(self, x_BTD, positions_BT, num_loops: int):
+  def __call__(self, x_BTD, positions_BT, num_loops: int, bias=None):
+    """`bias`: the core's router bias, [D, E] ('shared') or [trained L, D, E] ('per_pass';
+    a forward with more passes than trained reuses the last pass's bias), or None."""
     c = self.cfg
+    per_pass = bias is not None and bias.ndim == 3
+    if per_pass:
+      bias = bias[jnp.minimum(jnp.arange(num_loops), bias.shape[0] - 1)]
     scale = residual_scale(c, num_loops)
     pass_attn = None
     if not c.tie_attention:
@@ -117,14 +123,15 @@ class Core(nn.Module):
     e_BTD = x_BTD if c.injection != 'none' else None
     if c.loop_impl == 'scan' or self.decode:
       scanned = nn.scan(body, variable_broadcast=BROADCAST, variable_axes=PER_PASS,
-                        split_rngs={'params': False}, in_axes=(0, nn.broadcast, nn.broadcast),
+                        split_rngs={'params': False},
+                        in_axes=(0, nn.broadcast, nn.broadcast, 0 if per_pass else nn.broadcast),
                         length=num_loops)
-      return scanned(**kw, name='body')(x_BTD, pass_attn, e_BTD, positions_BT)
+      return scanned(**kw, name='body')(x_BTD, pass_attn, e_BTD, positions_BT, bias)
     stack = body(**kw, name='body')
     stats = []
     for l in range(num_loops):
-      per_pass = None if pass_attn is None else jax.tree.map(lambda w: w[l], pass_attn)
-      x_BTD, s = stack(x_BTD, per_pass, e_BTD, positions_BT)
+      attn_l = None if pass_attn is None else jax.tree.map(lambda w: w[l], pass_attn)
+      x_BTD, s = stack(x_BTD, attn_l, e_BTD, positions_BT, bias[l] if per_pass else bias)
       stats.append(s)
     return x_BTD, jax.tree.map(lambda *a: jnp.stack(a), *stats)
 
@@ -149,14 +156,25 @@ class LoopedMoE(nn.Module):
 
     per_visit: dict[str, Any] = {}
     seg_kw = dict(decode=self.decode, record=return_routing)
+    bias = {}
+    if c.router_bias != 'none':
+      if not (self.is_initializing() or self.has_variable(ROUTER_BIAS, 'bias')):
+        raise ValueError(f'model.router_bias={c.router_bias!r}: apply needs the trained bias, '
+                         f"variables {{'params': ..., '{ROUTER_BIAS}': ...}} (the train state's "
+                         f"'{ROUTER_BIAS}', or checkpoint.load_router_bias)")
+      bias = self.variable(ROUTER_BIAS, 'bias', lambda: {
+          seg: jnp.zeros(shape, jnp.float32) for seg, shape in bias_shapes(c).items()}).value
     if c.prelude_layers:
       x_BTD, per_visit['prelude'] = Stack(c, c.prelude_layers, c.prelude_experts, **seg_kw,
-                                          name='prelude')(x_BTD, None, None, positions_BT)
+                                          name='prelude')(x_BTD, None, None, positions_BT,
+                                                          bias.get('prelude'))
     if c.core_layers:
-      x_BTD, per_visit['core'] = Core(c, **seg_kw, name='core')(x_BTD, positions_BT, num_loops)
+      x_BTD, per_visit['core'] = Core(c, **seg_kw, name='core')(x_BTD, positions_BT, num_loops,
+                                                                bias.get('core'))
     if c.coda_layers:
       x_BTD, per_visit['coda'] = Stack(c, c.coda_layers, c.coda_experts, **seg_kw,
-                                       name='coda')(x_BTD, None, None, positions_BT)
+                                       name='coda')(x_BTD, None, None, positions_BT,
+                                                    bias.get('coda'))
     x_BTD = RMSNorm(c.norm_gain, c.norm_eps, c.param_dtype, name='final_norm')(x_BTD)
     if c.tie_embeddings:
       logits_BTV = x_BTD @ embed_VD.T.astype(dt) / jnp.sqrt(c.d_model).astype(dt)
@@ -194,6 +212,45 @@ def _extras(per_visit, return_routing):
     extras['routing'] = {seg: {n: s[n] for n in ('experts', 'logits')}
                          for seg, s in per_visit.items() if s}
   return extras
+
+
+# The variable collection of model.router_bias (not trained): {'bias': {segment: array}}.
+ROUTER_BIAS = 'router_bias'
+
+
+def as_variables(params) -> dict:
+  """apply's variables from a param tree, or from variables that already hold 'params' (a
+  model with a router bias: {'params': ..., 'router_bias': ...}, as
+  checkpoint.load_variables returns it). A param tree's top keys are module names."""
+  return params if 'params' in params else {'params': params}
+
+
+def bias_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """{segment: shape} of the router bias: [layers, E] per MoE segment, the core's
+  [L, D, E] with 'per_pass'; {} with model.router_bias='none'."""
+  if c.router_bias == 'none':
+    return {}
+  out = {}
+  for seg, layers, experts, passes in c.segments:
+    if experts:
+      per_pass = seg == 'core' and c.router_bias == 'per_pass'
+      out[seg] = (passes, layers, experts) if per_pass else (layers, experts)
+  return out
+
+
+def update_router_bias(collection, per_visit, rate: float):
+  """DeepSeek-V3's aux-loss-free update of the 'router_bias' collection: each expert's bias
+  moves by `rate` * sign(mean load - its load), from the expert loads of `per_visit` (apply's
+  extras['per_visit']: [D, E] per segment, the core's [L, D, E], summed over passes for a
+  shared bias). No gradient."""
+  out = {}
+  for seg, b in collection['bias'].items():
+    load = jax.lax.stop_gradient(per_visit[seg]['load'])
+    if load.ndim > b.ndim:  # a bias shared by every pass: the loads of all passes
+      load = jnp.sum(load, axis=0)
+    mean = jnp.mean(load, axis=-1, keepdims=True)
+    out[seg] = b + rate * jnp.sign(mean - load)
+  return {'bias': out}
 
 
 def residual_scale(c: ModelConfig, num_loops: int) -> float:

@@ -20,22 +20,39 @@ from loopmoe_jax.dispatch import dispatch, resolve_backend
 from loopmoe_jax.layers import DTYPES, DenseMLP, fan_in_init, param
 
 
-def route(logits_TE, top_k: int, renormalize: bool):
-  """Top-k of softmax over all experts; weights renormalised over the k chosen (Mixtral) or not."""
-  probs_TE = jax.nn.softmax(logits_TE.astype(jnp.float32), axis=-1)
-  weights_Tk, experts_Tk = jax.lax.top_k(probs_TE, top_k)
+def route(logits_TE, top_k: int, renormalize: bool, bias_E=None, score: str = 'softmax'):
+  """Top-k of the scores: softmax over all experts, weights renormalised over the k chosen
+  (Mixtral) or not; or sigmoid affinities (DeepSeek-V3), weights always normalised over the k.
+  `bias_E` (aux-loss-free balancing) is added to the scores for the choice only: the weights
+  are the unbiased scores of the chosen experts, and the bias gets no gradient."""
+  logits_TE = logits_TE.astype(jnp.float32)
+  if score == 'sigmoid':
+    probs_TE, renormalize = jax.nn.sigmoid(logits_TE), True
+  else:
+    probs_TE = jax.nn.softmax(logits_TE, axis=-1)
+  if bias_E is None:
+    weights_Tk, experts_Tk = jax.lax.top_k(probs_TE, top_k)
+  else:
+    select_TE = jax.lax.stop_gradient(probs_TE) + jax.lax.stop_gradient(bias_E)
+    _, experts_Tk = jax.lax.top_k(select_TE, top_k)
+    weights_Tk = jnp.take_along_axis(probs_TE, experts_Tk, axis=-1)
   if renormalize:
     weights_Tk = weights_Tk / jnp.sum(weights_Tk, axis=-1, keepdims=True)
   return experts_Tk, weights_Tk, probs_TE
 
 
-def route_for(backend: str, logits_TE, top_k: int, renormalize: bool):
+def route_for(backend: str, logits_TE, top_k: int, renormalize: bool, bias_E=None,
+              score: str = 'softmax'):
   """(experts_Tk, weights_Tk, probs_TE, plan): the 'pallas' dispatch routes with the routing
   kernel (same choices and weights as `route`, plus the per-expert counts and sorted
   positions its permute needs, as `plan`); every other backend with `route` (plan None)."""
   if resolve_backend(backend) != 'pallas':
-    return (*route(logits_TE, top_k, renormalize), None)
-  r = pallas_kernels.route(logits_TE.astype(jnp.float32), top_k, renormalize=renormalize)
+    return (*route(logits_TE, top_k, renormalize, bias_E, score), None)
+  if bias_E is not None:
+    bias_E = jax.lax.stop_gradient(bias_E)
+  r = pallas_kernels.route(logits_TE.astype(jnp.float32), top_k,
+                           renormalize=renormalize or score == 'sigmoid', bias_E=bias_E,
+                           score=score)
   plan = {'counts_E': r['counts_E'], 'positions_Tk': r['positions_Tk']}
   return r['experts_Tk'], r['weights_Tk'], r['scores_TE'], plan
 
@@ -65,7 +82,8 @@ class MoE(nn.Module):
   record: bool = False
 
   @nn.compact
-  def __call__(self, x_BTD):
+  def __call__(self, x_BTD, bias_E=None):
+    """`bias_E` [E]: the router bias of model.router_bias (selection only), or None."""
     c, dt = self.cfg, DTYPES[self.cfg.param_dtype]
     b, t, d = x_BTD.shape
     e, f = self.num_experts, c.expert_width
@@ -84,7 +102,9 @@ class MoE(nn.Module):
       if self.has_variable('routing_mask', 'logit_bias'):  # analysis/masking.py: [E], 0 or -1e9
         logits_TE = logits_TE + self.get_variable('routing_mask', 'logit_bias').astype(jnp.float32)
       experts_Tk, weights_Tk, probs_TE, plan = route_for(c.dispatch, logits_TE, c.top_k,
-                                                         c.renormalize)
+                                                         c.renormalize, bias_E, c.router_score)
+    if c.router_score == 'sigmoid':  # the load-balance loss's P_i: per-token shares
+      probs_TE = probs_TE / jnp.sum(probs_TE, axis=-1, keepdims=True)
     stats = {'load_balance': load_balance_loss(experts_Tk, probs_TE), 'z_loss': z_loss(logits_TE),
              'load': expert_load(experts_Tk, e)}
     if self.record:

@@ -16,11 +16,18 @@ def lm_loss(logits_BTV, targets_BT, mask_BT=None):
 
 
 def loss_fn(params, model, batch, lb_coef: float = 0.01, z_coef: float = 0.001,
-            num_loops: int | None = None):
-  """Returns (total objective, metrics). batch: 'inputs', 'targets' [B, T], optional 'mask'."""
-  logits, extras = model.apply({'params': params}, batch['inputs'], num_loops=num_loops)
+            num_loops: int | None = None, router_bias=None):
+  """Returns (total objective, metrics). batch: 'inputs', 'targets' [B, T], optional 'mask'.
+  With `router_bias` (model.router_bias; not differentiated) the metrics also hold the expert
+  loads per segment under 'load' ({segment: [D, E] or the core's [L, D, E]})."""
+  variables = {'params': params}
+  if router_bias is not None:
+    variables['router_bias'] = jax.lax.stop_gradient(router_bias)
+  logits, extras = model.apply(variables, batch['inputs'], num_loops=num_loops)
   lm = lm_loss(logits, batch['targets'], batch.get('mask'))
   total = lm + lb_coef * extras['load_balance'] + z_coef * extras['z_loss']
-  return total, {'loss': lm, 'load_balance': extras['load_balance'],
-                 'z_loss': extras['z_loss'], 'objective': total,
-                 'dropped': extras['dropped'].astype(jnp.float32)}
+  metrics = {'loss': lm, 'load_balance': extras['load_balance'], 'z_loss': extras['z_loss'],
+             'objective': total, 'dropped': extras['dropped'].astype(jnp.float32)}
+  if router_bias is not None:
+    metrics['load'] = {seg: s['load'] for seg, s in extras['per_visit'].items()}
+  return total, metrics

@@ -158,6 +158,11 @@ def smelt(out: str, scale: str, log=print) -> tuple[dict, str]:
                    for v in summary]
   pair_rows = [{'steps': s, 'baseline': pair['baseline'][s], 'looped': pair['looped'][s]}
                for s in sorted(pair['baseline'])]
+  pair_dirs = {v: next(r['workdir'] for r in rows if int(r['steps']) == max(steps) and
+                       (r['model.d_model'], r['model.core_experts']) == matched[v])
+               for v, rows in arch_rows.items()}
+  results['analysis'] = analysis = smelt_probes(pair_dirs, log)
+  probe_text = smelt_probe_report(analysis)
   report = f"""# SMELT, mini-replication ({scale} scale)
 
 Each architecture of `configs/smelt.py:{size},baseline|looped` (the twin loops the middle half
@@ -187,8 +192,50 @@ At the baseline frontier's loss at this compute ({eff['loss']:.4f}) the looped f
 
 Paper: a 6.8-18.0% training-compute discount across its grid, growing with compute; frontier
 exponents gamma 0.250 (SMELT) vs 0.237 (baseline).
-"""
+
+{probe_text}"""
   return results, report
+
+
+def smelt_probes(pair_dirs: dict[str, str], log=print, tokens: int = 4096) -> dict:
+  """SMELT's probes and in-context eval of the compute-matched pair (`pair_dirs`:
+  {'baseline', 'looped'} run directories): Q/K/V cosine between the twin's visits, sink mass
+  per visit, and Dyck-2 exact match by shots (analysis/probes.py, analysis/evals.py)."""
+  from loopmoe_jax.analysis import evals, probes
+  out = {}
+  for v, workdir in pair_dirs.items():
+    log(f'smelt: probes and Dyck of {workdir}')
+    out[v] = {'workdir': workdir, 'probes': probes.probe_workdir(workdir, tokens),
+              'dyck': evals.reasoning_evals(workdir, examples=32)['dyck']}
+  return out
+
+
+def smelt_probe_report(analysis: dict) -> str:
+  rows = []
+  for v, a in analysis.items():
+    for n, sim in a['probes'].get('qkv_cosine', {}).items():
+      sim = np.asarray(sim)  # [D][L][L]: visit 1 against visit 2 per shared layer
+      rows.append({'arch': v, 'probe': f'{n} cosine, visits 1-2',
+                   'per layer': ', '.join(f'{x:.3f}' for x in sim[:, 0, 1])})
+    for seg, mass in a['probes']['sink_mass'].items():
+      rows.append({'arch': v, 'probe': f'sink mass, {seg}',
+                   'per layer': ', '.join(f'{x:.3f}' for x in np.ravel(mass))})
+  dyck = [{'arch': v, **{f'{k}-shot': (d['accuracy'] if 'accuracy' in d else 'refused')
+                          for k, d in a['dyck'].items()}} for v, a in analysis.items()]
+  shots = [k for k in dyck[0] if k != 'arch']
+  return f"""## Probes and in-context Dyck of the compute-matched pair (longest run)
+
+{_table(rows, ['arch', 'probe', 'per layer'])}
+
+Dyck-2 completion, exact match of the closing sequence (teacher-forced argmax, 32 queries;
+'refused': the prompts exceed the trained context):
+
+{_table(dyck, ['arch'] + shots)}
+
+Paper: queries, keys and values of the second visit stay close to the first's; the looped
+model's sink mass differs from the baseline's; looping helps Dyck in-context accuracy at
+many shots (models trained on billions of tokens).
+"""
 
 
 # Foil ---------------------------------------------------------------------------------------
@@ -198,7 +245,9 @@ def foil(out: str, scale: str, log=print) -> tuple[dict, str]:
   from loopmoe_jax.config import ModelConfig
   variants = ('base', 'foil3', 'foil2', 'foil1')
   steps = 150 if scale == 'cpu' else 3000
-  results, runs = {}, {}
+  from loopmoe_jax.analysis import paired
+  from loopmoe_jax.analysis.diagnose import diagnose
+  results, runs, dirs = {}, {}, {}
   for v in variants:
     cfg = load_config(f'configs/foil.py:{v}' + (',smoke' if scale == 'cpu' else ''))
     cfg.train.steps, cfg.train.sample_tokens, cfg.train.log_every = steps, 0, 1
@@ -223,17 +272,28 @@ def foil(out: str, scale: str, log=print) -> tuple[dict, str]:
                   'params': count(mc)['params_total'], 'val_loss': summary['val_loss'],
                   'final_window_loss': summary['final_window_loss'],
                   'max_vio_by_pass': {p: float(np.mean(v_)) for p, v_ in sorted(by_pass.items())}}
-  base = runs['base']
+    dirs[v] = row['workdir']
+    log(f'foil: routing diagnostics of {v}')
+    diag = diagnose(row['workdir'], os.path.join(out, 'diagnostics', v),
+                    tokens=4096 if scale == 'cpu' else 65536, mask_draws=2, log=log)
+    core = diag['segments'].get('core', {})
+    results[v]['diagnostics'] = {k: core.get(k) for k in (
+        'U_mean', 'U_normalized', 'B2_pooled', 'B2_per_pass', 'MaxVio_global', 'MMR_overall',
+        'MMR_per_pass')}
   for v in variants[1:]:
-    diff = np.array([runs[v][s] - base[s] for s in sorted(base) if s > steps // 2])
-    results[v]['paired_diff_vs_base'] = {
-        'mean': float(diff.mean()), 'se': float(diff.std(ddof=1) / np.sqrt(len(diff))),
-        'steps': len(diff)}
+    c = paired.compare_runs(dirs[v], dirs['base'], window=0.5)
+    results[v]['paired_diff_vs_base'] = {k: c[k] for k in ('mean_diff', 'se', 'lag1_autocorr',
+                                                           'n_eff', 'se_eff', 'n')}
   rows = [{'variant': v, **{k: results[v][k] for k in ('shape', 'params', 'val_loss',
                                                        'final_window_loss')},
-           'paired_diff': results[v].get('paired_diff_vs_base', {}).get('mean', 0.0),
+           'paired_diff': results[v].get('paired_diff_vs_base', {}).get('mean_diff', 0.0),
+           'se_eff': results[v].get('paired_diff_vs_base', {}).get('se_eff', 0.0),
            'max_vio_pass0': results[v]['max_vio_by_pass'].get(0, float('nan'))}
           for v in variants]
+  diag_rows = [{'variant': v, 'U': d['U_mean'], 'U_norm': d['U_normalized'],
+                'B2_pooled': _mean(d['B2_pooled']), 'B2_per_pass': _mean(d['B2_per_pass']),
+                'MaxVio': _mean(d['MaxVio_global']), 'MMR': d['MMR_overall']}
+               for v in variants for d in [results[v]['diagnostics']]]
   report = f"""# Foil, mini-replication ({scale} scale)
 
 The looped-block shapes (E, D, L) of `configs/foil.py` ({'smoke widths, ' if scale == 'cpu'
@@ -241,11 +301,17 @@ else ''}{steps} steps, one data order, untied per-pass attention), equal paramet
 each family. **Different scale from the paper** (553.7M parameters, 20B tokens).
 
 {_table(rows, ['variant', 'shape', 'params', 'val_loss', 'final_window_loss', 'paired_diff',
-               'max_vio_pass0'])}
+               'se_eff', 'max_vio_pass0'])}
 
 `paired_diff`: mean over the second half of training of (variant loss - Base loss) at the same
-step on the same batch (negative: better than Base). MaxVio of the core's first pass at the
-last routing record.
+step on the same batch (negative: better than Base), `se_eff` its standard error with the
+lag-1-autocorrelation effective sample size (analysis/paired.py). MaxVio of the core's first
+pass at the last routing record.
+
+Routing diagnostics of the final checkpoints over held-out tokens (analysis/diagnose.py; core
+layers, means over layers and passes; per-run JSON and heatmaps under `diagnostics/`):
+
+{_table(diag_rows, ['variant', 'U', 'U_norm', 'B2_pooled', 'B2_per_pass', 'MaxVio', 'MMR'])}
 
 Paper: flattening to more experts, fewer layers and more passes (Foil-1/2/3) beats Base at
 equal parameters and compute, and untied attention is needed for the gain.
@@ -284,6 +350,10 @@ def _training_seconds(out: str) -> float:
       with open(os.path.join(root, 'summary.json')) as f:
         total += float(json.load(f).get('wall_s', 0.0))
   return total
+
+
+def _mean(x) -> float:
+  return float(np.mean(x)) if x is not None else float('nan')
 
 
 def _json_default(x: Any):

@@ -8,15 +8,18 @@ each run's final-window loss, validation losses at shared eval steps, both curve
 OUT/compare.png. Runs with different data sections, or no shared logged step, are refused.
 
 The looped-vs-non-looped CPU comparison (FLOPs, params and KV matched with the matcher;
-the baseline is the README main job unlooped, 4 layers; the twin loops its middle half twice):
+the baseline is the README main job unlooped, 4 layers, with 4 experts in its prelude and
+coda as the main job had then; the twin loops its middle half twice):
 
     python scripts/match_budgets.py --baseline=configs/default.py --baseline.model.num_loops=1 \
-        --span=0.5 --loops=2 --search_expert_width --json /tmp/cmp14/match.json
+        --baseline.model.prelude_experts=4 --baseline.model.coda_experts=4 --span=0.5 \
+        --loops=2 --search_expert_width --json /tmp/cmp14/match.json
     # -> d_model 112, 2 heads / 1 KV head of 42, expert width 104, 9 experts per layer, 2 passes
     #    (FLOPs 0.994, params 0.994, KV 0.984 of the baseline)
     COMMON="--config=configs/default.py --config.train.steps=250 --config.train.log_every=1 \
         --config.train.eval_every=50 --config.train.save_every=125 --config.train.sample_tokens=0"
-    python scripts/train.py $COMMON --config.model.num_loops=1 --workdir=/tmp/cmp14/base
+    python scripts/train.py $COMMON --config.model.num_loops=1 \
+        --config.model.prelude_experts=4 --config.model.coda_experts=4 --workdir=/tmp/cmp14/base
     python scripts/train.py $COMMON --config.model.d_model=112 --config.model.num_heads=2 \
         --config.model.num_kv_heads=1 --config.model.head_dim=42 --config.model.expert_width=104 \
         --config.model.prelude_experts=9 --config.model.core_experts=9 \

@@ -1,8 +1,11 @@
 """Routing diagnostics of a checkpoint over held-out tokens: distinct experts U, load shares,
 N2/B2, MaxVio, MMR (per core layer, per pass, overall), traffic-matched expert masking, and
-PNG heatmaps of load and MMR by layer and pass.
+PNG heatmaps of load and MMR by layer and pass; SMELT's probes (Q/K/V cosine between visits,
+sink mass) over up to --probes tokens; with --evals, Dyck-k by shots and parity / addition /
+induction; with --recurrence=R, loss and task accuracy at passes 1..R (recurrence.png).
 
     python scripts/diagnose.py --workdir=/tmp/run --out=/tmp/diag [--tokens=16384] [--step=400]
+        [--probes=8192] [--evals=64] [--recurrence=6]
 """
 from absl import flags
 
@@ -17,13 +20,20 @@ _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step (default: latest rea
 _MASK_TOP = flags.DEFINE_integer('mask_top', 1, 'Mask the N most-loaded experts of each core '
                                  'layer (0: no masking test).')
 _MASK_DRAWS = flags.DEFINE_integer('mask_draws', 4, 'Traffic-matched random sets per layer.')
+_PROBES = flags.DEFINE_integer('probes', 8192, 'Q/K/V-cosine and sink-mass probes over up to '
+                               'this many validation tokens (0: skip).')
+_EVALS = flags.DEFINE_integer('evals', 0, 'Reasoning evals (Dyck-k by shots, parity, addition, '
+                              'induction) on this many examples each (0: skip).')
+_RECURRENCE = flags.DEFINE_integer('recurrence', 0, 'Test-time recurrence: loss and task '
+                                   'accuracy at passes 1..R (0: skip).')
 
 
 def main(argv):
   del argv
   from loopmoe_jax.analysis.diagnose import diagnose, summary_lines
   report = diagnose(_WORKDIR.value, _OUT.value, _TOKENS.value, _STEP.value, _MASK_TOP.value,
-                    _MASK_DRAWS.value)
+                    _MASK_DRAWS.value, probes=_PROBES.value, evals=_EVALS.value,
+                    recurrence=_RECURRENCE.value)
   print('\n'.join(summary_lines(report)))
   print(f'wrote {_OUT.value}/diagnostics.json and {", ".join(report["figures"]) or "no figures"}')
 

@@ -1,7 +1,8 @@
 """Export a checkpoint (safetensors, or Hugging Face Mixtral with the loop unrolled), or
 import a Mixtral directory into our safetensors format.
 
-    python scripts/export.py --workdir=/tmp/run [--step=400] --format=hf-mixtral --out=/tmp/hf
+    python scripts/export.py --workdir=/tmp/run [--step=400] --format=hf-mixtral --out=/tmp/hf \
+        [--verify]   # load it in transformers: max logit error and greedy tokens against ours
     python scripts/export.py --workdir=/tmp/run --format=safetensors --out=/tmp/st
     python scripts/export.py --import=hf-mixtral --src=/tmp/hf --out=/tmp/ours
         [--loop_span=START:STOP:LOOPS]   # layers [START, STOP) as a shared core looped LOOPS
@@ -22,6 +23,9 @@ _OVERWRITE = flags.DEFINE_bool('overwrite', False, 'Replace a non-empty --out.')
 _IMPORT = flags.DEFINE_enum('import', None, ['hf-mixtral'], 'Import instead of export.')
 _SRC = flags.DEFINE_string('src', None, 'Directory to import (with --import).')
 _SPAN = flags.DEFINE_string('loop_span', None, 'START:STOP:LOOPS for --import.')
+_VERIFY = flags.DEFINE_bool('verify', False, 'After exporting, compare the export with our model '
+                            'on validation tokens (logits, greedy tokens); hf-mixtral loads it '
+                            'in transformers (needs torch).')
 
 
 def main(argv):
@@ -41,8 +45,12 @@ def main(argv):
     return
   if not _WORKDIR.value or not _FORMAT.value:
     raise ValueError('export needs --workdir=DIR and --format={safetensors,hf-mixtral}')
-  print(json.dumps(files.export_workdir(_WORKDIR.value, _OUT.value, _FORMAT.value, _STEP.value,
-                                        _OVERWRITE.value), indent=1))
+  summary = files.export_workdir(_WORKDIR.value, _OUT.value, _FORMAT.value, _STEP.value,
+                                 _OVERWRITE.value)
+  if _VERIFY.value:
+    summary['verify'] = files.verify_export(_WORKDIR.value, _OUT.value, _FORMAT.value,
+                                            summary['step'])
+  print(json.dumps(summary, indent=1))
 
 
 if __name__ == '__main__':

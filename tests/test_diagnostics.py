@@ -211,16 +211,35 @@ def test_not_applicable_names_what_a_model_lacks():
 
 
 def test_diagnose_end_to_end_on_a_trained_workdir(tmp_path):
-  """A tiny run trained for 2 steps: diagnose writes the JSON (figures consistent with the
-  definitions) and both PNGs; a probe set past the split, and a workdir without checkpoints,
-  are errors naming the problem."""
+  """A tiny run trained for 2 steps with a router bias: diagnose writes the JSON (figures
+  consistent with the definitions), both heatmaps and the recurrence plot, with the probes
+  and recurrence of the same checkpoint (the trained bias routes every analysis: without it
+  the model refuses to run); a probe set past the split, a negative option, and a workdir
+  without checkpoints are errors naming the problem."""
+  from loopmoe_jax.analysis import probe_set as ps
   from loopmoe_jax.analysis.diagnose import diagnose, summary_lines
+  from loopmoe_jax.train import checkpoint
   from loopmoe_jax.train.trainer import train
   from test_train import tiny
   work, out = str(tmp_path / 'run'), str(tmp_path / 'diag')
-  train(tiny(steps=2, save_every=2, eval_every=2, routing_every=2), work)
-  r = diagnose(work, out, tokens=40, mask_draws=2, log=lambda *_: None)
+  cfg = tiny(steps=2, save_every=2, eval_every=2, routing_every=2, bias_rate=0.01)
+  cfg.model.router_bias = 'shared'
+  trained = train(cfg, work)
+  r = diagnose(work, out, tokens=40, mask_draws=2, log=lambda *_: None, probes=32,
+               recurrence=3)
   assert r['probe_set']['tokens'] == 48  # 3 windows of 16
+  assert os.path.getsize(os.path.join(out, 'recurrence.png')) > 1000
+  # the trainer's own validation loss at its trained pass count, through the stored bias
+  assert r['recurrence']['val_loss']['2'] == pytest.approx(trained['val_loss'], rel=1e-5)
+  for sim in r['probes']['qkv_cosine'].values():  # [D][L][L]: a visit is itself, symmetric
+    sim = np.asarray(sim)
+    np.testing.assert_allclose(np.diagonal(sim, axis1=1, axis2=2), 1.0, atol=1e-5)
+    np.testing.assert_allclose(sim, np.swapaxes(sim, 1, 2), atol=1e-6)
+  model_cfg, params, _, config = checkpoint.load_params(work)
+  with pytest.raises(ValueError, match='apply needs the trained bias'):
+    ps.run(model_cfg, params, ps.probe_batches(config['data'], model_cfg, 16)[0])
+  with pytest.raises(ValueError, match='--probes=-1: must be >= 0'):
+    diagnose(work, out, tokens=40, probes=-1)
   with open(os.path.join(out, 'diagnostics.json')) as f:
     assert json.load(f)['step'] == 2
   for name in ('expert_load.png', 'mmr.png'):

@@ -4,6 +4,7 @@ safetensors round trip bit-exact; a tiny random MixtralForCausalLM imported; ref
 Mixtral cannot express; bad input."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -40,16 +41,25 @@ CASES = {
 TOKENS = np.random.default_rng(3).integers(0, 37, (2, 9))
 
 
+@functools.lru_cache(maxsize=None)
+def _forward(cfg):
+  return jax.jit(LoopedMoE(cfg).apply)
+
+
 def ours(cfg, params, toks):
-  logits, _ = jax.jit(LoopedMoE(cfg).apply)({'params': params}, jnp.asarray(toks))
+  logits, _ = _forward(cfg)({'params': params}, jnp.asarray(toks))
   return np.asarray(logits)
 
 
 def our_greedy(cfg, params, prompt, steps):
-  toks = np.asarray(prompt)
-  for _ in range(steps):
-    nxt = ours(cfg, params, toks)[:, -1].argmax(-1)
-    toks = np.concatenate([toks, nxt[:, None]], axis=1)
+  """Greedy continuation by full forwards over one fixed-length buffer (causal: the logits at
+  position t see tokens <= t only, so the padding after it changes nothing; one program)."""
+  prompt = np.asarray(prompt)
+  n = prompt.shape[1]
+  toks = np.zeros((prompt.shape[0], n + steps), prompt.dtype)
+  toks[:, :n] = prompt
+  for t in range(n, n + steps):
+    toks[:, t] = ours(cfg, params, toks)[:, t - 1].argmax(-1)
   return toks
 
 
@@ -167,6 +177,8 @@ REFUSALS = {
     'non-renormalised routing': dict(renormalize=False),
     'shared experts': dict(num_shared_experts=1),
     'expert capacity': dict(capacity_factor=1.25),
+    'sigmoid router scores': dict(router_score='sigmoid'),
+    'a router selection bias': dict(router_bias='shared'),
 }
 
 
@@ -191,6 +203,28 @@ def test_workdir_without_checkpoints(tmp_path):
   with pytest.raises(FileNotFoundError, match='no checkpoint'):
     files.export_workdir(str(tmp_path / 'run'), str(tmp_path / 'out'), 'safetensors')
   assert not os.path.exists(tmp_path / 'out')
+
+
+@needs_torch
+def test_export_of_a_trained_workdir_verifies_in_both_formats(tmp_path):
+  """A tiny run trained 2 steps: the chosen step exports in both formats, and --verify finds
+  the logits equal to ours (float32, on validation tokens) and the same greedy tokens; a step
+  that does not exist is an error listing the steps there, and leaves no directory."""
+  from loopmoe_jax.train.trainer import train
+  from test_train import tiny
+  work = str(tmp_path / 'run')
+  train(tiny(steps=2, save_every=1, eval_every=2, routing_every=2), work)
+  for fmt in files.FORMATS:
+    out = str(tmp_path / fmt)
+    summary = files.export_workdir(work, out, fmt, step=1)
+    assert summary['step'] == 1 and summary['bytes'] > 0
+    check = files.verify_export(work, out, fmt, step=1, tokens=32, greedy=4)
+    print(fmt, check)
+    assert check['max_abs_logit_error'] < 1e-4 * max(1.0, check['logit_scale'])
+    assert check['greedy_equal'] and check['tokens'] == 32
+  with pytest.raises(FileNotFoundError, match=r'step 9: no such checkpoint.*\[1, 2\]'):
+    files.export_workdir(work, str(tmp_path / 'nine'), 'safetensors', step=9)
+  assert not os.path.exists(tmp_path / 'nine')
 
 
 def test_non_empty_out_refused_and_failed_export_leaves_nothing(tmp_path):

@@ -158,10 +158,10 @@ def test_gmm_forward_and_vjp_match_numpy_and_ragged_dot(family, dtype):
 # Groups of the isolation test, on the first 48 rows: row tile 16..31 holds rows of groups
 # 1, 3 and 4; tile 32..47 rows of group 4 and rows 41..47, past the group-size sum 41.
 ISOLATION_SIZES = [0, 21, 0, 7, 13, 0]
-# (operand, {row: value}): inf / NaN in rows of the cotangent or of lhs. Row 24 is in group 3,
-# rows 44 and 47 are past the sum.
-NON_FINITE_CASES = [('cot', {24: np.inf}), ('cot', {24: np.nan}),
-                    ('cot', {44: np.inf, 47: np.nan}), ('lhs', {24: np.nan, 44: np.inf})]
+# (operand, {row: value}): inf and NaN in rows of the cotangent or of lhs. Rows 24 and 25 are
+# in group 3, rows 44 and 47 past the sum.
+NON_FINITE_CASES = [('cot', {24: np.inf, 25: np.nan, 44: np.inf, 47: np.nan}),
+                    ('lhs', {24: np.nan, 25: np.inf, 44: np.inf})]
 
 
 def group_of_row(sizes, row):

@@ -186,6 +186,6 @@ def test_cli_errors_are_one_line_and_debug_shows_the_traceback(tmp_path):
   invalid = _cli('--config.model.top_k=99', work)
   assert invalid.returncode == 1 and 'Traceback' not in invalid.stderr
   assert invalid.stderr.strip().splitlines()[-1] == (
-      'error: model.top_k=99: exceeds model.prelude_experts=4')
+      'error: model.top_k=99: exceeds model.prelude_experts=8')
   debug = _cli('--config.model.top_k=99', work, '--debug')
   assert debug.returncode == 1 and 'Traceback' in debug.stderr

@@ -52,11 +52,28 @@ def test_smelt_report_recovers_a_known_law_per_architecture(tmp_path, monkeypatc
           row = {'steps': s, 'D': d, 'F': f, 'S': sp, 'C': 3 * f * d,
                  'loss': p['E'] + p['A'] * (1 - sp) ** p['b'] / f ** p['a']
                          + p['K'] / d ** p['c']}
-          rows.append(row | {'model.d_model': w, 'model.core_experts': e})
+          rows.append(row | {'model.d_model': w, 'model.core_experts': e,
+                             'workdir': f'{out}/w{w}_e{e}_s{s}'})
     return rows
+  probed = {}
+
+  def fake_probes(pair_dirs, log):  # the real probes are tested in test_probes.py
+    probed.update(pair_dirs)
+    return {v: {'workdir': d, 'probes': {'qkv_cosine': {'q': [[[1.0, 0.9], [0.9, 1.0]]]},
+                                         'sink_mass': {'core': [[0.1, 0.2]]}},
+                'dyck': {'0': {'accuracy': 0.25}, '32': {'refused': 'too long'}}}
+            for v, d in pair_dirs.items()}
   monkeypatch.setattr(reproduce, '_sweep', fake_sweep)
+  monkeypatch.setattr(reproduce, 'smelt_probes', fake_probes)
   monkeypatch.setitem(reproduce.SMELT_RESAMPLES, 'cpu', 8)
   res = reproduce.run('smelt', str(tmp_path), 'cpu', log=lambda *_: None)
+  # the probes see the compute-matched pair (each config's own width and experts), longest run
+  from loopmoe_jax.experiment import load_config
+  for v in laws:
+    m = load_config(f'configs/smelt.py:smoke,{v}').model
+    assert probed[v] == f'{tmp_path}/{v}/w{m.d_model}_e{m.core_experts}_s200'
+  text = (tmp_path / 'report.md').read_text()
+  assert '| looped | q cosine, visits 1-2 | 0.900 |' in text and '| 0.25 | refused |' in text
   for arch, p in laws.items():
     assert res['frontier'][arch]['gamma'] == pytest.approx(
         smelt_analysis.frontier_exponent(p), rel=1e-2)

@@ -86,8 +86,11 @@ def assert_grads_close(got, want):
                                err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize('config_name', sorted(CONFIGS))
-@pytest.mark.parametrize('mesh_name', sorted(MESHES))
+# Every mesh and every config at least once (test_microbatches_give_the_same_update runs
+# 'untied' on data2_expert4 too); the full product would double the suite's share here.
+@pytest.mark.parametrize('mesh_name,config_name', [
+    ('data2_expert4', 'tied_injection'), ('fsdp2_expert2_data2', 'untied'),
+    ('fsdp4_tensor2', 'untied'), ('fsdp4_tensor2', 'tied_injection')])
 def test_sharded_training_equals_one_device(config_name, mesh_name):
   (m_one, g_one), (m_mesh, g_mesh) = run(config_name, 'one'), run(config_name, mesh_name)
   for key in ('loss', 'load_balance', 'z_loss'):  # every step's values

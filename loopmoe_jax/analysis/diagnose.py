@@ -68,10 +68,19 @@ def not_applicable(cfg) -> dict:
 
 
 def diagnose(workdir: str, out_dir: str, tokens: int, step: int | None = None,
-             mask_top: int = 1, mask_draws: int = 4, seed: int = 0, log=print) -> dict:
-  """Writes out_dir/diagnostics.json and the heatmaps; returns the JSON's dict."""
+             mask_top: int = 1, mask_draws: int = 4, seed: int = 0, log=print,
+             probes: int = 0, evals: int = 0, recurrence: int = 0) -> dict:
+  """Writes out_dir/diagnostics.json and the heatmaps; returns the JSON's dict. Optional
+  analyses of the same checkpoint (0 skips each): `probes` Q/K/V cosine between visits and
+  sink mass over min(tokens, probes) validation tokens ('probes'); `evals` Dyck-k by shots
+  and parity/addition/induction on that many examples each ('evals'); `recurrence` loss and
+  task accuracy at passes 1..recurrence ('recurrence', and recurrence.png)."""
+  for name, value in dict(tokens=tokens, mask_top=mask_top, mask_draws=mask_draws, probes=probes,
+                          evals=evals, recurrence=recurrence).items():
+    if value < 0 or (name == 'tokens' and value == 0):
+      raise ValueError(f'--{name}={value}: must be {"> 0" if name == "tokens" else ">= 0"}')
   t0 = time.perf_counter()
-  cfg, params, s, config = checkpoint.load_params(workdir, step)
+  cfg, params, s, config = checkpoint.load_variables(workdir, step)
   batches, info = probe_set.probe_batches(config['data'], cfg, tokens)
   experts = probe_set.segment_experts(cfg)
   if info['tokens'] != tokens:
@@ -121,6 +130,18 @@ def diagnose(workdir: str, out_dir: str, tokens: int, step: int | None = None,
                         'records_per_1k_tokens_after_first_batch':
                             1000 * res['timing']['rest_s'] / res['timing']['rest_tokens']
                             if res['timing']['rest_tokens'] else None}
+  if probes:
+    from loopmoe_jax.analysis import probes as mech  # pylint: disable=import-outside-toplevel
+    report['probes'] = mech.probe_workdir(workdir, min(tokens, probes), s)
+  if evals:
+    from loopmoe_jax.analysis import evals as ev  # pylint: disable=import-outside-toplevel
+    report['evals'] = ev.reasoning_evals(workdir, s, examples=evals)
+  if recurrence:
+    from loopmoe_jax.analysis import evals as ev  # pylint: disable=import-outside-toplevel
+    report['recurrence'] = ev.recurrence(workdir, recurrence, s)
+    figures.append(ev.plot_recurrence(report['recurrence'],
+                                      os.path.join(out_dir, 'recurrence.png')))
+  report['timing_s']['analyses_after_masking'] = time.perf_counter() - t3
   report['figures'] = figures
   report = _plain(report)
   with open(os.path.join(out_dir, 'diagnostics.json'), 'w') as f:
@@ -146,13 +167,41 @@ def summary_lines(r: dict) -> list[str]:
                  f'{m["traffic"]:.3f}): dloss {m["delta_loss"]:+.4f}; random matched sets '
                  f'(traffic {m["random_traffic_mean"] or 0:.3f}): '
                  + (f'{rd:+.4f} +- {m["random_delta_std"] or 0:.4f}' if rd is not None else 'none'))
+  if 'probes' in r:
+    p = r['probes']
+    for n, sim in p.get('qkv_cosine', {}).items():
+      lines.append(f'probes: {n} cosine between visits [layer][pass][pass]: {_fmt(sim)}')
+    lines.append(f'probes: sink mass per segment/visit: '
+                 + '  '.join(f'{k} {_fmt(v)}' for k, v in p['sink_mass'].items()))
+  if 'evals' in r:
+    e = r['evals']
+    lines.append(f'evals ({e["num_loops"]} passes): Dyck by shots '
+                 + json.dumps({k: _round(v) for k, v in _accuracies(e['dyck']).items()})
+                 + '  tasks ' + json.dumps({k: _round(v) for k, v in
+                                            _accuracies(e['tasks']).items()}))
+  if 'recurrence' in r:
+    rc = r['recurrence']
+    lines.append('recurrence: val loss by passes '
+                 + json.dumps({k: round(v, 4) for k, v in rc['val_loss'].items()}))
   t = r['timing_s']
   steady = t['records_per_1k_tokens_after_first_batch']
   lines.append(f'time: {t["total"]:.1f} s total ({t["total_per_1k_tokens"]:.3f} s per 1,000 '
                f'tokens; records {t["records"]:.1f} s = first batch {t["records_first_batch"]:.1f} '
                f's with compile, then '
-               + (f'{steady:.3f} s per 1,000 tokens)' if steady is not None else 'no more batches)'))
+               + (f'{steady:.3f} s per 1,000 tokens)' if steady is not None else 'no more batches)')
+               + (f'; then probes, evals and recurrence {t["analyses_after_masking"]:.1f} s'
+                  if t.get('analyses_after_masking') else ''))
   return lines
+
+
+def _accuracies(d: dict) -> dict:
+  """{name: accuracy} of an evals dict whose values are accuracies or dicts holding one."""
+  return {k: ((v.get('accuracy') if 'accuracy' in v else 'refused') if isinstance(v, dict)
+              else v) for k, v in d.items()}
+
+
+def _round(v):
+  return round(v, 3) if isinstance(v, float) else v
 
 
 def _fmt(x):

@@ -26,7 +26,7 @@ import numpy as np
 
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.data import synthetic
-from loopmoe_jax.model import LoopedMoE, check_loops
+from loopmoe_jax.model import LoopedMoE, as_variables, check_loops
 
 SEPARATOR = '\n'
 SHOTS = (0, 1, 2, 4, 8, 16, 32)
@@ -107,7 +107,7 @@ def task_accuracy(predict: Predictor, task: str, examples: int = 64, seq_len: in
 @functools.lru_cache(maxsize=None)
 def _argmax_fn(cfg: ModelConfig, num_loops: int | None):
   model = LoopedMoE(cfg)
-  return jax.jit(lambda p, x: jnp.argmax(model.apply({'params': p}, x,
+  return jax.jit(lambda p, x: jnp.argmax(model.apply(as_variables(p), x,
                                                       num_loops=num_loops)[0], -1))
 
 
@@ -132,14 +132,19 @@ def reasoning_evals(workdir: str, step: int | None = None, num_loops: int | None
   """Dyck-k accuracy by shots and zero-shot parity / addition / induction accuracy of a
   checkpoint; `context` defaults to the run's data.seq_len (longer prompts are refused)."""
   from loopmoe_jax.train import checkpoint
-  cfg, params, s, config = checkpoint.load_params(workdir, step)
+  cfg, params, s, config = checkpoint.load_variables(workdir, step)
   _check_bytes(config, workdir)
   context = context or config['data']['seq_len']
   predict = model_predictor(cfg, params, num_loops)
+  tasks = {}
+  for t in TASKS:
+    try:
+      tasks[t] = task_accuracy(predict, t, examples, context)
+    except ValueError as e:  # the task's examples do not fit the context
+      tasks[t] = {'refused': str(e)}
   return {'step': s, 'num_loops': check_loops(cfg, num_loops), 'context': context,
           'scoring': 'exact match, teacher-forced argmax',
-          'dyck': dyck_accuracy(predict, shots, examples, context),
-          'tasks': {t: task_accuracy(predict, t, examples, context) for t in TASKS}}
+          'dyck': dyck_accuracy(predict, shots, examples, context), 'tasks': tasks}
 
 
 def recurrence(workdir: str, max_loops: int, step: int | None = None, examples: int = 64,
@@ -150,16 +155,20 @@ def recurrence(workdir: str, max_loops: int, step: int | None = None, examples: 
   from loopmoe_jax.train.evaluation import evaluate_checkpoint
   loops = list(range(1, max_loops + 1))
   ev = evaluate_checkpoint(workdir, loops, step)
-  cfg, params, s, config = checkpoint.load_params(workdir, ev['step'])
+  cfg, params, s, config = checkpoint.load_variables(workdir, ev['step'])
   _check_bytes(config, workdir)
   seq_len = config['data']['seq_len']
-  acc = {t: {} for t in tasks}
+  acc, skipped = {t: {} for t in tasks}, {}
   for n in loops:
     predict = model_predictor(cfg, params, n)
-    for t in tasks:
-      acc[t][str(n)] = task_accuracy(predict, t, examples, seq_len)
+    for t in list(acc):
+      try:
+        acc[t][str(n)] = task_accuracy(predict, t, examples, seq_len)
+      except ValueError as e:  # the task's examples do not fit the trained context
+        skipped[t] = str(e)
+        del acc[t]
   return {'step': ev['step'], 'trained_loops': cfg.num_loops, 'passes': loops,
-          'val_loss': ev['val_loss'], 'task_accuracy': acc,
+          'val_loss': ev['val_loss'], 'task_accuracy': acc, 'tasks_skipped': skipped,
           'scoring': 'exact match, teacher-forced argmax'}
 
 
@@ -181,6 +190,8 @@ def plot_recurrence(result: dict, path: str) -> str:
   ax2.set_xlabel('passes at test time')
   ax2.set_ylabel('exact-match accuracy (0-shot)')
   ax2.set_ylim(-0.02, 1.02)
+  for ax in (ax1, ax2):
+    ax.set_xticks(passes)
   ax2.legend()
   fig.tight_layout()
   fig.savefig(path, dpi=100)

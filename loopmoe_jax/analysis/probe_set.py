@@ -17,7 +17,7 @@ import numpy as np
 
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.data import pipeline
-from loopmoe_jax.model import LoopedMoE
+from loopmoe_jax.model import LoopedMoE, as_variables
 from loopmoe_jax.objective import lm_loss
 
 SEGMENTS = ('prelude', 'core', 'coda')
@@ -56,7 +56,8 @@ def probe_batches(data_config: dict, cfg: ModelConfig, tokens: int) -> tuple[lis
 
 
 def apply_variables(params, routing_mask):
-  return {'params': params, 'routing_mask': routing_mask} if routing_mask else {'params': params}
+  variables = as_variables(params)
+  return {**variables, 'routing_mask': routing_mask} if routing_mask else variables
 
 
 @functools.lru_cache(maxsize=None)

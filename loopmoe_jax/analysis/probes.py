@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from loopmoe_jax.config import ModelConfig
-from loopmoe_jax.model import LoopedMoE, check_loops
+from loopmoe_jax.model import LoopedMoE, as_variables, check_loops
 
 QKV = ('q', 'k', 'v')
 
@@ -38,7 +38,7 @@ def _probe_fn(cfg: ModelConfig, num_loops: int | None):
   model = LoopedMoE(cfg)
 
   def fn(params, tokens_BT):
-    (logits, _), state = model.apply({'params': params}, tokens_BT, num_loops=num_loops,
+    (logits, _), state = model.apply(as_variables(params), tokens_BT, num_loops=num_loops,
                                      mutable=['intermediates'])
     return logits, state['intermediates']
   return jax.jit(fn)
@@ -122,7 +122,7 @@ def _nll_fn(cfg: ModelConfig, num_loops: int | None):
   model = LoopedMoE(cfg)
 
   def fn(params, inputs_BT, targets_BT):
-    logits, _ = model.apply({'params': params}, inputs_BT, num_loops=num_loops)
+    logits, _ = model.apply(as_variables(params), inputs_BT, num_loops=num_loops)
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.take_along_axis(logp, targets_BT[..., None], axis=-1)[..., 0]
   return jax.jit(fn)
@@ -198,7 +198,7 @@ def probe_workdir(workdir: str, tokens: int = 8192, step: int | None = None,
                   num_loops: int | None = None) -> dict:
   """mechanistic_probes of a checkpoint over about `tokens` validation tokens."""
   from loopmoe_jax.train import checkpoint
-  cfg, params, s, config = checkpoint.load_params(workdir, step)
+  cfg, params, s, config = checkpoint.load_variables(workdir, step)
   inputs, _ = _validation_inputs(config, cfg.vocab_size, tokens)
   return {'step': s, **mechanistic_probes(cfg, params, inputs, num_loops)}
 
@@ -228,8 +228,8 @@ def ce_gain_workdirs(dir_a: str, dir_b: str, tokens: int = 8192, num_buckets: in
   """CE gain of run A's checkpoint over run B's: by window-position bucket on A's validation
   windows, and by domain (`domains`, else the embedded corpus's code/docs split)."""
   from loopmoe_jax.train import checkpoint
-  cfg_a, pa, sa, config = checkpoint.load_params(dir_a)
-  cfg_b, pb, sb, _ = checkpoint.load_params(dir_b)
+  cfg_a, pa, sa, config = checkpoint.load_variables(dir_a)
+  cfg_b, pb, sb, _ = checkpoint.load_variables(dir_b)
   if cfg_a.vocab_size != cfg_b.vocab_size:
     raise ValueError(f'{dir_a!r} and {dir_b!r} have different vocabularies '
                      f'({cfg_a.vocab_size} vs {cfg_b.vocab_size})')

@@ -31,6 +31,9 @@ def output_dir(out: str, overwrite: bool = False):
   tmp = tempfile.mkdtemp(dir=parent, prefix=f'.{os.path.basename(out)}.tmp-')
   try:
     yield tmp
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would hide the export from other users
     if os.path.isdir(out):
       shutil.rmtree(out)
     os.rename(tmp, out)
@@ -99,6 +102,10 @@ def export_workdir(workdir: str, out: str, fmt: str, step: int | None = None,
   cfg, params, s, config = checkpoint.load_params(workdir, step)
   if fmt == 'hf-mixtral':
     mixtral.check_exportable(cfg)
+  elif cfg.router_bias != 'none':
+    raise ValueError(f'model.router_bias={cfg.router_bias!r}: the safetensors export holds the '
+                     'parameters only, and this model routes with its trained bias as well; '
+                     'not exported (evaluate and generate read it from the checkpoint)')
   params = safetensors_io.unflatten(safetensors_io.flatten(params))  # numpy, one host
   with output_dir(out, overwrite) as tmp:
     if fmt == 'safetensors':
@@ -124,3 +131,52 @@ def import_hf(src: str, out: str, span: tuple[int, int, int] | None = None,
     safetensors_io.save_model(tmp, {'model': dataclasses.asdict(cfg)}, params)
   return {'out': os.path.abspath(out), 'layers': cfg.executed_layers,
           'core_layers': cfg.core_layers, 'num_loops': cfg.num_loops}
+
+
+def verify_export(workdir: str, out: str, fmt: str, step: int | None = None,
+                  tokens: int = 256, greedy: int = 16) -> dict:
+  """Checks an export against our model on the run's first validation window(s): the max
+  absolute logit difference over `tokens` tokens in float32, and whether `greedy` greedy
+  tokens after a 16-token prompt agree. 'hf-mixtral' loads it with transformers'
+  MixtralForCausalLM on CPU (torch and transformers must be installed); 'safetensors' with our
+  own reader (load_model), run through our model."""
+  import jax
+  import jax.numpy as jnp
+  from loopmoe_jax.analysis.probes import _validation_inputs
+  from loopmoe_jax.model import LoopedMoE
+  from loopmoe_jax.train import checkpoint
+  cfg, params, s, config = checkpoint.load_params(workdir, step)
+  inputs = np.concatenate(_validation_inputs(config, cfg.vocab_size, tokens)[0])
+  seq = min(inputs.shape[1], tokens)
+  x = inputs[:max(1, tokens // seq), :seq].astype(np.int32)
+  forward = jax.jit(lambda p, t: LoopedMoE(cfg).apply({'params': p}, t)[0])
+  ours = lambda t: np.asarray(forward(params, jnp.asarray(t)), np.float32)
+  if fmt == 'safetensors':
+    cfg2, back, _ = safetensors_io.load_model(out)
+    forward2 = jax.jit(lambda p, t: LoopedMoE(cfg2).apply({'params': p}, t)[0])
+    theirs = lambda t: np.asarray(forward2(back, jnp.asarray(t)), np.float32)
+  else:
+    try:
+      import torch
+      import transformers
+    except ImportError as e:
+      raise ImportError(f'--verify of hf-mixtral needs torch and transformers ({e}); '
+                        'pip install torch==2.13.0 transformers') from None
+    model = transformers.MixtralForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+
+    def theirs(t):
+      with torch.no_grad():
+        return model(torch.tensor(np.asarray(t, np.int64))).logits.numpy()
+  err = float(np.max(np.abs(theirs(x) - ours(x))))
+  n = min(16, seq - greedy)
+  if n < 1:
+    raise ValueError(f'--verify: the context ({seq}) is too short for {greedy} greedy tokens')
+  buf_a = np.zeros((1, n + greedy), np.int32)
+  buf_a[0, :n] = x[0, :n]
+  buf_b = buf_a.copy()
+  for t in range(n, n + greedy):  # causal: padding after position t changes nothing before it
+    buf_a[0, t] = ours(buf_a)[0, t - 1].argmax()
+    buf_b[0, t] = theirs(buf_b)[0, t - 1].argmax()
+  return {'step': s, 'tokens': int(x.size), 'max_abs_logit_error': err,
+          'logit_scale': float(np.max(np.abs(ours(x)))), 'greedy_tokens': greedy,
+          'greedy_equal': bool(np.array_equal(buf_a, buf_b))}

@@ -42,6 +42,11 @@ def unsupported(c: ModelConfig) -> list[str]:
                'top-k weights)')
   if c.num_shared_experts:
     out.append(f'shared experts (model.num_shared_experts={c.num_shared_experts})')
+  if c.router_score != 'softmax':
+    out.append(f'sigmoid router scores (model.router_score={c.router_score!r}; Mixtral routes '
+               'on a softmax)')
+  if c.router_bias != 'none':
+    out.append(f'a router selection bias (model.router_bias={c.router_bias!r})')
   if c.capacity_factor:
     out.append(f'expert capacity (model.capacity_factor={c.capacity_factor}; Mixtral is '
                'dropless)')

@@ -223,20 +223,24 @@ def _params_reader(ckpt_dir: str):
       'config': ocp.JsonCheckpointHandler()})
 
 
+def _checkpoint_dir(directory: str) -> str:
+  """A run directory's checkpoints/ (or `directory` itself when it is one)."""
+  sub = os.path.join(directory, 'checkpoints')
+  return sub if os.path.isdir(sub) else directory
+
+
 def load_params(directory: str, step: int | None = None, mesh=None):
   """(ModelConfig, params, step, config dict) from a checkpoint directory, without the trainer.
 
   Only the parameters are read (not the optimizer state), whatever mesh wrote them: onto this
   machine's first device, or with `mesh` sharded by the rules table (sharding.py)."""
-  ckpt_dir = directory
-  if os.path.isdir(os.path.join(directory, 'checkpoints')):
-    ckpt_dir = os.path.join(directory, 'checkpoints')
+  ckpt_dir = _checkpoint_dir(directory)
   if not os.path.isdir(ckpt_dir):
     raise FileNotFoundError(f'no checkpoint directory at {directory!r}')
   mngr = _params_reader(os.path.abspath(ckpt_dir))
   existing = sorted(mngr.all_steps(), reverse=True)
   if not existing:
-    raise FileNotFoundError(f'no complete checkpoint step in {ckpt_dir!r}')
+    raise FileNotFoundError(f'no checkpoint in {ckpt_dir!r}: no complete step was written there')
   if step is not None and step not in existing:
     raise FileNotFoundError(f'step {step}: no such checkpoint in {ckpt_dir!r} (steps there: '
                             f'{sorted(existing)})')
@@ -259,6 +263,30 @@ def load_params(directory: str, step: int | None = None, mesh=None):
       continue
     return cfg, params, s, config
   raise ValueError(f'no readable checkpoint step in {ckpt_dir!r} (tried {steps})')
+
+
+def load_router_bias(directory: str, step: int):
+  """The router bias ({segment: array}, onto this machine's first device) of checkpoint
+  `step` in `directory` (as `load_params` found it), or None when the run had none."""
+  ckpt_dir = _checkpoint_dir(directory)
+  mngr = _params_reader(os.path.abspath(ckpt_dir))
+  shapes = mngr.item_metadata(step)['state'].get('router_bias')
+  if shapes is None:
+    return None
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), shapes)
+  restore_args = jax.tree.map(lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding), target)
+  return mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+      {'router_bias': target}, restore_args={'router_bias': restore_args},
+      partial_restore=True)))['state']['router_bias']
+
+
+def load_variables(directory: str, step: int | None = None):
+  """`load_params`, with the params joined by the trained router bias when the run has one
+  ({'params': ..., 'router_bias': ...}; model.as_variables takes either form)."""
+  cfg, params, s, config = load_params(directory, step)
+  bias = load_router_bias(directory, s) if cfg.router_bias != 'none' else None
+  return cfg, (params if bias is None else {'params': params, 'router_bias': bias}), s, config
 
 
 def _param_shardings(cfg: ModelConfig, shapes, mesh):

@@ -28,6 +28,7 @@ class TrainConfig:
   clip: float = 1.0              # global-norm clip; 0 disables
   lb_coef: float = 0.01
   z_coef: float = 0.001
+  bias_rate: float = 0.001       # model.router_bias: step of the bias update (DeepSeek-V3's gamma)
   log_every: int = 10
   eval_every: int = 100
   save_every: int = 100
@@ -62,7 +63,8 @@ class TrainConfig:
               'b1': (0 <= self.b1 < 1, 'in [0, 1)'), 'b2': (0 <= self.b2 < 1, 'in [0, 1)'),
               'eps': (self.eps > 0, '> 0'), 'weight_decay': (self.weight_decay >= 0, '>= 0'),
               'final_lr_fraction': (0 <= self.final_lr_fraction <= 1, 'in [0, 1]'),
-              'lb_coef': (self.lb_coef >= 0, '>= 0'), 'z_coef': (self.z_coef >= 0, '>= 0')}
+              'lb_coef': (self.lb_coef >= 0, '>= 0'), 'z_coef': (self.z_coef >= 0, '>= 0'),
+              'bias_rate': (self.bias_rate >= 0, '>= 0')}
     for name, (ok, want) in checks.items():
       value = getattr(self, name)
       if not (ok and math.isfinite(value)):  # NaN fails every comparison

@@ -19,6 +19,7 @@ def evaluate_checkpoint(workdir: str, num_loops=(None,), step: int | None = None
   """Validation LM loss of a checkpoint for each pass count in `num_loops`; `scale_passes`
   ('trained' or 'executed') overrides the model's choice of r in the 1/r residual scale."""
   cfg, params, s, config = checkpoint.load_params(workdir, step)
+  bias = checkpoint.load_router_bias(workdir, s)
   if scale_passes:
     cfg = cfg.replace(scale_passes=scale_passes)
   for n in num_loops:  # every count checked before any is evaluated
@@ -32,7 +33,7 @@ def evaluate_checkpoint(workdir: str, num_loops=(None,), step: int | None = None
   out = {'step': s, 'scale_passes': cfg.scale_passes, 'val_loss': {}}
   for n in num_loops:
     model = LoopedMoE(cfg)
-    loss = steps.evaluate(steps.make_eval_step(model, n), params, batches, batch_sh)
+    loss = steps.evaluate(steps.make_eval_step(model, n), params, batches, batch_sh, bias)
     out['val_loss'][str(n or cfg.num_loops)] = loss
   return out
 
@@ -60,7 +61,8 @@ def _check_length(cfg, prompt_len: int, tokens: int, train_len: int, num_loops) 
 def sample_text(workdir: str, prompt: str, tokens: int, temperature: float, seed: int,
                 num_loops: int | None = None, step: int | None = None,
                 scale_passes: str | None = None) -> str:
-  cfg, params, _, config = checkpoint.load_params(workdir, step)
+  cfg, params, s, config = checkpoint.load_params(workdir, step)
+  bias = checkpoint.load_router_bias(workdir, s)
   if scale_passes:
     cfg = cfg.replace(scale_passes=scale_passes)
   check_loops(cfg, num_loops)
@@ -82,5 +84,5 @@ def sample_text(workdir: str, prompt: str, tokens: int, temperature: float, seed
           f'{tok.name!r}', file=sys.stderr)
   _check_length(cfg, ids.shape[1], tokens, data_cfg.seq_len, num_loops)
   out = generate(cfg, params, ids, tokens, jax.random.key(seed), temperature=temperature,
-                 num_loops=num_loops)
+                 num_loops=num_loops, router_bias=bias)
   return tok.decode(np.asarray(out[0]))

@@ -44,6 +44,8 @@ class Writer:
                      ('mfu', '{:.1%} MFU'), ('lr', 'lr {:.2e}')):
       if key in m:
         parts.append((key.split('_')[0] + ' ' if key == 'val_loss' else '') + fmt.format(m[key]))
+    for key in sorted(k for k in m if k.startswith('max_vio_')):  # with model.router_bias
+      parts.append(f"maxvio {key[len('max_vio_'):]} {m[key]:.2f}")
     if m.get('dropped'):
       parts.append(f"dropped {m['dropped']:,.0f}")
     print('  '.join(parts), file=sys.stdout, flush=True)

@@ -1,6 +1,8 @@
 """The train state (an explicit pytree), its shardings, and the pure jitted train/eval steps.
 
-state = {'params', 'opt_state', 'step'}. Shardings come from `loopmoe_jax.sharding`'s rules
+state = {'params', 'opt_state', 'step'}, plus 'router_bias' ({segment: bias}) with
+model.router_bias: updated in the train step from the step's expert loads, outside the
+gradient and the optimizer. Shardings come from `loopmoe_jax.sharding`'s rules
 table: the batch is split over the mesh's batch axes, parameters and optimizer moments over
 `fsdp`, `expert` and `tensor` as their logical axes say. Every step runs under
 `jax.set_mesh(mesh)` so the model's activation constraints and the expert-parallel
@@ -15,6 +17,7 @@ import numpy as np
 import optax
 
 from loopmoe_jax import sharding
+from loopmoe_jax.model import ROUTER_BIAS, update_router_bias
 from loopmoe_jax.objective import loss_fn, lm_loss
 
 
@@ -30,8 +33,12 @@ def _tokens(seq_len: int):
 def init_state(model, tx, rng, seq_len: int):
   """Unboxed params (the logical axis names live in `shardings`). `lazy_init` skips the
   forward computation that the params do not depend on."""
-  params = nn.unbox(model.lazy_init(rng, _tokens(seq_len))['params'])
-  return {'params': params, 'opt_state': tx.init(params), 'step': jnp.zeros((), jnp.int32)}
+  variables = model.lazy_init(rng, _tokens(seq_len))
+  params = nn.unbox(variables['params'])
+  state = {'params': params, 'opt_state': tx.init(params), 'step': jnp.zeros((), jnp.int32)}
+  if ROUTER_BIAS in variables:
+    state[ROUTER_BIAS] = variables[ROUTER_BIAS]
+  return state
 
 
 def boxed_params(model, seq_len: int = 8):
@@ -42,7 +49,12 @@ def boxed_params(model, seq_len: int = 8):
 def shardings(mesh, model, tx, seq_len: int):
   """(state shardings, batch sharding) on `mesh`, from the params' logical axis names."""
   boxed = boxed_params(model, seq_len)
-  return sharding.state_shardings(mesh, boxed, tx), sharding.batch_sharding(mesh)
+  state_sh = sharding.state_shardings(mesh, boxed, tx)
+  bias = jax.eval_shape(lambda: model.lazy_init(init_key(0), _tokens(seq_len))).get(ROUTER_BIAS)
+  if bias is not None:  # small: replicated
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    state_sh[ROUTER_BIAS] = jax.tree.map(lambda _: rep, bias)
+  return state_sh, sharding.batch_sharding(mesh)
 
 
 def abstract_state(model, tx, seq_len: int, state_sh=None):
@@ -98,41 +110,59 @@ def split_microbatches(batch, microbatches: int):
   return jax.tree.map(one, batch)
 
 
-def loss_and_grads(params, model, batch, lb_coef, z_coef, microbatches: int = 1):
+def loss_and_grads(params, model, batch, lb_coef, z_coef, microbatches: int = 1,
+                   router_bias=None):
   """(metrics, grads) of the objective; with `microbatches` > 1 the mean over equal
   microbatches (gradient accumulation in float32). The LM loss and z-loss are token means,
   so equal microbatches give the whole batch's values; the load-balance loss is a product of
-  batch means, computed per microbatch as a device holding that batch would."""
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  batch means, computed per microbatch as a device holding that batch would. The expert
+  loads ('load', with `router_bias`) are the whole batch's (summed)."""
+  grad_fn = jax.value_and_grad(
+      lambda p, m, b: loss_fn(p, m, b, lb_coef, z_coef, router_bias=router_bias), has_aux=True)
   if microbatches == 1:
-    (_, metrics), grads = grad_fn(params, model, batch, lb_coef, z_coef)
+    (_, metrics), grads = grad_fn(params, model, batch)
     return metrics, grads
 
   def body(acc, mb):
-    (_, metrics), grads = grad_fn(params, model, mb, lb_coef, z_coef)
+    (_, metrics), grads = grad_fn(params, model, mb)
     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
     return jax.tree.map(jnp.add, acc, (metrics, grads)), None
 
   mbs = split_microbatches(batch, microbatches)
-  zeros = jax.eval_shape(lambda: grad_fn(params, model, jax.tree.map(lambda x: x[0], mbs),
-                                         lb_coef, z_coef))
+  zeros = jax.eval_shape(lambda: grad_fn(params, model, jax.tree.map(lambda x: x[0], mbs)))
   acc0 = (jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), zeros[0][1]),
           jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
   (metrics, grads), _ = jax.lax.scan(body, acc0, mbs)
   grads = jax.tree.map(lambda g, p: (g / microbatches).astype(p.dtype), grads, params)
-  metrics = {k: v if k == 'dropped' else v / microbatches for k, v in metrics.items()}
-  return metrics, grads  # dropped: the step's total
+  metrics = {k: v if k in ('dropped', 'load') else v / microbatches for k, v in metrics.items()}
+  return metrics, grads  # dropped and load: the step's totals
+
+
+def max_vio(load):
+  """MaxVio = (max_i load_i - mean load) / mean load over the last (expert) axis."""
+  mean = jnp.mean(load, axis=-1)
+  return (jnp.max(load, axis=-1) - mean) / mean
 
 
 def make_train_step(model, tx, schedule, lb_coef: float, z_coef: float, state_sh, batch_sh,
-                    microbatches: int = 1):
+                    microbatches: int = 1, bias_rate: float = 0.0):
+  """With a router bias in the state: the bias routes the step, then moves by `bias_rate`
+  against the step's loads; the metrics gain 'max_vio_<segment>' (mean over the segment's
+  visits of the per-visit MaxVio)."""
   def step(state, batch):
+    bias = state.get(ROUTER_BIAS)
     metrics, grads = loss_and_grads(state['params'], model, batch, lb_coef, z_coef,
-                                    microbatches)
+                                    microbatches, bias)
     updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
     params = optax.apply_updates(state['params'], updates)
     metrics = dict(metrics, grad_norm=global_norm(grads), lr=schedule(state['step']))
-    return {'params': params, 'opt_state': opt_state, 'step': state['step'] + 1}, metrics
+    new = {'params': params, 'opt_state': opt_state, 'step': state['step'] + 1}
+    if bias is not None:
+      load = metrics.pop('load')
+      new[ROUTER_BIAS] = update_router_bias(bias, {s: {'load': v} for s, v in load.items()},
+                                            bias_rate)
+      metrics.update({f'max_vio_{s}': jnp.mean(max_vio(v)) for s, v in load.items()})
+    return new, metrics
 
   return OnMesh(jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
                         donate_argnums=0), batch_sh.mesh)
@@ -140,8 +170,9 @@ def make_train_step(model, tx, schedule, lb_coef: float, z_coef: float, state_sh
 
 def make_eval_step(model, num_loops=None, mesh=None):
   """Sum of token NLL and token count of a batch (so batches of any mask average exactly)."""
-  def step(params, batch):
-    logits, _ = model.apply({'params': params}, batch['inputs'], num_loops=num_loops)
+  def step(params, batch, router_bias=None):
+    logits, _ = model.apply(variables(params, router_bias), batch['inputs'],
+                            num_loops=num_loops)
     mask = batch['mask']
     count = jnp.sum(mask)
     return lm_loss(logits, batch['targets'], mask) * count, count
@@ -151,17 +182,20 @@ def make_eval_step(model, num_loops=None, mesh=None):
 def make_routing_step(model, mesh=None):
   """Per segment, pass and layer: load-balance loss, z-loss, MaxVio and dropped assignments
   of a batch."""
-  def step(params, batch):
-    _, extras = model.apply({'params': params}, batch['inputs'])
+  def step(params, batch, router_bias=None):
+    _, extras = model.apply(variables(params, router_bias), batch['inputs'])
     out = {}
     for seg, s in extras['per_visit'].items():
-      load = s['load']
-      mean = jnp.mean(load, axis=-1, keepdims=True)
       out[seg] = {'load_balance': s['load_balance'], 'z_loss': s['z_loss'],
-                  'max_vio': ((jnp.max(load, axis=-1, keepdims=True) - mean) / mean)[..., 0],
-                  'dropped': s['dropped']}
+                  'max_vio': max_vio(s['load']), 'dropped': s['dropped']}
     return out
   return OnMesh(jax.jit(step), mesh) if mesh is not None else jax.jit(step)
+
+
+def variables(params, router_bias=None):
+  """The variables of model.apply: the params, and the router bias when there is one."""
+  return {'params': params} if router_bias is None else {'params': params,
+                                                         ROUTER_BIAS: router_bias}
 
 
 def put_batch(batch, batch_sh):
@@ -170,9 +204,9 @@ def put_batch(batch, batch_sh):
           for k, v in batch.items()}
 
 
-def evaluate(eval_step, params, batches, batch_sh) -> float:
+def evaluate(eval_step, params, batches, batch_sh, router_bias=None) -> float:
   total, count = 0.0, 0.0
   for b in batches:
-    s, c = eval_step(params, put_batch(b, batch_sh))
+    s, c = eval_step(params, put_batch(b, batch_sh), router_bias)
     total, count = total + float(s), count + float(c)
   return total / max(count, 1.0)

@@ -98,7 +98,7 @@ def _train(cfg, exp, workdir: str) -> dict:
                                n_proc, data_state.get('iterator'))
   val = pipeline.validation_batches(dc, mc.vocab_size, proc, n_proc)
   train_step = steps.make_train_step(model, tx, schedule, tc.lb_coef, tc.z_coef, state_sh,
-                                     batch_sh, tc.microbatches)
+                                     batch_sh, tc.microbatches, tc.bias_rate)
   eval_step = steps.make_eval_step(model, mesh=mesh)
   routing_step = steps.make_routing_step(model, mesh=mesh)
   acct = accounting.count(mc, dc.seq_len)
@@ -141,7 +141,8 @@ def _train(cfg, exp, workdir: str) -> dict:
     if peak:
       m['mfu'] = flops_tok * m['tokens_per_s'] / peak
     if val and (s % tc.eval_every == 0 or s == tc.steps):
-      m['val_loss'] = val_loss = steps.evaluate(eval_step, state['params'], val, batch_sh)
+      m['val_loss'] = val_loss = steps.evaluate(eval_step, state['params'], val, batch_sh,
+                                                state.get('router_bias'))
     writer.write(s, m)
     writer.progress(s, m)
     t_log, tok_log = time.time(), 0
@@ -156,7 +157,8 @@ def _train(cfg, exp, workdir: str) -> dict:
           handle(pending)
         pending = (step + 1, metrics)
         if (step + 1) % tc.routing_every == 0:
-          _write_routing(workdir, step + 1, routing_step(state['params'], batch), proc)
+          _write_routing(workdir, step + 1,
+                         routing_step(state['params'], batch, state.get('router_bias')), proc)
         if (step + 1) % tc.save_every == 0 or stop.signal or step + 1 == tc.steps:
           handle(pending)
           pending = None
@@ -196,7 +198,7 @@ def _train(cfg, exp, workdir: str) -> dict:
     print('summary: ' + json.dumps({k: summary[k] for k in
                                     ('steps', 'final_window_loss', 'val_loss', 'tokens_per_s')}))
     if tc.sample_tokens and not stop.signal:
-      _print_sample(mc, state['params'], dc, tc)
+      _print_sample(mc, state['params'], dc, tc, state.get('router_bias'))
   return summary
 
 
@@ -288,7 +290,7 @@ def _write_routing(workdir, step, stats, proc):
                               **{k: float(np.asarray(v)[idx]) for k, v in s.items()}}) + '\n')
 
 
-def _print_sample(mc, params, dc, tc):
+def _print_sample(mc, params, dc, tc, router_bias=None):
   from loopmoe_jax.decode import generate
   tok = pipeline.data_tokenizer(dc)
   if tok is None:
@@ -299,5 +301,5 @@ def _print_sample(mc, params, dc, tc):
   if prompt.size == 0:
     return
   out = generate(mc, params, prompt, tc.sample_tokens, jax.random.key(tc.seed),
-                 temperature=0.8)
+                 temperature=0.8, router_bias=router_bias)
   print('sample:\n' + tok.decode(np.asarray(out[0])), flush=True)
