@@ -8,7 +8,7 @@ from loopmoe_jax import bench
 REQUIRED = ('compile_s_L1', 'compile_s_L16', 'compile_ratio_L16_over_L1', 'step_s_scan',
             'step_s_unroll', 'step_s_unrolled', 'loop_over_unrolled',
             'loop_unroll_impl_over_unrolled', 'moe_s_tiled_E8', 'moe_s_tiled_E64',
-            'moe_E64_over_E8')
+            'moe_E64_over_E8', 'step_s_plain', 'step_s_bias', 'bias_step_over_plain')
 
 
 def test_model_benchmark_quick(tmp_path, capsys):

@@ -158,10 +158,9 @@ def test_gmm_forward_and_vjp_match_numpy_and_ragged_dot(family, dtype):
 # Groups of the isolation test, on the first 48 rows: row tile 16..31 holds rows of groups
 # 1, 3 and 4; tile 32..47 rows of group 4 and rows 41..47, past the group-size sum 41.
 ISOLATION_SIZES = [0, 21, 0, 7, 13, 0]
-# (operand, {row: value}): inf and NaN in rows of the cotangent or of lhs. Rows 24 and 25 are
-# in group 3, rows 44 and 47 past the sum.
-NON_FINITE_CASES = [('cot', {24: np.inf, 25: np.nan, 44: np.inf, 47: np.nan}),
-                    ('lhs', {24: np.nan, 25: np.inf, 44: np.inf})]
+# {operand: {row: value}}: inf and NaN in rows of lhs and of the cotangent at once (one
+# interpreted run per family). Rows 24 and 25 are in group 3, rows 44 and 47 past the sum.
+NON_FINITE_CASES = [{'lhs': {24: np.nan, 44: np.inf}, 'cot': {25: np.inf, 47: np.nan}}]
 
 
 def group_of_row(sizes, row):
@@ -202,13 +201,15 @@ def test_gmm_groups_stay_isolated_from_non_finite_rows(family):
     return (out_k, *vjp_k(c)), (out_r, *vjp_r(c.astype(jnp.float32)))
 
   cast = lambda a: jnp.asarray(a).astype(DTYPES[dtype])
-  for operand, bad in NON_FINITE_CASES:
+  for case in NON_FINITE_CASES:
     lhs_b, cot_b = lhs.copy(), cot.copy()
-    for row, value in bad.items():
-      (lhs_b if operand == 'lhs' else cot_b)[row, 3] = value
+    for operand, rows in case.items():
+      for row, value in rows.items():
+        (lhs_b if operand == 'lhs' else cot_b)[row, 3] = value
     got, want = both(cast(lhs_b), cast(rhs), cast(cot_b))
+    bad = {row for rows in case.values() for row in rows}
     bad_groups = {group_of_row(sizes, row) for row in bad}
-    what = f'{family} {dtype}: {bad} in {operand} rows (groups {bad_groups})'
+    what = f'{family} {dtype}: {case} (groups {bad_groups})'
     # the bad rows' own output / d_lhs rows and their group's d_rhs may be non-finite
     keep_rows = ~np.isin(np.arange(m), list(bad))
     keep_groups = ~np.isin(np.arange(G), [g for g in bad_groups if g is not None])

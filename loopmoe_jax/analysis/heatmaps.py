@@ -35,7 +35,7 @@ def load_heatmap(path: str, shares: dict, title: str) -> None:
 def mmr_heatmap(path: str, mmr_DL, title: str) -> None:
   """MMR [D, L] of the core: rows the layers, columns the passes, values written in the cells."""
   m = np.asarray(mmr_DL, np.float64)
-  fig, ax = plt.subplots(figsize=(2.0 + 1.1 * m.shape[1], 1.5 + 0.8 * m.shape[0]))
+  fig, ax = plt.subplots(figsize=(2.0 + 1.1 * m.shape[1], max(2.8, 1.5 + 0.8 * m.shape[0])))
   im = ax.imshow(m, aspect='auto', cmap='magma')
   for (d, l), v in np.ndenumerate(m):
     light = im.norm(v) > 0.5
