@@ -215,6 +215,8 @@ def smelt_probe_report(analysis: dict) -> str:
   for v, a in analysis.items():
     for n, sim in a['probes'].get('qkv_cosine', {}).items():
       sim = np.asarray(sim)  # [D][L][L]: visit 1 against visit 2 per shared layer
+      if sim.shape[-1] < 2:  # one pass: no second visit to compare
+        continue
       rows.append({'arch': v, 'probe': f'{n} cosine, visits 1-2',
                    'per layer': ', '.join(f'{x:.3f}' for x in sim[:, 0, 1])})
     for seg, mass in a['probes']['sink_mass'].items():

@@ -59,7 +59,8 @@ def test_smelt_report_recovers_a_known_law_per_architecture(tmp_path, monkeypatc
 
   def fake_probes(pair_dirs, log):  # the real probes are tested in test_probes.py
     probed.update(pair_dirs)
-    return {v: {'workdir': d, 'probes': {'qkv_cosine': {'q': [[[1.0, 0.9], [0.9, 1.0]]]},
+    return {v: {'workdir': d, 'probes': {'qkv_cosine': {'q': [[[1.0, 0.9], [0.9, 1.0]]]
+                                                        if v == 'looped' else [[[1.0]]]},
                                          'sink_mass': {'core': [[0.1, 0.2]]}},
                 'dyck': {'0': {'accuracy': 0.25}, '32': {'refused': 'too long'}}}
             for v, d in pair_dirs.items()}
