@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from loopmoe_jax.config import ModelConfig
-from loopmoe_jax.model import LoopedMoE
+from loopmoe_jax.model import LoopedMoE, variables
 
 
 def cache_shapes(cfg: ModelConfig, batch: int, max_len: int, num_loops: int | None = None):
@@ -61,11 +61,9 @@ def decode_step(cfg: ModelConfig, params, cache, tokens_BT, num_loops: int | Non
   if concrete_end is not None and concrete_end > max_len:
     raise ValueError(f'decode_step: position {int(pos)} + {tokens_BT.shape[1]} tokens exceeds '
                      f'the cache length max_len={max_len}')
-  variables = {'params': params, 'cache': cache}
-  if router_bias is not None:
-    variables['router_bias'] = router_bias
   (logits, _), mutated = LoopedMoE(cfg, decode=True).apply(
-      variables, tokens_BT, num_loops=num_loops, mutable=['cache'])
+      variables(params, cache=cache, router_bias=router_bias), tokens_BT, num_loops=num_loops,
+      mutable=['cache'])
   return jnp.where(end > max_len, jnp.nan, logits), mutated['cache']
 
 

@@ -218,11 +218,14 @@ def _extras(per_visit, return_routing):
 ROUTER_BIAS = 'router_bias'
 
 
-def as_variables(params) -> dict:
-  """apply's variables from a param tree, or from variables that already hold 'params' (a
-  model with a router bias: {'params': ..., 'router_bias': ...}, as
-  checkpoint.load_variables returns it). A param tree's top keys are module names."""
-  return params if 'params' in params else {'params': params}
+def variables(params, **collections) -> dict:
+  """apply's variables: a param tree, or variables that already hold 'params' (a model with a
+  router bias, {'params': ..., 'router_bias': ...}, as checkpoint.load_variables returns it;
+  a param tree's top keys are module names), joined by the other collections given and not
+  None (`router_bias=`, analysis/masking's `routing_mask=`)."""
+  out = dict(params) if 'params' in params else {'params': params}
+  out.update({k: v for k, v in collections.items() if v is not None})
+  return out
 
 
 def bias_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -238,14 +241,13 @@ def bias_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
   return out
 
 
-def update_router_bias(collection, per_visit, rate: float):
+def update_router_bias(collection, loads, rate: float):
   """DeepSeek-V3's aux-loss-free update of the 'router_bias' collection: each expert's bias
-  moves by `rate` * sign(mean load - its load), from the expert loads of `per_visit` (apply's
-  extras['per_visit']: [D, E] per segment, the core's [L, D, E], summed over passes for a
-  shared bias). No gradient."""
+  moves by `rate` * sign(mean load - its load), from `loads` ({segment: expert loads}, [D, E],
+  the core's [L, D, E], summed over passes for a shared bias). No gradient."""
   out = {}
   for seg, b in collection['bias'].items():
-    load = jax.lax.stop_gradient(per_visit[seg]['load'])
+    load = jax.lax.stop_gradient(loads[seg])
     if load.ndim > b.ndim:  # a bias shared by every pass: the loads of all passes
       load = jnp.sum(load, axis=0)
     mean = jnp.mean(load, axis=-1, keepdims=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from loopmoe_jax.model import variables
+
 
 def lm_loss(logits_BTV, targets_BT, mask_BT=None):
   """Mean next-token negative log-likelihood (float32) over unmasked positions."""
@@ -20,10 +22,10 @@ def loss_fn(params, model, batch, lb_coef: float = 0.01, z_coef: float = 0.001,
   """Returns (total objective, metrics). batch: 'inputs', 'targets' [B, T], optional 'mask'.
   With `router_bias` (model.router_bias; not differentiated) the metrics also hold the expert
   loads per segment under 'load' ({segment: [D, E] or the core's [L, D, E]})."""
-  variables = {'params': params}
   if router_bias is not None:
-    variables['router_bias'] = jax.lax.stop_gradient(router_bias)
-  logits, extras = model.apply(variables, batch['inputs'], num_loops=num_loops)
+    router_bias = jax.lax.stop_gradient(router_bias)
+  logits, extras = model.apply(variables(params, router_bias=router_bias), batch['inputs'],
+                               num_loops=num_loops)
   lm = lm_loss(logits, batch['targets'], batch.get('mask'))
   total = lm + lb_coef * extras['load_balance'] + z_coef * extras['z_loss']
   metrics = {'loss': lm, 'load_balance': extras['load_balance'], 'z_loss': extras['z_loss'],

@@ -22,7 +22,7 @@ import pytest
 
 from loopmoe_jax import sharding
 from loopmoe_jax.config import ModelConfig
-from loopmoe_jax.model import LoopedMoE, bias_shapes, update_router_bias
+from loopmoe_jax.model import LoopedMoE, bias_shapes, update_router_bias, variables
 from loopmoe_jax.moe import MoE, route, route_for
 from loopmoe_jax.sharding import MeshConfig
 from loopmoe_jax.train import checkpoint, step as steps
@@ -137,9 +137,9 @@ def test_a_winning_bias_makes_every_token_pick_its_expert(tiny_models, layout):
 def test_update_moves_by_exactly_bias_rate():
   rate = 0.125
   bias = {'bias': {'prelude': jnp.zeros((1, 4)), 'core': jnp.full((2, 4), 0.5)}}
-  loads = {'prelude': {'load': jnp.asarray([[10.0, 2.0, 4.0, 0.0]])},       # mean 4
-           'core': {'load': jnp.asarray([[[3.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]],
-                                         [[3.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]]])}}
+  loads = {'prelude': jnp.asarray([[10.0, 2.0, 4.0, 0.0]]),       # mean 4
+           'core': jnp.asarray([[[3.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]],
+                                [[3.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]]])}
   new = update_router_bias(bias, loads, rate)['bias']
   np.testing.assert_array_equal(np.asarray(new['prelude']), [[-rate, rate, 0.0, rate]])
   # shared core bias: the loads of both passes ([6, 1, 1, 0], mean 2; [2, 2, 2, 2] balanced)
@@ -167,7 +167,7 @@ def test_train_step_updates_from_its_own_loads_outside_the_optimizer(tiny_models
   before = jax.device_get(state)
   batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]}
   batch = steps.put_batch(jax.device_get(batch), batch_sh)
-  _, extras = model.apply(steps.variables(before['params'], before['router_bias']),
+  _, extras = model.apply(variables(before['params'], router_bias=before['router_bias']),
                           batch['inputs'])
   train_step = steps.make_train_step(model, tx, schedule, 0.0, 0.001, state_sh, batch_sh,
                                      bias_rate=rate)

@@ -26,7 +26,7 @@ import numpy as np
 
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.data import synthetic
-from loopmoe_jax.model import LoopedMoE, as_variables, check_loops
+from loopmoe_jax.model import LoopedMoE, check_loops, variables
 
 SEPARATOR = '\n'
 SHOTS = (0, 1, 2, 4, 8, 16, 32)
@@ -107,7 +107,7 @@ def task_accuracy(predict: Predictor, task: str, examples: int = 64, seq_len: in
 @functools.lru_cache(maxsize=None)
 def _argmax_fn(cfg: ModelConfig, num_loops: int | None):
   model = LoopedMoE(cfg)
-  return jax.jit(lambda p, x: jnp.argmax(model.apply(as_variables(p), x,
+  return jax.jit(lambda p, x: jnp.argmax(model.apply(variables(p), x,
                                                       num_loops=num_loops)[0], -1))
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.data import pipeline
-from loopmoe_jax.model import LoopedMoE, as_variables
+from loopmoe_jax.model import LoopedMoE, variables
 from loopmoe_jax.objective import lm_loss
 
 SEGMENTS = ('prelude', 'core', 'coda')
@@ -55,19 +55,14 @@ def probe_batches(data_config: dict, cfg: ModelConfig, tokens: int) -> tuple[lis
   return batches, info
 
 
-def apply_variables(params, routing_mask):
-  variables = as_variables(params)
-  return {**variables, 'routing_mask': routing_mask} if routing_mask else variables
-
-
 @functools.lru_cache(maxsize=None)
 def loss_fn(cfg: ModelConfig, record: bool):
   """jit(params, routing_mask, batch) -> (NLL sum, token count, routing records or {})."""
   model = LoopedMoE(cfg)
 
   def fn(params, routing_mask, batch):
-    logits, extras = model.apply(apply_variables(params, routing_mask), batch['inputs'],
-                                 return_routing=record)
+    logits, extras = model.apply(variables(params, routing_mask=routing_mask or None),
+                                 batch['inputs'], return_routing=record)
     count = jnp.sum(batch['mask'])
     nll = lm_loss(logits, batch['targets'], batch['mask']) * count
     return nll, count, extras.get('routing', {})

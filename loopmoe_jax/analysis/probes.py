@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from loopmoe_jax.config import ModelConfig
-from loopmoe_jax.model import LoopedMoE, as_variables, check_loops
+from loopmoe_jax.model import LoopedMoE, check_loops, variables
 
 QKV = ('q', 'k', 'v')
 
@@ -38,7 +38,7 @@ def _probe_fn(cfg: ModelConfig, num_loops: int | None):
   model = LoopedMoE(cfg)
 
   def fn(params, tokens_BT):
-    (logits, _), state = model.apply(as_variables(params), tokens_BT, num_loops=num_loops,
+    (logits, _), state = model.apply(variables(params), tokens_BT, num_loops=num_loops,
                                      mutable=['intermediates'])
     return logits, state['intermediates']
   return jax.jit(fn)
@@ -122,7 +122,7 @@ def _nll_fn(cfg: ModelConfig, num_loops: int | None):
   model = LoopedMoE(cfg)
 
   def fn(params, inputs_BT, targets_BT):
-    logits, _ = model.apply(as_variables(params), inputs_BT, num_loops=num_loops)
+    logits, _ = model.apply(variables(params), inputs_BT, num_loops=num_loops)
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.take_along_axis(logp, targets_BT[..., None], axis=-1)[..., 0]
   return jax.jit(fn)

@@ -283,7 +283,7 @@ def load_router_bias(directory: str, step: int):
 
 def load_variables(directory: str, step: int | None = None):
   """`load_params`, with the params joined by the trained router bias when the run has one
-  ({'params': ..., 'router_bias': ...}; model.as_variables takes either form)."""
+  ({'params': ..., 'router_bias': ...}; model.variables takes either form)."""
   cfg, params, s, config = load_params(directory, step)
   bias = load_router_bias(directory, s) if cfg.router_bias != 'none' else None
   return cfg, (params if bias is None else {'params': params, 'router_bias': bias}), s, config

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 
 from loopmoe_jax import sharding
-from loopmoe_jax.model import ROUTER_BIAS, update_router_bias
+from loopmoe_jax.model import ROUTER_BIAS, bias_shapes, update_router_bias, variables
 from loopmoe_jax.objective import loss_fn, lm_loss
 
 
@@ -33,11 +33,11 @@ def _tokens(seq_len: int):
 def init_state(model, tx, rng, seq_len: int):
   """Unboxed params (the logical axis names live in `shardings`). `lazy_init` skips the
   forward computation that the params do not depend on."""
-  variables = model.lazy_init(rng, _tokens(seq_len))
-  params = nn.unbox(variables['params'])
+  init = model.lazy_init(rng, _tokens(seq_len))
+  params = nn.unbox(init['params'])
   state = {'params': params, 'opt_state': tx.init(params), 'step': jnp.zeros((), jnp.int32)}
-  if ROUTER_BIAS in variables:
-    state[ROUTER_BIAS] = variables[ROUTER_BIAS]
+  if ROUTER_BIAS in init:
+    state[ROUTER_BIAS] = init[ROUTER_BIAS]
   return state
 
 
@@ -50,10 +50,10 @@ def shardings(mesh, model, tx, seq_len: int):
   """(state shardings, batch sharding) on `mesh`, from the params' logical axis names."""
   boxed = boxed_params(model, seq_len)
   state_sh = sharding.state_shardings(mesh, boxed, tx)
-  bias = jax.eval_shape(lambda: model.lazy_init(init_key(0), _tokens(seq_len))).get(ROUTER_BIAS)
-  if bias is not None:  # small: replicated
+  segments = bias_shapes(model.cfg)
+  if segments:  # small: replicated
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    state_sh[ROUTER_BIAS] = jax.tree.map(lambda _: rep, bias)
+    state_sh[ROUTER_BIAS] = {'bias': {seg: rep for seg in segments}}
   return state_sh, sharding.batch_sharding(mesh)
 
 
@@ -159,8 +159,7 @@ def make_train_step(model, tx, schedule, lb_coef: float, z_coef: float, state_sh
     new = {'params': params, 'opt_state': opt_state, 'step': state['step'] + 1}
     if bias is not None:
       load = metrics.pop('load')
-      new[ROUTER_BIAS] = update_router_bias(bias, {s: {'load': v} for s, v in load.items()},
-                                            bias_rate)
+      new[ROUTER_BIAS] = update_router_bias(bias, load, bias_rate)
       metrics.update({f'max_vio_{s}': jnp.mean(max_vio(v)) for s, v in load.items()})
     return new, metrics
 
@@ -171,7 +170,7 @@ def make_train_step(model, tx, schedule, lb_coef: float, z_coef: float, state_sh
 def make_eval_step(model, num_loops=None, mesh=None):
   """Sum of token NLL and token count of a batch (so batches of any mask average exactly)."""
   def step(params, batch, router_bias=None):
-    logits, _ = model.apply(variables(params, router_bias), batch['inputs'],
+    logits, _ = model.apply(variables(params, router_bias=router_bias), batch['inputs'],
                             num_loops=num_loops)
     mask = batch['mask']
     count = jnp.sum(mask)
@@ -183,19 +182,13 @@ def make_routing_step(model, mesh=None):
   """Per segment, pass and layer: load-balance loss, z-loss, MaxVio and dropped assignments
   of a batch."""
   def step(params, batch, router_bias=None):
-    _, extras = model.apply(variables(params, router_bias), batch['inputs'])
+    _, extras = model.apply(variables(params, router_bias=router_bias), batch['inputs'])
     out = {}
     for seg, s in extras['per_visit'].items():
       out[seg] = {'load_balance': s['load_balance'], 'z_loss': s['z_loss'],
                   'max_vio': max_vio(s['load']), 'dropped': s['dropped']}
     return out
   return OnMesh(jax.jit(step), mesh) if mesh is not None else jax.jit(step)
-
-
-def variables(params, router_bias=None):
-  """The variables of model.apply: the params, and the router bias when there is one."""
-  return {'params': params} if router_bias is None else {'params': params,
-                                                         ROUTER_BIAS: router_bias}
 
 
 def put_batch(batch, batch_sh):
