@@ -100,7 +100,11 @@ class MoE(nn.Module):
     with jax.named_scope('route'):
       logits_TE = jnp.dot(x_TD.astype(jnp.float32), router_DE.astype(jnp.float32))
       if self.has_variable('routing_mask', 'logit_bias'):  # analysis/masking.py: [E], 0 or -1e9
-        logits_TE = logits_TE + self.get_variable('routing_mask', 'logit_bias').astype(jnp.float32)
+        mask_E = self.get_variable('routing_mask', 'logit_bias').astype(jnp.float32)
+        # on the logits (the masked expert's score is 0) and on the selection bias, so that a
+        # router bias (model.router_bias) cannot pick a masked expert back
+        logits_TE = logits_TE + mask_E
+        bias_E = mask_E if bias_E is None else bias_E + mask_E
       experts_Tk, weights_Tk, probs_TE, plan = route_for(c.dispatch, logits_TE, c.top_k,
                                                          c.renormalize, bias_E, c.router_score)
     if c.router_score == 'sigmoid':  # the load-balance loss's P_i: per-token shares

@@ -199,6 +199,12 @@ def test_masked_experts_are_never_chosen_and_nothing_is_nan():
   res = probe_set.run(CFG, params, batches, masking.mask_tree(CFG, {('core', 0): [0, 1]}))
   sel = res['routing']['core']['experts']
   assert np.all(sel == 2) and np.isfinite(res['loss'])
+  # a router bias that favours the masked experts does not bring them back
+  biased = CFG.replace(router_bias='shared')
+  tree = {'params': params, 'router_bias': {'bias': {'core': jnp.asarray([[5.0, 5.0, 0, 0]])}}}
+  assert np.all(probe_set.run(biased, tree, batches)['routing']['core']['experts'] < 2)
+  res = probe_set.run(biased, tree, batches, masking.mask_tree(biased, {('core', 0): [0, 1]}))
+  assert np.all(res['routing']['core']['experts'] == 2) and np.isfinite(res['loss'])
 
 
 def test_not_applicable_names_what_a_model_lacks():
