@@ -62,6 +62,13 @@ def expert_load(experts_Tk, num_experts: int):
   return jnp.zeros((num_experts,), jnp.float32).at[experts_Tk.reshape(-1)].add(1.0)
 
 
+def max_vio(load):
+  """MaxVio = (max_i load_i - mean load) / mean load over the last (expert) axis; numpy or
+  jax arrays (the train step's routing records and analysis/diagnostics.py)."""
+  mean = load.mean(-1)
+  return (load.max(-1) - mean) / mean
+
+
 def load_balance_loss(experts_Tk, probs_TE):
   num_experts = probs_TE.shape[-1]
   f_E = expert_load(experts_Tk, num_experts) / experts_Tk.size

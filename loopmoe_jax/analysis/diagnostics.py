@@ -18,6 +18,8 @@ import math
 
 import numpy as np
 
+from loopmoe_jax.moe import max_vio
+
 
 def _check_sel(sel, num_experts: int) -> np.ndarray:
   sel = np.asarray(sel)
@@ -75,23 +77,18 @@ def balance(sel, num_experts: int) -> dict:
           'B2_pooled': n2 / num_experts, 'B2_per_pass': n2_pass / num_experts}
 
 
-def _vio(load):
-  mean = load.mean(-1)
-  return (load.max(-1) - mean) / mean
-
-
 def maxvio(sel, num_experts: int, batch_size: int | None = None) -> dict:
   """MaxVio of the expert loads (counts of choices): 'global' [D] over the probe set pooled over
   passes, 'global_per_pass' [D, L]; with `batch_size` (tokens per batch) also 'per_batch'
   [num_batches, D] (pooled over passes) and its mean 'per_batch_mean' [D]."""
   sel = _check_sel(sel, num_experts)
   c_DLE = counts(sel, num_experts).astype(np.float64)
-  out = {'global': _vio(c_DLE.sum(1)), 'global_per_pass': _vio(c_DLE)}
+  out = {'global': max_vio(c_DLE.sum(1)), 'global_per_pass': max_vio(c_DLE)}
   if batch_size:
     n = sel.shape[0]
     if batch_size < 1 or n % batch_size:
       raise ValueError(f'batch_size={batch_size} does not divide the {n} tokens')
-    per = np.stack([_vio(counts(sel[i:i + batch_size], num_experts).sum(1).astype(np.float64))
+    per = np.stack([max_vio(counts(sel[i:i + batch_size], num_experts).sum(1).astype(np.float64))
                     for i in range(0, n, batch_size)])
     out['per_batch'] = per
     out['per_batch_mean'] = per.mean(0)

@@ -17,6 +17,7 @@ import numpy as np
 import optax
 
 from loopmoe_jax import sharding
+from loopmoe_jax.moe import max_vio
 from loopmoe_jax.model import ROUTER_BIAS, bias_shapes, update_router_bias, variables
 from loopmoe_jax.objective import loss_fn, lm_loss
 
@@ -136,12 +137,6 @@ def loss_and_grads(params, model, batch, lb_coef, z_coef, microbatches: int = 1,
   grads = jax.tree.map(lambda g, p: (g / microbatches).astype(p.dtype), grads, params)
   metrics = {k: v if k in ('dropped', 'load') else v / microbatches for k, v in metrics.items()}
   return metrics, grads  # dropped and load: the step's totals
-
-
-def max_vio(load):
-  """MaxVio = (max_i load_i - mean load) / mean load over the last (expert) axis."""
-  mean = jnp.mean(load, axis=-1)
-  return (jnp.max(load, axis=-1) - mean) / mean
 
 
 def make_train_step(model, tx, schedule, lb_coef: float, z_coef: float, state_sh, batch_sh,
