@@ -31,26 +31,28 @@ _VERIFY = flags.DEFINE_bool('verify', False, 'After exporting, compare the expor
 def main(argv):
   del argv
   from loopmoe_jax.export import files
+  given = {'--workdir': _WORKDIR.value, '--format': _FORMAT.value, '--step': _STEP.value,
+           '--verify': _VERIFY.value or None, '--src': _SRC.value, '--loop_span': _SPAN.value}
+  mode, needs, takes = (('--import', ('--src',), ('--src', '--loop_span')) if _IMPORT.value else
+                        ('export', ('--workdir', '--format'),
+                         ('--workdir', '--format', '--step', '--verify')))
+  missing = [f for f in needs if given[f] is None]
+  ignored = [f for f, v in given.items() if v is not None and f not in takes]
+  if missing or ignored:
+    raise ValueError(f'{mode} ' + '; '.join(
+        ([f'needs {", ".join(missing)}'] if missing else []) +
+        ([f'does not take {", ".join(ignored)}'] if ignored else [])))
   if _IMPORT.value:
-    if not _SRC.value:
-      raise ValueError('--import needs --src=DIR (the Mixtral directory)')
     span = None
     if _SPAN.value:
-      try:
-        span = tuple(int(x) for x in _SPAN.value.split(':'))
-        assert len(span) == 3
-      except (ValueError, AssertionError):
-        raise ValueError(f'--loop_span={_SPAN.value!r}: expected START:STOP:LOOPS') from None
+      parts = _SPAN.value.split(':')
+      if len(parts) != 3 or not all(p.strip().lstrip('-').isdigit() for p in parts):
+        raise ValueError(f'--loop_span={_SPAN.value!r}: expected START:STOP:LOOPS (integers)')
+      span = tuple(int(p) for p in parts)
     print(json.dumps(files.import_hf(_SRC.value, _OUT.value, span, _OVERWRITE.value), indent=1))
     return
-  if not _WORKDIR.value or not _FORMAT.value:
-    raise ValueError('export needs --workdir=DIR and --format={safetensors,hf-mixtral}')
-  summary = files.export_workdir(_WORKDIR.value, _OUT.value, _FORMAT.value, _STEP.value,
-                                 _OVERWRITE.value)
-  if _VERIFY.value:
-    summary['verify'] = files.verify_export(_WORKDIR.value, _OUT.value, _FORMAT.value,
-                                            summary['step'])
-  print(json.dumps(summary, indent=1))
+  print(json.dumps(files.export_workdir(_WORKDIR.value, _OUT.value, _FORMAT.value, _STEP.value,
+                                        _OVERWRITE.value, verify=_VERIFY.value), indent=1))
 
 
 if __name__ == '__main__':

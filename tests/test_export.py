@@ -267,3 +267,22 @@ def test_import_of_another_architecture(tmp_path):
   with pytest.raises(ValueError, match='LlamaForCausalLM.*is not MixtralForCausalLM'):
     files.import_hf(str(tmp_path / 'llama'), str(tmp_path / 'out'))
   assert not os.path.exists(tmp_path / 'out')
+
+
+def test_cli_names_missing_and_ignored_flags(tmp_path):
+  """scripts/export.py: a flag the mode needs, a flag it would ignore, and a malformed
+  --loop_span are one-line errors naming them (nothing is written)."""
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = f'--out={tmp_path / "x"}'
+  cases = {('--import=hf-mixtral', '--verify', '--step=3', out):
+               'error: --import needs --src; does not take --step, --verify',
+           ('--workdir=/nowhere', out): 'error: export needs --format',
+           ('--import=hf-mixtral', f'--src={tmp_path}', '--loop_span=1:x:2', out):
+               "error: --loop_span='1:x:2': expected START:STOP:LOOPS (integers)"}
+  for args, want in cases.items():
+    r = subprocess.run([sys.executable, os.path.join(root, 'scripts', 'export.py'), *args],
+                       capture_output=True, text=True, timeout=300, cwd=root)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == want, r.stderr[-500:]
+  assert not os.path.exists(tmp_path / 'x')

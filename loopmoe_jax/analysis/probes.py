@@ -180,7 +180,7 @@ def ce_gain_by_domain(model_a, model_b, domains: Mapping[str, np.ndarray], seq_l
 
 # ---- from run directories -------------------------------------------------------------------
 
-def _validation_inputs(config: dict, vocab: int, tokens: int):
+def validation_inputs(config: dict, vocab: int, tokens: int):
   """Validation (inputs, targets) [N, T] of a run, at least `tokens` tokens when it has them."""
   from loopmoe_jax.data import pipeline
   dc = pipeline.DataConfig.from_dict(config['data'])
@@ -199,7 +199,7 @@ def probe_workdir(workdir: str, tokens: int = 8192, step: int | None = None,
   """mechanistic_probes of a checkpoint over about `tokens` validation tokens."""
   from loopmoe_jax.train import checkpoint
   cfg, params, s, config = checkpoint.load_variables(workdir, step)
-  inputs, _ = _validation_inputs(config, cfg.vocab_size, tokens)
+  inputs, _ = validation_inputs(config, cfg.vocab_size, tokens)
   return {'step': s, **mechanistic_probes(cfg, params, inputs, num_loops)}
 
 
@@ -233,7 +233,7 @@ def ce_gain_workdirs(dir_a: str, dir_b: str, tokens: int = 8192, num_buckets: in
   if cfg_a.vocab_size != cfg_b.vocab_size:
     raise ValueError(f'{dir_a!r} and {dir_b!r} have different vocabularies '
                      f'({cfg_a.vocab_size} vs {cfg_b.vocab_size})')
-  inputs, targets = _validation_inputs(config, cfg_a.vocab_size, tokens)
+  inputs, targets = validation_inputs(config, cfg_a.vocab_size, tokens)
   nll_a = np.concatenate([token_nll(cfg_a, pa, x, y) for x, y in zip(inputs, targets)])
   nll_b = np.concatenate([token_nll(cfg_b, pb, x, y) for x, y in zip(inputs, targets)])
   out = {'step_a': sa, 'step_b': sb, 'gain': '(CE_B - CE_A) / CE_B', 'overall':

@@ -93,9 +93,10 @@ def read_hf(directory: str) -> tuple[dict, dict[str, np.ndarray]]:
 
 
 def export_workdir(workdir: str, out: str, fmt: str, step: int | None = None,
-                   overwrite: bool = False) -> dict:
+                   overwrite: bool = False, verify: bool = False) -> dict:
   """Exports a checkpoint of `workdir` (a step, or the latest readable) as `fmt` into `out`;
-  returns a summary (step, format, out, bytes, layers)."""
+  returns a summary (step, format, out, bytes, layers, and with `verify` verify_export's
+  check of the written export against the same loaded checkpoint)."""
   from loopmoe_jax.train import checkpoint
   if fmt not in FORMATS:
     raise ValueError(f'--format={fmt!r}: one of {FORMATS}')
@@ -117,8 +118,11 @@ def export_workdir(workdir: str, out: str, fmt: str, step: int | None = None,
       write_hf(tmp, hf_config, generation, tensors)
       layers = hf_config['num_hidden_layers']
   size = sum(os.path.getsize(os.path.join(out, n)) for n in os.listdir(out))
-  return {'step': s, 'format': fmt, 'out': os.path.abspath(out), 'bytes': size,
-          'layers': layers}
+  summary = {'step': s, 'format': fmt, 'out': os.path.abspath(out), 'bytes': size,
+             'layers': layers}
+  if verify:
+    summary['verify'] = verify_export(workdir, out, fmt, loaded=(cfg, params, s, config))
+  return summary
 
 
 def import_hf(src: str, out: str, span: tuple[int, int, int] | None = None,
@@ -134,20 +138,24 @@ def import_hf(src: str, out: str, span: tuple[int, int, int] | None = None,
 
 
 def verify_export(workdir: str, out: str, fmt: str, step: int | None = None,
-                  tokens: int = 256, greedy: int = 16) -> dict:
+                  tokens: int = 256, greedy: int = 16, loaded=None) -> dict:
   """Checks an export against our model on the run's first validation window(s): the max
   absolute logit difference over `tokens` tokens in float32, and whether `greedy` greedy
   tokens after a 16-token prompt agree. 'hf-mixtral' loads it with transformers'
   MixtralForCausalLM on CPU (torch and transformers must be installed); 'safetensors' with our
-  own reader (load_model), run through our model."""
+  own reader (load_model), run through our model. `loaded`: load_params's tuple when the
+  caller has the checkpoint already."""
   import jax
   import jax.numpy as jnp
-  from loopmoe_jax.analysis.probes import _validation_inputs
+  from loopmoe_jax.analysis.probes import validation_inputs
   from loopmoe_jax.model import LoopedMoE
   from loopmoe_jax.train import checkpoint
-  cfg, params, s, config = checkpoint.load_params(workdir, step)
-  inputs = np.concatenate(_validation_inputs(config, cfg.vocab_size, tokens)[0])
+  cfg, params, s, config = loaded or checkpoint.load_params(workdir, step)
+  inputs = np.concatenate(validation_inputs(config, cfg.vocab_size, tokens)[0])
   seq = min(inputs.shape[1], tokens)
+  n = min(16, seq - greedy)  # prompt length of the greedy check
+  if n < 1:
+    raise ValueError(f'--verify: the context ({seq}) is too short for {greedy} greedy tokens')
   x = inputs[:max(1, tokens // seq), :seq].astype(np.int32)
   forward = jax.jit(lambda p, t: LoopedMoE(cfg).apply({'params': p}, t)[0])
   ours = lambda t: np.asarray(forward(params, jnp.asarray(t)), np.float32)
@@ -167,10 +175,8 @@ def verify_export(workdir: str, out: str, fmt: str, step: int | None = None,
     def theirs(t):
       with torch.no_grad():
         return model(torch.tensor(np.asarray(t, np.int64))).logits.numpy()
-  err = float(np.max(np.abs(theirs(x) - ours(x))))
-  n = min(16, seq - greedy)
-  if n < 1:
-    raise ValueError(f'--verify: the context ({seq}) is too short for {greedy} greedy tokens')
+  ref = ours(x)
+  err = float(np.max(np.abs(theirs(x) - ref)))
   buf_a = np.zeros((1, n + greedy), np.int32)
   buf_a[0, :n] = x[0, :n]
   buf_b = buf_a.copy()
@@ -178,5 +184,5 @@ def verify_export(workdir: str, out: str, fmt: str, step: int | None = None,
     buf_a[0, t] = ours(buf_a)[0, t - 1].argmax()
     buf_b[0, t] = theirs(buf_b)[0, t - 1].argmax()
   return {'step': s, 'tokens': int(x.size), 'max_abs_logit_error': err,
-          'logit_scale': float(np.max(np.abs(ours(x)))), 'greedy_tokens': greedy,
+          'logit_scale': float(np.max(np.abs(ref))), 'greedy_tokens': greedy,
           'greedy_equal': bool(np.array_equal(buf_a, buf_b))}
