@@ -246,6 +246,9 @@ def test_diagnose_end_to_end_on_a_trained_workdir(tmp_path):
     ps.run(model_cfg, params, ps.probe_batches(config['data'], model_cfg, 16)[0])
   with pytest.raises(ValueError, match='--probes=-1: must be >= 0'):
     diagnose(work, out, tokens=40, probes=-1)
+  with pytest.raises(ValueError, match=r'--mask_top=3: must be <= model.core_experts - '
+                                       r'model.top_k = 2'):
+    diagnose(work, out, tokens=40, mask_top=3)
   with open(os.path.join(out, 'diagnostics.json')) as f:
     assert json.load(f)['step'] == 2
   for name in ('expert_load.png', 'mmr.png'):

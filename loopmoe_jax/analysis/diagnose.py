@@ -72,7 +72,7 @@ def diagnose(workdir: str, out_dir: str, tokens: int, step: int | None = None,
              probes: int = 0, evals: int = 0, recurrence: int = 0) -> dict:
   """Writes out_dir/diagnostics.json and the heatmaps; returns the JSON's dict. Optional
   analyses of the same checkpoint (0 skips each): `probes` Q/K/V cosine between visits and
-  sink mass over min(tokens, probes) validation tokens ('probes'); `evals` Dyck-k by shots
+  sink mass over up to `probes` tokens of the probe set ('probes'); `evals` Dyck-k by shots
   and parity/addition/induction on that many examples each ('evals'); `recurrence` loss and
   task accuracy at passes 1..recurrence ('recurrence', and recurrence.png)."""
   for name, value in dict(tokens=tokens, mask_top=mask_top, mask_draws=mask_draws, probes=probes,
@@ -81,6 +81,9 @@ def diagnose(workdir: str, out_dir: str, tokens: int, step: int | None = None,
       raise ValueError(f'--{name}={value}: must be {"> 0" if name == "tokens" else ">= 0"}')
   t0 = time.perf_counter()
   cfg, params, s, config = checkpoint.load_variables(workdir, step)
+  if cfg.core_experts and mask_top > cfg.core_experts - cfg.top_k:
+    raise ValueError(f'--mask_top={mask_top}: must be <= model.core_experts - model.top_k = '
+                     f'{cfg.core_experts - cfg.top_k} (a token needs top_k unmasked experts)')
   batches, info = probe_set.probe_batches(config['data'], cfg, tokens)
   experts = probe_set.segment_experts(cfg)
   if info['tokens'] != tokens:
@@ -132,7 +135,13 @@ def diagnose(workdir: str, out_dir: str, tokens: int, step: int | None = None,
                             if res['timing']['rest_tokens'] else None}
   if probes:
     from loopmoe_jax.analysis import probes as mech  # pylint: disable=import-outside-toplevel
-    report['probes'] = mech.probe_workdir(workdir, min(tokens, probes), s)
+    inputs, have = [], 0  # the probe set's own windows, up to `probes` tokens
+    for b in batches:
+      if have >= probes:
+        break
+      inputs.append(b['inputs'])
+      have += b['inputs'].size
+    report['probes'] = mech.mechanistic_probes(cfg, params, inputs)
   if evals:
     from loopmoe_jax.analysis import evals as ev  # pylint: disable=import-outside-toplevel
     report['evals'] = ev.reasoning_evals(workdir, s, examples=evals)
