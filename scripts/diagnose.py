@@ -1,8 +1,9 @@
 """Routing diagnostics of a checkpoint over held-out tokens: distinct experts U, load shares,
 N2/B2, MaxVio, MMR (per core layer, per pass, overall), traffic-matched expert masking, and
 PNG heatmaps of load and MMR by layer and pass; SMELT's probes (Q/K/V cosine between visits,
-sink mass) over up to --probes tokens of the probe set; with --evals, Dyck-k by shots and parity / addition /
-induction; with --recurrence=R, loss and task accuracy at passes 1..R (recurrence.png).
+sink mass) over up to --probes tokens of the probe set; with --evals, Dyck-k by shots and
+parity / addition / induction; with --recurrence=R, loss and task accuracy at passes 1..R
+(recurrence.png).
 
     python scripts/diagnose.py --workdir=/tmp/run --out=/tmp/diag [--tokens=16384] [--step=400]
         [--probes=8192] [--evals=64] [--recurrence=6]
