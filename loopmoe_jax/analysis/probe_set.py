@@ -25,10 +25,7 @@ SEGMENTS = ('prelude', 'core', 'coda')
 
 def segment_experts(cfg: ModelConfig) -> dict:
   """{segment: (layers, experts)} for the segments whose layers have routed experts."""
-  out = {'prelude': (cfg.prelude_layers, cfg.prelude_experts),
-         'core': (cfg.core_layers, cfg.core_experts),
-         'coda': (cfg.coda_layers, cfg.coda_experts)}
-  return {s: v for s, v in out.items() if v[0] and v[1]}
+  return {s: (layers, e) for s, layers, e, _ in cfg.segments if e}
 
 
 def probe_batches(data_config: dict, cfg: ModelConfig, tokens: int) -> tuple[list, dict]:

@@ -104,9 +104,7 @@ def export_workdir(workdir: str, out: str, fmt: str, step: int | None = None,
   if fmt == 'hf-mixtral':
     mixtral.check_exportable(cfg)
   elif cfg.router_bias != 'none':
-    raise ValueError(f'model.router_bias={cfg.router_bias!r}: the safetensors export holds the '
-                     'parameters only, and this model routes with its trained bias as well; '
-                     'not exported (evaluate and generate read it from the checkpoint)')
+    raise ValueError(f'model.router_bias={cfg.router_bias!r}: {mixtral.BIAS_REFUSAL}')
   params = safetensors_io.unflatten(safetensors_io.flatten(params))  # numpy, one host
   with output_dir(out, overwrite) as tmp:
     if fmt == 'safetensors':

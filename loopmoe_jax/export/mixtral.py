@@ -23,6 +23,9 @@ from loopmoe_jax.model import residual_scale
 
 ARCHITECTURE = 'MixtralForCausalLM'
 SAFETENSORS_HINT = 'export it with --format safetensors instead'
+# A router bias is trained state outside the parameters: neither format holds it yet.
+BIAS_REFUSAL = ('the exports hold the parameters only, and this model routes with its trained '
+                'bias as well; not exported (evaluate and generate read it from the checkpoint)')
 
 
 def unsupported(c: ModelConfig) -> list[str]:
@@ -56,7 +59,8 @@ def unsupported(c: ModelConfig) -> list[str]:
 def check_exportable(c: ModelConfig):
   bad = unsupported(c)
   if bad:
-    raise ValueError('Mixtral cannot express ' + '; '.join(bad) + f': {SAFETENSORS_HINT}')
+    hint = BIAS_REFUSAL if c.router_bias != 'none' else SAFETENSORS_HINT
+    raise ValueError('Mixtral cannot express ' + '; '.join(bad) + f': {hint}')
 
 
 def executed_layers(c: ModelConfig, params):
