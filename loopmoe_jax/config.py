@@ -46,11 +46,14 @@ class ModelConfig:
                                  # (pass, layer) in the core
   num_shared_experts: int = 0
   shared_expert_width: int = 0   # 0: expert_width
-  dispatch: str = 'tiled'
+  dispatch: str = 'auto'         # auto: the Pallas kernel on GPU/TPU, 'tiled' on CPU
   dispatch_tile: int = 128
   capacity_factor: float = 0.0   # 0: dropless; else each expert takes at most
                                  # ceil(cf * tokens * k / E) of a batch shard's assignments
   expert_exchange: str = 'auto'  # expert parallelism: padded (all_to_all) | ragged | auto
+  exchange_buffer_factor: float = 0.0  # 0: exchange buffers for the dropless worst case; b >= 1:
+                                 # rows one device sends another capped at b x the balanced
+                                 # share (expert_parallel.slot_rows), the rest dropped, counted
   # Layout: prelude -> core x num_loops -> coda. experts == 0 means a dense SwiGLU layer.
   prelude_layers: int = 1
   prelude_experts: int = 4
@@ -158,6 +161,10 @@ def _validate(c: ModelConfig):
       _err(name, getattr(c, name), f'must be one of {allowed}')
   if not (c.capacity_factor == 0 or 0 < c.capacity_factor < float('inf')):  # NaN fails both
     _err('capacity_factor', c.capacity_factor, 'must be 0 (dropless) or finite and > 0')
+  b = c.exchange_buffer_factor
+  if isinstance(b, bool) or not isinstance(b, (int, float)) or not (b == 0 or 1 <= b < float('inf')):
+    _err('exchange_buffer_factor', b, 'must be 0 (worst-case buffers, dropless) or a number >= 1 '
+         '(the balanced share times it; 1.25 is a common choice)')
   if c.injection != 'none' and not c.core_layers:
     _err('injection', c.injection, 'needs a looped core (model.core_layers >= 1)')
   if c.router_bias != 'none' and not any(experts for _, _, experts, _ in c.segments):

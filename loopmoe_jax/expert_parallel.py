@@ -12,16 +12,17 @@ run on the global batch outside. Per device:
   exchange back, unpermute, combine with the routing weights.
 
 Two transports (`model.expert_exchange`, 'auto' picks per platform):
+Both transports size their buffers by the slot S (`slot_rows`): the most rows one device may
+send one other device. Dropless, S = T * min(k, E/n) (a token sends one row per chosen expert,
+so at most min(k, E/n) to one device); with a capacity factor S <= E/n * C; with
+`model.exchange_buffer_factor` b > 0, S <= ceil(b * T*k / n), the balanced share times b, and a
+source's rows for one device past S (the last in expert order) are dropped and counted like
+capacity drops (both transports drop the same rows).
 - `ragged` (GPU/TPU): `jax.lax.ragged_all_to_all` sends each row once. The send buffer is the
-  M = T*k sorted rows; the receive buffer holds n*M rows, what arrives when every device sends
-  all its rows here (the dropless worst case): n*M*D elements per MoE layer and pass.
-- `padded` (CPU, whose XLA has no ragged_all_to_all): a fixed [n, M, D] buffer per direction
-  (slot j holds the rows for device j, at most M), exchanged with `jax.lax.all_to_all`. Memory
-  per MoE layer and pass: 2*n*M*D elements sent and as many received, n times the ragged
-  transport's send side; it moves n*M*D per device where the ragged one moves M*D.
-Both are dropless: no device can send more than its M rows to one place. With a capacity
-factor, the padded slots shrink to E/n * C rows (an expert keeps at most C rows of a source):
-cf = 1 makes the padded exchange move about what the ragged one does.
+  M = T*k sorted rows; the receive buffer holds n*S rows (n*M dropless with k <= E/n).
+- `padded` (CPU, whose XLA has no ragged_all_to_all): a fixed [n, S, D] buffer per direction
+  (slot j holds the rows for device j), exchanged with `jax.lax.all_to_all`: it moves n*S*D
+  elements per device where the ragged one moves M*D; cf = 1 or b = 1 make the two about equal.
 
 Capacity (`model.capacity_factor` cf > 0): each expert takes at most C = ceil(cf * T * k / E)
 of one batch shard's assignments (T its tokens), in token order; the rest are dropped (their
@@ -75,16 +76,38 @@ def _exclusive_cumsum(x, axis=0):
   return jnp.cumsum(x, axis=axis) - x
 
 
+def slot_rows(t: int, k: int, num_experts: int, n: int, factor: float = 0.0,
+              buffer_factor: float = 0.0) -> int:
+  """Rows one device may send one other device in one exchange (t tokens, top-k of
+  `num_experts` over n devices): the dropless bound t * min(k, E/n) (a token sends at most one
+  row per local expert of the destination, and at most k); with a capacity factor at most
+  E/n * C; with `buffer_factor` b, ceil(b * t * k / n), the balanced load times b (rows past it
+  are dropped and counted). The ragged receive buffer holds n such slots."""
+  e_loc = num_experts // n
+  rows = t * min(k, e_loc)
+  if factor:
+    rows = min(rows, e_loc * capacity(t, k, num_experts, factor))
+  if buffer_factor:
+    rows = min(rows, int(math.ceil(buffer_factor * t * k / n)))
+  return rows
+
+
+def _kept_counts(counts_sE, n: int, slot: int):
+  """Per source and expert, the rows that fit a destination's slot: a source's rows for one
+  destination are sent in expert order, the first `slot` of them kept. [n_src, E] -> same."""
+  by_dest = counts_sE.reshape(counts_sE.shape[0], n, -1)
+  before = _exclusive_cumsum(by_dest, 2)
+  return jnp.clip(slot - before, 0, by_dest).reshape(counts_sE.shape)
+
+
 def _local_moe(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, factor, kind,
-               backend, tile, batch_axes, tensor):
+               backend, tile, batch_axes, tensor, buffer_factor=0.0):
   """The per-device body (see the module docstring): returns (y_TD float32, dropped)."""
   t, k = experts_Tk.shape
   m, d = t * k, x_TD.shape[1]
   e_loc = params['gate'].shape[0]
   me = jax.lax.axis_index('expert')
-  # rows one device sends another: all M in the dropless worst case; with a capacity, at most
-  # C per expert of the destination
-  slot = m if not factor else min(m, e_loc * capacity(t, k, num_experts, factor))
+  slot = slot_rows(t, k, num_experts, n, factor, buffer_factor)
 
   with jax.named_scope('permute'):
     flat = experts_Tk.reshape(-1)
@@ -93,9 +116,12 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, factor, 
     order = jnp.argsort(key, stable=True)
     x_send = x_TD[order // k]
     counts_E = jnp.bincount(key, length=num_experts).astype(jnp.int32)
-    dest_counts = counts_E.reshape(n, e_loc).sum(1)
-    send_off = _exclusive_cumsum(dest_counts)
-    all_counts = jax.lax.all_gather(counts_E, 'expert')                   # [n_src, E]
+    send_off = _exclusive_cumsum(counts_E.reshape(n, e_loc).sum(1))
+    raw_counts = jax.lax.all_gather(counts_E, 'expert')                   # [n_src, E]
+    all_counts = _kept_counts(raw_counts, n, slot)                        # what is sent
+    kept_E = all_counts[me]
+    dest_counts = kept_E.reshape(n, e_loc).sum(1)
+    dropped = dropped + jnp.sum(counts_E) - jnp.sum(kept_E)  # rows past a slot
     recv_nE = jax.lax.dynamic_slice_in_dim(all_counts, me * e_loc, e_loc, axis=1)
     c_nn = all_counts.reshape(n, n, e_loc).sum(-1)                        # [src, dest]
 
@@ -103,13 +129,13 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, factor, 
     sorted_key = key[order]
     dest = jnp.where(sorted_key < num_experts, sorted_key // e_loc, n)
     pos = jnp.arange(m) - send_off[jnp.minimum(dest, n - 1)]
-    if kind == 'padded':
+    if kind == 'padded':  # rows past a slot fall off the buffer (mode='drop')
       buf = jnp.zeros((n, slot, d), x_TD.dtype).at[dest, pos].set(x_send, mode='drop')
       recv = jax.lax.all_to_all(buf, 'expert', 0, 0, tiled=True).reshape(n * slot, d)
       block_start = jnp.arange(n, dtype=jnp.int32) * slot
-    else:
+    else:  # each source's first dest_counts rows per destination
       out_off = _exclusive_cumsum(c_nn, 0)[me]
-      recv = jax.lax.ragged_all_to_all(x_send, jnp.zeros((n * m, d), x_TD.dtype), send_off,
+      recv = jax.lax.ragged_all_to_all(x_send, jnp.zeros((n * slot, d), x_TD.dtype), send_off,
                                        dest_counts, out_off, c_nn[:, me], axis_name='expert')
       block_start = _exclusive_cumsum(c_nn[:, me])
 
@@ -129,8 +155,10 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, factor, 
     if kind == 'padded':
       back = jax.lax.all_to_all(out_recv.reshape(n, slot, d), 'expert', 0, 0, tiled=True)
       out_sorted = back.at[dest, pos].get(mode='fill', fill_value=0)
-    else:
-      src_off = _exclusive_cumsum(c_nn, 1)[:, me]  # where each source's rows sat in its send
+    else:  # rows a slot dropped are never written: they stay zero
+      # where each source's rows for this device begin in its send buffer (offsets of the
+      # whole sorted rows, dropped ones included)
+      src_off = _exclusive_cumsum(raw_counts.reshape(n, n, e_loc).sum(-1), 1)[:, me]
       out_sorted = jax.lax.ragged_all_to_all(out_recv, jnp.zeros((m, d), out_recv.dtype),
                                              block_start, c_nn[:, me], src_off, dest_counts,
                                              axis_name='expert')
@@ -151,14 +179,15 @@ def moe_dispatch(x_TD, experts_Tk, weights_Tk, params, cfg, mesh):
   if num_experts % n:
     raise ValueError(f'{num_experts} experts do not divide over mesh.expert={n}; make every '
                      f'model.*_experts a multiple of {n}')
-  batch_axes = tuple(a for a in sharding.BATCH_AXES if a in mesh.axis_names)
+  batch_axes = sharding.batch_axes(mesh)
   rows = P(batch_axes)
   w_in = sharding.spec(('experts', None, 'mlp'), mesh.axis_names)
   w_out = sharding.spec(('experts', 'mlp', None), mesh.axis_names)
   body = lambda x, e, w, p: _local_moe(
       x, e, w, p, num_experts=num_experts, n=n, factor=cfg.capacity_factor,
       kind=exchange_kind(cfg.expert_exchange), backend=cfg.dispatch, tile=cfg.dispatch_tile,
-      batch_axes=batch_axes, tensor=mesh.shape['tensor'])
+      batch_axes=batch_axes, tensor=mesh.shape['tensor'],
+      buffer_factor=cfg.exchange_buffer_factor)
   y_TD, dropped = jax.shard_map(
       body, in_specs=(rows, rows, rows, {'gate': w_in, 'up': w_in, 'down': w_out}),
       out_specs=(rows, P()), check_vma=False)(x_TD, experts_Tk, weights_Tk, params)

@@ -149,8 +149,9 @@ class LoopedMoE(nn.Module):
     num_loops = self._check_loops(num_loops)
     embed_VD = param(self, 'embed', (c.vocab_size, c.d_model), ('vocab', 'embed'),
                      nn.initializers.normal(1.0), DTYPES[c.param_dtype])
-    if x_BTD is None:
-      x_BTD = jnp.take(embed_VD, tokens_BT, axis=0)
+    if x_BTD is None:  # the table gathered whole over its width first (an FSDP parameter
+      # gather), so each batch shard looks up its own tokens: no activation is gathered
+      x_BTD = jnp.take(constrain(embed_VD, ('vocab', None)), tokens_BT, axis=0)
     x_BTD = constrain(x_BTD.astype(dt), ACTIVATION)
     positions_BT = self._positions(x_BTD.shape[0], x_BTD.shape[1])
 

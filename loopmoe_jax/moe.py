@@ -1,8 +1,12 @@
 """The MoE feed-forward layer: route (float32) -> dispatch (see dispatch.py) -> combine.
 With dispatch 'pallas' the routing runs in the Pallas routing kernel (route_for).
 
-Routing runs on the global batch (under a mesh, XLA partitions it), so the aux losses are
-the same on any mesh. Aux losses per call (one MoE layer on one pass): the Switch load-balance loss
+Routing is local: under a device mesh the top-k and its bookkeeping run per batch shard inside
+`jax.shard_map` (`route_local`), so no device ever holds the global batch's router
+probabilities. The aux losses stay exactly the global batch's: each shard returns its sums
+(choices per expert, router probabilities per expert, squared logsumexp), the sums are added
+over the shards (an all-reduce of 2E + 1 numbers), and the losses are formed from the totals.
+Aux losses per call (one MoE layer on one pass): the Switch load-balance loss
 E * sum_i f_i P_i (f_i: share of the T*k choices that went to expert i; P_i: mean router
 probability) and the router z-loss mean_t logsumexp(z_t)^2. They are returned, never added
 to anything here.
@@ -12,9 +16,10 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
-from loopmoe_jax import expert_parallel
+from loopmoe_jax import expert_parallel, sharding
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.dispatch import dispatch, resolve_backend
 from loopmoe_jax.layers import DTYPES, DenseMLP, fan_in_init, param
@@ -69,15 +74,59 @@ def max_vio(load):
   return (load.max(-1) - mean) / mean
 
 
+def routing_sums(experts_Tk, probs_TE, logits_TE):
+  """The additive statistics of a set of tokens that the aux losses are made of:
+  {'load': choices per expert [E], 'probs': router probabilities summed over tokens [E],
+  'z': sum over tokens of logsumexp(z_t)^2 [], 'tokens': T []}. Sums over disjoint token
+  sets add up to the sums of their union."""
+  return {'load': expert_load(experts_Tk, probs_TE.shape[-1]),
+          'probs': jnp.sum(probs_TE, axis=0),
+          'z': jnp.sum(jax.nn.logsumexp(logits_TE.astype(jnp.float32), axis=-1) ** 2),
+          'tokens': jnp.asarray(probs_TE.shape[0], jnp.float32)}
+
+
+def losses_from_sums(sums, top_k: int):
+  """(load-balance loss E * sum_i f_i P_i, z-loss) from `routing_sums` totals."""
+  num_experts = sums['probs'].shape[-1]
+  f_E = sums['load'] / (sums['tokens'] * top_k)
+  p_E = sums['probs'] / sums['tokens']
+  return num_experts * jnp.sum(f_E * p_E), sums['z'] / sums['tokens']
+
+
 def load_balance_loss(experts_Tk, probs_TE):
-  num_experts = probs_TE.shape[-1]
-  f_E = expert_load(experts_Tk, num_experts) / experts_Tk.size
-  p_E = jnp.mean(probs_TE, axis=0)
-  return num_experts * jnp.sum(f_E * p_E)
+  sums = routing_sums(experts_Tk, probs_TE, jnp.zeros_like(probs_TE))
+  return losses_from_sums(sums, experts_Tk.shape[-1])[0]
 
 
 def z_loss(logits_TE):
   return jnp.mean(jax.nn.logsumexp(logits_TE.astype(jnp.float32), axis=-1) ** 2)
+
+
+def route_local(logits_TE, cfg: ModelConfig, bias_E=None):
+  """(experts_Tk, weights_Tk, routing_sums totals, plan) of `route_for`, computed where the
+  tokens are: under a device mesh inside `jax.shard_map` over the batch axes (each shard
+  routes its own rows; only the per-shard sums leave the shard, stacked [shards, ...] and
+  added outside, which keeps them differentiable without a psum in the shard_map). The
+  Pallas routing plan is returned on one device only (expert parallelism makes its own)."""
+  def one_shard(logits_TE, bias_E):
+    experts_Tk, weights_Tk, probs_TE, plan = route_for(
+        cfg.dispatch, logits_TE, cfg.top_k, cfg.renormalize, bias_E, cfg.router_score)
+    if cfg.router_score == 'sigmoid':  # the load-balance loss's P_i: per-token shares
+      probs_TE = probs_TE / jnp.sum(probs_TE, axis=-1, keepdims=True)
+    return experts_Tk, weights_Tk, routing_sums(experts_Tk, probs_TE, logits_TE), plan
+
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return one_shard(logits_TE, bias_E)
+  rows = P(sharding.batch_axes(mesh))
+  stacked = jax.tree.map(lambda _: rows, routing_sums(
+      jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1)), jnp.zeros((1, 1))))
+  body = lambda l, b: (lambda e, w, s, _: (e, w, jax.tree.map(lambda v: v[None], s)))(
+      *one_shard(l, b))
+  experts_Tk, weights_Tk, sums = jax.shard_map(
+      body, in_specs=(rows, P()), out_specs=(rows, rows, stacked), check_vma=False)(
+          logits_TE, bias_E)
+  return experts_Tk, weights_Tk, jax.tree.map(lambda v: jnp.sum(v, axis=0), sums), None
 
 
 class MoE(nn.Module):
@@ -112,12 +161,9 @@ class MoE(nn.Module):
         # router bias (model.router_bias) cannot pick a masked expert back
         logits_TE = logits_TE + mask_E
         bias_E = mask_E if bias_E is None else bias_E + mask_E
-      experts_Tk, weights_Tk, probs_TE, plan = route_for(c.dispatch, logits_TE, c.top_k,
-                                                         c.renormalize, bias_E, c.router_score)
-    if c.router_score == 'sigmoid':  # the load-balance loss's P_i: per-token shares
-      probs_TE = probs_TE / jnp.sum(probs_TE, axis=-1, keepdims=True)
-    stats = {'load_balance': load_balance_loss(experts_Tk, probs_TE), 'z_loss': z_loss(logits_TE),
-             'load': expert_load(experts_Tk, e)}
+      experts_Tk, weights_Tk, sums, plan = route_local(logits_TE, c, bias_E)
+    lb, zl = losses_from_sums(sums, c.top_k)
+    stats = {'load_balance': lb, 'z_loss': zl, 'load': sums['load']}
     if self.record:
       stats['experts'] = experts_Tk.reshape(b, t, -1)
       stats['logits'] = logits_TE.reshape(b, t, -1)

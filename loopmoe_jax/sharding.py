@@ -7,7 +7,13 @@ heads and the expert hidden width). The batch is split over every axis but `tens
 
 RULES maps every name of `layers.LOGICAL_AXES`, and the activation names `batch`, `length`,
 `act_embed`, to mesh axes; parameter and optimizer-state shardings, the batch sharding and the
-activation constraints all come from it.
+activation constraints all come from it. A name may map to several mesh axes (outermost
+first); within one array a mesh axis serves the first dimension that claims it, so an expert
+weight ('experts', 'embed', 'mlp') is split over `expert` by its expert dimension and over
+`fsdp` by its width, while a dense weight's 'embed' takes both `fsdp` and `expert`: no weight
+is copied over an axis that could hold a part of it. For parameters, the axes after the first
+are kept only while their product divides the dimension (the first must divide: an error
+names the config key otherwise); `scripts/dry_run.py` prints the per-device bytes by group.
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ BATCH_AXES = ('dcn_data', 'data', 'fsdp', 'expert')
 
 RULES: dict[str, Any] = {
     # parameters
-    'vocab': 'tensor', 'embed': 'fsdp', 'heads': 'tensor', 'kv_heads': 'tensor',
+    'vocab': 'tensor', 'embed': ('fsdp', 'expert'), 'heads': 'tensor', 'kv_heads': 'tensor',
     'head_dim': None, 'mlp': 'tensor', 'experts': 'expert', 'loops': None, 'embed_in': None,
     'inject_src': None,
     # activations
@@ -108,15 +114,30 @@ def make_mesh(cfg: MeshConfig | None = None, devices: Sequence[Any] | None = Non
                        devices=devices)
 
 
-def spec(names: Sequence[str | None], mesh_axes: Sequence[str] = AXES) -> P:
-  """The PartitionSpec of logical `names` under RULES (axes not in `mesh_axes` dropped)."""
-  out = []
+def _rule_axes(names, mesh_axes):
+  """Per dimension, the mesh axes RULES gives it, each mesh axis used once (first claim)."""
+  used, out = set(), []
   for name in names:
     rule = RULES.get(name) if name else None
     axes = (rule,) if isinstance(rule, str) else tuple(rule or ())
-    axes = tuple(a for a in axes if a in mesh_axes)
-    out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-  return P(*out)
+    axes = tuple(a for a in axes if a in mesh_axes and a not in used)
+    used.update(axes)
+    out.append(axes)
+  return out
+
+
+def _entry(axes):
+  return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def spec(names: Sequence[str | None], mesh_axes: Sequence[str] = AXES) -> P:
+  """The PartitionSpec of logical `names` under RULES (axes not in `mesh_axes` dropped)."""
+  return P(*(_entry(axes) for axes in _rule_axes(names, mesh_axes)))
+
+
+def batch_axes(mesh) -> tuple[str, ...]:
+  """The batch axes present on `mesh` (the row split of tokens)."""
+  return tuple(a for a in BATCH_AXES if a in mesh.axis_names)
 
 
 def batch_size_of(mesh) -> int:
@@ -161,22 +182,23 @@ def param_specs(boxed_params, mesh):
   def one(path, box):
     names = box.names if _is_box(box) else (None,) * len(box.shape)
     value = box.value if _is_box(box) else box
-    s = spec(names, mesh.axis_names)
-    for dim, (name, axes) in enumerate(zip(names, s)):
-      if axes is None:
-        continue
-      n = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
-      if value.shape[dim] % n:
+    out = []
+    for dim, (name, axes) in enumerate(zip(names, _rule_axes(names, mesh.axis_names))):
+      axes = [a for a in axes if mesh.shape[a] > 1]
+      if axes and value.shape[dim] % mesh.shape[axes[0]]:
         keys = [str(getattr(k, 'key', k)) for k in path]
-        axis = axes if isinstance(axes, str) else '*'.join(axes)
+        n = mesh.shape[axes[0]]
         fix = FIX.get(name, 'the model')
         if name == 'experts' and keys[0] in ('prelude', 'core', 'coda'):
           fix = f'model.{keys[0]}_experts'
         raise ValueError(
             f'param {"/".join(keys)}: its {name!r} dimension of size {value.shape[dim]} does '
-            f'not divide over mesh.{axis}={n}; change {fix} to a multiple of {n} or set '
-            f'mesh.{axis} to a divisor of {value.shape[dim]}')
-    return s
+            f'not divide over mesh.{axes[0]}={n}; change {fix} to a multiple of {n} or set '
+            f'mesh.{axes[0]} to a divisor of {value.shape[dim]}')
+      while axes and value.shape[dim] % math.prod(mesh.shape[a] for a in axes):
+        axes.pop()  # a further axis that does not divide: that part stays copied
+      out.append(_entry(axes))
+    return P(*out)
   return jax.tree_util.tree_map_with_path(one, boxed_params, is_leaf=_is_box)
 
 

@@ -354,7 +354,8 @@ def test_checkpoint_saved_on_one_mesh_resumes_on_another(tmp_path):
 
 def test_dry_run_reads_bytes_and_exchanges_from_the_program():
   """The README's main job (smoke widths) on data=2 x expert=4: per-device parameter bytes are
-  the replicated params plus a quarter of every expert-sharded one, and the all-to-all bytes
+  a quarter of every param (expert weights by their expert dimension, the rest by their width:
+  nothing is copied over `expert`), and the all-to-all bytes
   are the padded exchange's: 8 MoE visits (the core's 2 layers run 3 times inside a loop),
   4 exchanges each (forward and back, and their transposes), n*M*D float32 each."""
   from loopmoe_jax import dry_run
@@ -365,7 +366,7 @@ def test_dry_run_reads_bytes_and_exchanges_from_the_program():
   want = 0
   for box in jax.tree.leaves(boxed, is_leaf=lambda x: hasattr(x, 'names')):
     nbytes = int(np.prod(box.value.shape)) * 4
-    want += nbytes // 4 if 'experts' in box.names else nbytes
+    want += nbytes // 4 if {'experts', 'embed'} & set(box.names) else nbytes
   assert report['params_bytes_per_device'] == want < report['params_bytes_total']
   local_tokens = cfg.data.batch_size * cfg.data.seq_len // 8
   exchange = 4 * local_tokens * cfg.model.top_k * cfg.model.d_model * 4  # n * M * D * 4 bytes
