@@ -381,8 +381,10 @@ def resolve_backend(backend: str) -> str:
   """'auto' -> the measured-fastest correct backend of this platform; others unchanged."""
   if backend != 'auto':
     return backend
-  platform = jax.default_backend()
+  platform = pallas_kernels.ops.platform()
   choice = FASTEST.get(platform, 'tiled')
+  if platform != jax.default_backend():  # building for another platform: nothing to check here
+    return choice
   if choice == 'pallas' and not pallas_self_check(platform):
     return FALLBACK
   return choice

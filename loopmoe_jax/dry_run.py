@@ -1,47 +1,78 @@
 """Ahead-of-time check of a config on a target mesh: lower and compile the train step from
 abstract shapes (no arrays are made), then read per-device bytes and collective traffic.
 
-    report = dry_run(config_dict)     # on as many (fake CPU) devices as the mesh needs
+    report = dry_run(config_dict, platform='tpu')   # on as many fake CPU devices as the mesh
 
-Per device: parameter and optimizer-state bytes (their shardings' shard shapes), temporaries
-(the compiled program's memory analysis). Collectives: bytes of every collective's result
-per train step by kind, read from the compiled HLO, with ops inside while loops (the scan over
-passes, gradient accumulation) counted once per iteration (XLA's known trip counts).
+Per device: parameter and optimizer-state bytes (their shardings' shard shapes, and the
+parameters by group), temporaries (the memory analysis of the program compiled for this CPU,
+labelled so: XLA:CPU's buffers, not a TPU's or GPU's).
 
-On CPU the expert exchange is the padded all_to_all (expert_parallel.py), which moves n
-(= mesh.expert) times what the ragged exchange of GPU/TPU sends: `all-to-all (ragged)`
-reports that share, the figure for those platforms.
+Collectives per train step are read from the program the target platform would run, as the
+SPMD partitioner leaves it (XLA's dump after `spmd-partitioning`): the dtypes the program
+sends (XLA:CPU's later passes widen bfloat16 collectives to float32; this is before them),
+collectives over single-device groups skipped, and ops inside while loops (the scan over
+passes, gradient accumulation) counted once per iteration (trip counts read off the loop
+conditions). For `tpu`/`cuda` that program has the ragged expert exchange; it is compiled for
+this CPU only as far as the partitioner (XLA:CPU cannot emit a ragged all-to-all), and the same
+step is lowered for the platform with its Pallas kernels compiled, not interpreted
+(`pallas_kernels.ops.lowering_for`): its Mosaic / Triton calls are counted. For `cpu` the
+figures are the CPU program's (the padded exchange). Bytes of a collective: its result's bytes;
+a ragged all-to-all moves at most min(operand, result) rows, counted so.
+
+Analytic column (`analytic_collective_bytes_per_step`), what the model and mesh require, per
+device and step (V MoE visits: MoE layers of prelude and coda once, the core's L times; M =
+local tokens x k routed rows of width d_model in the compute dtype; R = 2 with full remat of
+the core, else 1 for the core's visits):
+- all-to-all: 2 exchanges (there and back) x (R forward + 1 backward) per visit, M rows each;
+- activation all-gather: 0 (routing and lookups are local);
+- gradient reduction: every parameter's gradient reduced once, at full size (an all-reduce's
+  result; a reduce-scatter's is its shard).
+Classification of all-gathers: a parameter gather's result has a parameter's shape (or a
+per-pass / per-layer slice of one, or such a shape still split over some axis); the expert
+exchange's own counts gather (scope `permute`, [n, E] integers) is reported apart; every other
+all-gather gathers activations (`act_allgather_bytes_per_step`, 0 expected). Gradient
+reductions: all-reduce / reduce-scatter ops in the backward pass (`transpose(` in their op name)
+whose result has a parameter's (or a parameter slice's) shape.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
+import glob
+import math
+import os
 import re
+import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels
 from loopmoe_jax import sharding
 from loopmoe_jax.experiment import build
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.train import step as steps
 from loopmoe_jax.train.optimizer import make_optimizer
 
+PLATFORMS = ('cpu', 'tpu', 'cuda')
 COLLECTIVES = ('all-gather', 'all-reduce', 'reduce-scatter', 'all-to-all', 'collective-permute',
                'ragged-all-to-all')
 _DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2, 'bf16': 2, 's32': 4,
                 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8}
 _SHAPE = re.compile(r'\b(pred|[sufb]f?\d+)\[([\d,]*)\]')
-_OP = re.compile(r'=\s*(.*?)\s(' + '|'.join(sorted(COLLECTIVES, key=len, reverse=True)) +
-                 r')(-start)?\(')
+_OP = re.compile(r'^\s*%?([\w.\-]+)\s*=\s*(.*?)\s(' +
+                 '|'.join(sorted(COLLECTIVES, key=len, reverse=True)) + r')(-start)?\((.*)$')
+_DEF = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+?\[[\d,]*\])')
+
+
+def _shapes(text: str):
+  return [(dt, tuple(int(d) for d in dims.split(',') if d)) for dt, dims in _SHAPE.findall(text)
+          if dt in _DTYPE_BYTES]
 
 
 def _shape_bytes(text: str) -> int:
-  total = 0
-  for dtype, dims in _SHAPE.findall(text):
-    if dtype in _DTYPE_BYTES:
-      total += _DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(',') if d]))
-  return total
+  return sum(_DTYPE_BYTES[dt] * int(np.prod(dims, dtype=np.int64)) for dt, dims in _shapes(text))
 
 
 def _computations(hlo: str) -> dict[str, list[str]]:
@@ -56,32 +87,154 @@ def _computations(hlo: str) -> dict[str, list[str]]:
   return comps
 
 
-def collective_bytes(hlo: str) -> dict[str, int]:
-  """Bytes of the results of each collective kind per execution of the HLO module's entry,
-  while-loop bodies multiplied by their known trip counts."""
-  comps = _computations(hlo)
+def _trip_count(line: str, comps) -> int:
+  """A while loop's trip count: XLA's known_trip_count when annotated, else read off a
+  `compare(counter, constant N), direction=LT` condition (jax's scans); 1 if unknown."""
+  known = re.search(r'known_trip_count[^0-9]*(\d+)', line)
+  if known:
+    return int(known.group(1))
+  cond = re.search(r'condition=%?([\w.\-]+)', line)
+  lines = comps.get(cond.group(1), []) if cond else []
+  consts = {}
+  for l in lines:
+    m = re.match(r'^\s*%?([\w.\-]+)\s*=\s*s32\[\]\S*\s+constant\((-?\d+)\)', l)
+    if m:
+      consts[m.group(1)] = int(m.group(2))
+  for l in lines:
+    if ' compare(' in l and 'direction=LT' in l:
+      args = re.search(r'compare\(([^)]*)\)', l).group(1)
+      names = [a.strip().split(' ')[-1].lstrip('%') for a in args.split(',')]
+      if len(names) == 2 and names[1] in consts:
+        return consts[names[1]]
+  return 1
+
+
+def _multiplicities(comps) -> dict[str, int]:
   mult = collections.defaultdict(int, {'ENTRY': 1})
-  for _ in range(8):  # nesting depth: propagate multiplicities outward-in
+  for _ in range(10):  # nesting depth: propagate multiplicities outward-in
     for name, lines in comps.items():
       for line in lines:
         called = re.findall(r'(?:body|to_apply|calls|condition)=%?([\w.\-]+)', line)
-        trip = re.search(r'known_trip_count[^0-9]*(\d+)', line)
-        times = int(trip.group(1)) if trip and ' while(' in line else 1
+        called += re.findall(r'(?:branch_computations|called_computations)=\{([^}]*)\}', line)
+        called = [c.strip().lstrip('%') for group in called for c in group.split(',')]
+        times = _trip_count(line, comps) if ' while(' in line else 1
         for c in called:
           if c in comps and mult[name]:
             mult[c] = max(mult[c], mult[name] * times)
-  out = collections.Counter()
+  return mult
+
+
+def _group_size(line: str) -> int:
+  """Devices in one replica group of a collective (1: a no-op on every device)."""
+  explicit = re.search(r'replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}', line)
+  if explicit:
+    return max(len(g.split(',')) for g in re.findall(r'\{([\d,]*)\}', explicit.group(1)))
+  iota = re.search(r'replica_groups=\[(\d+),(\d+)\]<=', line)
+  if iota:
+    return int(iota.group(2))
+  mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+  if mesh:
+    sizes = dict((k.strip("' "), int(v)) for k, v in
+                 (kv.split('=') for kv in mesh.group(1).split(',')))
+    return math.prod(sizes[a.strip("' ")] for a in mesh.group(2).split(',') if a.strip())
+  return 2  # no groups written: every device
+
+
+def collectives(hlo: str):
+  """Every collective of an HLO module that moves data: dicts of kind, bytes per execution,
+  executions per run of the entry, result shapes, op name, group size."""
+  comps = _computations(hlo)
+  mult = _multiplicities(comps)
+  out = []
   for name, lines in comps.items():
+    defs = {}
+    for line in lines:
+      d = _DEF.match(line)
+      if d:
+        defs[d.group(1)] = d.group(2)
     for line in lines:
       m = _OP.search(line)
-      if m and mult[name]:
-        out[m.group(2)] += mult[name] * _shape_bytes(m.group(1))
+      if not m or not mult[name]:
+        continue
+      group = _group_size(line)
+      if group == 1:
+        continue
+      kind, result = m.group(3), m.group(2)
+      nbytes = _shape_bytes(result)
+      if kind == 'ragged-all-to-all':  # rows moved <= min(operand, output) rows
+        operand = m.group(5).split(',')[0].strip().split(' ')[-1].lstrip('%')
+        if operand in defs:
+          nbytes = min(nbytes, _shape_bytes(defs[operand]))
+      op_name = re.search(r'op_name="([^"]*)"', line)
+      out.append({'kind': kind, 'bytes': nbytes, 'times': mult[name], 'shapes': _shapes(result),
+                  'op_name': op_name.group(1) if op_name else '', 'group': group})
+  return out
+
+
+def collective_bytes(hlo: str) -> dict[str, int]:
+  """Bytes of the results of each collective kind per execution of the HLO module's entry,
+  while-loop bodies multiplied by their trip counts, single-device groups skipped."""
+  out = collections.Counter()
+  for c in collectives(hlo):
+    out[c['kind']] += c['times'] * c['bytes']
   return dict(out)
 
 
+def _param_dims(params) -> set[tuple[int, ...]]:
+  """Shapes a parameter gather can produce: each param's shape, its trailing slices (one
+  pass / layer of a stacked weight), and any of these with dimensions still split."""
+  out = set()
+  for leaf in jax.tree.leaves(params):
+    shape = tuple(leaf.shape)
+    for start in range(len(shape)):
+      out.add(shape[start:])
+  return out
+
+
+def _is_param_shape(dims, param_dims) -> bool:
+  for p in param_dims:
+    if len(p) == len(dims) and all(q % d == 0 for q, d in zip(p, dims) if d):
+      return True
+  return False
+
+
+def classify(colls, params) -> dict[str, int]:
+  """{'act_allgather', 'param_allgather', 'exchange_counts', 'grad_reduce', 'grad_reduce_ops'}:
+  bytes per step (ops per step for the last), by the rules of the module docstring."""
+  pdims = _param_dims(params)
+  out = collections.Counter()
+  for c in colls:
+    total = c['times'] * c['bytes']
+    if c['kind'] == 'all-gather':
+      if '/permute/' in c['op_name'] and all(dt.startswith('s') for dt, _ in c['shapes']):
+        out['exchange_counts'] += total
+      elif all(_is_param_shape(d, pdims) for _, d in c['shapes']):
+        out['param_allgather'] += total
+      else:
+        out['act_allgather'] += total
+    elif c['kind'] in ('all-reduce', 'reduce-scatter') and 'transpose(' in c['op_name']:
+      if any(dt.startswith(('f', 'bf')) and _is_param_shape(d, pdims) for dt, d in c['shapes']):
+        out['grad_reduce'] += total
+        out['grad_reduce_ops'] += c['times']
+  return {k: int(out[k]) for k in ('act_allgather', 'param_allgather', 'exchange_counts',
+                                   'grad_reduce', 'grad_reduce_ops')}
+
+
+def check_platform(platform: str):
+  """An error naming --platform and the fix when the installed jax cannot lower for it."""
+  if platform not in PLATFORMS:
+    raise ValueError(f'--platform={platform!r}: must be one of {", ".join(PLATFORMS)}')
+  try:
+    jax.jit(lambda x: x + 1).trace(jax.ShapeDtypeStruct((), jnp.float32)).lower(
+        lowering_platforms=(platform,))
+  except Exception as e:  # pylint: disable=broad-except
+    raise ValueError(f'--platform={platform}: jax {jax.__version__} here cannot lower for it '
+                     f'({type(e).__name__}: {str(e)[:200]}); use --platform=cpu or a jax '
+                     f'that has the {platform} lowering') from None
+
+
 def train_step_program(cfg_dict):
-  """(lowered train step, state shapes with shardings, mesh, experiment) for the config, on
-  its mesh, from abstract shapes."""
+  """(train step, abstract state and batch, mesh, experiment) for the config, on its mesh."""
   exp = build(cfg_dict)
   mesh = sharding.make_mesh(exp.mesh)
   sharding.check_batch(exp.data.batch_size, exp.train.microbatches, mesh)
@@ -93,42 +246,149 @@ def train_step_program(cfg_dict):
                                    sharding=batch_sh) for k in ('inputs', 'targets')}
   step = steps.make_train_step(model, tx, schedule, exp.train.lb_coef, exp.train.z_coef,
                                state_sh, batch_sh, exp.train.microbatches)
-  return step.lower(state, batch), state, mesh, exp
+  return step, (state, batch), mesh, exp
 
 
-def dry_run(cfg_dict) -> dict:
-  lowered, state, mesh, exp = train_step_program(cfg_dict)
-  compiled = lowered.compile()
+@contextlib.contextmanager
+def _no_persistent_cache():
+  """A compile that must run XLA's passes (a cache hit writes no dump)."""
+  old = jax.config.jax_enable_compilation_cache
+  jax.config.update('jax_enable_compilation_cache', False)
+  try:
+    yield
+  finally:
+    jax.config.update('jax_enable_compilation_cache', old)
+
+
+def partitioned_compile(lowered):
+  """(HLO text after SPMD partitioning, the compiled CPU program or None): compiles for this
+  CPU with XLA's dump of that pass; a program XLA:CPU cannot finish (the ragged exchange)
+  still yields the partitioned module."""
+  with tempfile.TemporaryDirectory() as tmp, _no_persistent_cache():
+    compiled, error = None, None
+    try:
+      compiled = lowered.compile(compiler_options={
+          'xla_dump_to': tmp, 'xla_dump_hlo_pass_re': 'spmd-partitioning'})
+    except Exception as e:  # pylint: disable=broad-except
+      error = e
+    files = glob.glob(os.path.join(tmp, '*after_spmd-partitioning*.txt'))
+    if not files:
+      if error is not None:
+        raise error
+      raise RuntimeError('XLA wrote no module after spmd-partitioning')
+    with open(max(files, key=os.path.getsize)) as f:
+      return f.read(), compiled
+
+
+def _with_model(cfg_dict, **fields):
+  cfg = cfg_dict.copy_and_resolve_references() if hasattr(cfg_dict, 'copy_and_resolve_references') \
+      else dict(cfg_dict)
+  for k, v in fields.items():
+    cfg['model'][k] = v
+  return cfg
+
+
+def analytic(exp, mesh, params) -> dict[str, int]:
+  """The analytic column (formulas in the module docstring)."""
+  mc = exp.model
+  n_batch = sharding.batch_size_of(mesh)
+  local_tokens = exp.data.batch_size * exp.data.seq_len // n_batch
+  act = np.dtype(jnp.dtype(mc.dtype)).itemsize
+  row = local_tokens * mc.top_k * mc.d_model * act
+  remat = 2 if mc.remat != 'none' else 1
+  a2a = 0
+  if mesh.shape['expert'] > 1:
+    for seg, layers, experts, passes in mc.segments:
+      if experts:
+        fwd = remat if seg == 'core' else 1
+        a2a += layers * passes * 2 * (fwd + 1) * row
+  grads = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
+              for s in jax.tree.leaves(params))
+  return {'all-to-all': a2a, 'act-all-gather': 0, 'grad-reduce': grads}
+
+
+def param_groups(params) -> dict[str, int]:
+  """Per-device bytes by group: segment (embed, prelude, core, coda, head, ...) x kind
+  (experts, router, attention, other)."""
+  out = collections.Counter()
+  for path, s in jax.tree_util.tree_leaves_with_path(params):
+    keys = [str(getattr(k, 'key', k)) for k in path]
+    kind = ('experts' if keys[-1] in ('gate', 'up', 'down') and 'moe' in keys and
+            'shared' not in keys else 'router' if keys[-1] == 'router' else
+            'attention' if any('attn' in k or 'attention' in k for k in keys) else 'other')
+    shard = s.sharding.shard_shape(s.shape)
+    out[f'{keys[0]}/{kind}'] += int(np.prod(shard, dtype=np.int64)) * np.dtype(s.dtype).itemsize
+  return dict(sorted(out.items()))
+
+
+def dry_run(cfg_dict, platform: str = 'cpu') -> dict:
+  check_platform(platform)
+  step, (state, batch), mesh, exp = train_step_program(cfg_dict)
+  cpu_hlo, compiled = partitioned_compile(step.lower(state, batch))
   mem = compiled.memory_analysis()
-  coll = collective_bytes(compiled.as_text())
-  n_exp = mesh.shape['expert']
-  if n_exp > 1 and 'all-to-all' in coll:
-    coll['all-to-all (ragged)'] = coll['all-to-all'] // n_exp
+  report_hlo, lowered_for = cpu_hlo, None
+  if platform != 'cpu':
+    with pallas_kernels.ops.lowering_for(platform):
+      # what the platform runs, lowered for it (Pallas kernels compiled)
+      step_p, args, _, _ = train_step_program(cfg_dict)
+      text = step_p.lower(*args, platform=platform).as_text()
+      # the same program for the partitioner here: XLA's grouped matmul in place of the
+      # kernels (no collective in either), the exchange the platform uses
+      step_x, args, _, _ = train_step_program(_with_model(cfg_dict, dispatch='xla'))
+      report_hlo, _ = partitioned_compile(step_x.lower(*args))
+    lowered_for = {'platform': platform, 'custom_calls': text.count('stablehlo.custom_call'),
+                   'ragged_all_to_all': text.count('ragged_all_to_all')}
+  colls = collectives(report_hlo)
+  coll = collections.Counter()
+  for c in colls:
+    coll[c['kind']] += c['times'] * c['bytes']
+  kinds = classify(colls, state['params'])
   per_dev = lambda tree: sharding.bytes_per_device(tree, jax.tree.map(lambda s: s.sharding, tree))
   total = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
               for s in jax.tree.leaves(state['params']))
   return {
       'devices': mesh.size,
+      'platform': platform,
       'mesh': {a: int(n) for a, n in mesh.shape.items()},
       'params_bytes_total': total,
       'params_bytes_per_device': per_dev(state['params']),
+      'params_bytes_per_device_by_group': param_groups(state['params']),
       'opt_state_bytes_per_device': per_dev(state['opt_state']),
       'temp_bytes_per_device': int(getattr(mem, 'temp_size_in_bytes', 0)) if mem else None,
-      'collective_bytes_per_step': coll,
+      'temp_bytes_program': 'cpu (XLA:CPU buffers of the CPU program)',
+      'collective_bytes_per_step': dict(coll),
+      'collective_bytes_program': f'{platform}, after SPMD partitioning (its dtypes)',
+      'act_allgather_bytes_per_step': kinds['act_allgather'],
+      'param_allgather_bytes_per_step': kinds['param_allgather'],
+      'grad_reduce_bytes_per_step': kinds['grad_reduce'],
+      'grad_reduce_ops_per_step': kinds['grad_reduce_ops'],
+      'analytic_collective_bytes_per_step': analytic(exp, mesh, state['params']),
+      'lowered_for': lowered_for,
       'batch': [exp.data.batch_size, exp.data.seq_len],
-      'expert_exchange': 'padded' if jax.default_backend() == 'cpu' else 'ragged',
+      'expert_exchange': 'padded' if platform == 'cpu' else 'ragged',
   }
 
 
 def table(report: dict) -> str:
-  gib = lambda b: f'{b / 2**30:.3f} GiB'
+  gib = lambda b: f'{b / 2**30:.3f} GiB' if b >= 2**27 else f'{b / 2**20:.3f} MiB'
   mesh = ' x '.join(f'{a}={n}' for a, n in report['mesh'].items() if n > 1) or 'one device'
-  rows = [('devices', f"{report['devices']} ({mesh})"),
+  rows = [('devices', f"{report['devices']} ({mesh}), collectives of the "
+                      f"{report['platform']} program"),
           ('params (total)', gib(report['params_bytes_total'])),
-          ('params / device', gib(report['params_bytes_per_device'])),
-          ('optimizer state / device', gib(report['opt_state_bytes_per_device'])),
-          ('temporaries / device', gib(report['temp_bytes_per_device'] or 0))]
+          ('params / device', gib(report['params_bytes_per_device']))]
+  rows += [(f'  {g}', gib(b)) for g, b in report['params_bytes_per_device_by_group'].items()]
+  rows += [('optimizer state / device', gib(report['opt_state_bytes_per_device'])),
+           ('temporaries / device (CPU program)', gib(report['temp_bytes_per_device'] or 0))]
   rows += [(f'{kind} / step', gib(b)) for kind, b in
            sorted(report['collective_bytes_per_step'].items())]
+  rows += [('  activation all-gather / step', gib(report['act_allgather_bytes_per_step'])),
+           ('  gradient reduction / step', gib(report['grad_reduce_bytes_per_step']) +
+            f" ({report['grad_reduce_ops_per_step']} ops)")]
+  rows += [(f'analytic {k} / step', gib(v)) for k, v in
+           report['analytic_collective_bytes_per_step'].items()]
+  if report['lowered_for']:
+    lf = report['lowered_for']
+    rows.append((f"lowered for {lf['platform']}", f"{lf['custom_calls']} custom calls "
+                 f"(Pallas kernels), {lf['ragged_all_to_all']} ragged all-to-all"))
   width = max(len(r[0]) for r in rows)
   return '\n'.join(f'{k:<{width}}  {v}' for k, v in rows)

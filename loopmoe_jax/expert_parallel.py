@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+import pallas_kernels
+
 from loopmoe_jax import dispatch as dispatch_lib
 from loopmoe_jax import sharding
 
@@ -69,7 +71,7 @@ def apply_capacity(experts_Tk, weights_Tk, num_experts: int, factor: float):
 def exchange_kind(kind: str) -> str:
   if kind != 'auto':
     return kind
-  return 'padded' if jax.default_backend() == 'cpu' else 'ragged'
+  return 'padded' if pallas_kernels.ops.platform() == 'cpu' else 'ragged'
 
 
 def _exclusive_cumsum(x, axis=0):

@@ -16,6 +16,7 @@ Tile sizes are parameters; None takes the per-target default in TILES.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -58,13 +59,39 @@ OPS = ('gmm', 'tgmm')
 # that is not here).
 DEFAULT_TARGET: str | None = None
 DEFAULT_INTERPRET: bool | None = None
+# The platform the program is built for, when it is not this machine's (`lowering_for`).
+DEFAULT_PLATFORM: str | None = None
+
+
+def platform() -> str:
+  """The platform programs are built for: 'cpu', 'gpu' or 'tpu' (jax.default_backend(), or
+  the one `lowering_for` names)."""
+  return DEFAULT_PLATFORM or jax.default_backend()
+
+
+@contextlib.contextmanager
+def lowering_for(target_platform: str):
+  """Builds programs for `target_platform` ('cpu', 'tpu', 'cuda'/'gpu') on this machine: the
+  kernels, dispatch backends and exchanges that platform would pick, Pallas kernels compiled
+  (Mosaic / Triton calls), not interpreted. For lowering with
+  `.trace(...).lower(lowering_platforms=...)`; nothing built under it runs here."""
+  global DEFAULT_PLATFORM, DEFAULT_INTERPRET
+  name = {'cuda': 'gpu', 'rocm': 'gpu'}.get(target_platform, target_platform)
+  saved = DEFAULT_PLATFORM, DEFAULT_INTERPRET
+  DEFAULT_PLATFORM = name
+  if name != jax.default_backend():
+    DEFAULT_INTERPRET = False
+  try:
+    yield
+  finally:
+    DEFAULT_PLATFORM, DEFAULT_INTERPRET = saved
 
 
 def families(target: str | None) -> dict[str, str]:
   """The kernel family of each op: `target` for both, else the backend's default."""
   target = target or DEFAULT_TARGET
   if target is None:
-    backend = jax.default_backend()
+    backend = platform()
     if backend == 'gpu':
       return dict(GPU_DEFAULT)
     target = 'tpu' if backend == 'tpu' else 'gpu'
@@ -82,7 +109,7 @@ def resolve_interpret(target: str, interpret):
   if interpret is None:
     interpret = DEFAULT_INTERPRET
   if interpret is None:
-    interpret = jax.default_backend() == 'cpu'
+    interpret = platform() == 'cpu'
   if interpret is True and target == 'tpu':
     return pltpu.InterpretParams()
   return interpret

@@ -1,7 +1,9 @@
 """Compiles the train step for a target mesh on fake CPU devices (no arrays) and prints bytes
-per device and collective traffic per step, before any pod time is spent.
+per device and collective traffic per step, before any pod time is spent. --platform tpu|cuda
+counts the collectives of the program that platform runs (ragged exchange, its dtypes) and
+lowers the step for it with its Pallas kernels (loopmoe_jax/dry_run.py says how).
 
-    python scripts/dry_run.py --config=configs/foil.py:foil2 --devices 64 \
+    python scripts/dry_run.py --config=configs/foil.py:foil2 --devices 64 --platform tpu \
         --config.mesh.data=1 --config.mesh.fsdp=8 --config.mesh.expert=8 --json /tmp/dry.json
 """
 import json
@@ -13,6 +15,7 @@ from loopmoe_jax.cli import config_flag, run
 _CONFIG = config_flag()
 _DEVICES = flags.DEFINE_integer('devices', 8, 'Fake CPU devices (the target mesh size).')
 _JSON = flags.DEFINE_string('json', None, 'Write the report here as JSON.')
+_PLATFORM = flags.DEFINE_string('platform', 'cpu', 'cpu | tpu | cuda: the program to count.')
 
 
 def main(argv):
@@ -20,8 +23,13 @@ def main(argv):
   import jax
   jax.config.update('jax_platforms', 'cpu')
   jax.config.update('jax_num_cpu_devices', _DEVICES.value)
-  from loopmoe_jax.dry_run import dry_run, table
-  report = dry_run(_CONFIG.value)
+  import time
+  from loopmoe_jax.dry_run import check_platform, dry_run, table
+  check_platform(_PLATFORM.value)  # before any compile
+  start = time.perf_counter()
+  report = dry_run(_CONFIG.value, _PLATFORM.value)
+  report['wall_s'] = round(time.perf_counter() - start, 1)
+  print(f"dry run took {report['wall_s']} s", flush=True)
   print(table(report), flush=True)
   if _JSON.value:
     with open(_JSON.value, 'w') as f:

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 pid, port, work, mesh = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+sample = len(sys.argv) > 5 and sys.argv[5] == 'sample'  # the default train.sample_tokens
 jax.config.update('jax_num_cpu_devices', 2)
 jax.config.update('jax_platforms', 'cpu')
 jax.distributed.initialize(coordinator_address=f'127.0.0.1:{port}', num_processes=2,
@@ -29,6 +30,9 @@ def recording_put_batch(batch, batch_sh):
 
 steps.put_batch = recording_put_batch
 cfg = tiny(steps=4)
+if sample:
+  from loopmoe_jax.train.config import TrainConfig  # noqa: E402
+  cfg.train.sample_tokens = TrainConfig().sample_tokens
 for axis_size in mesh.split(','):  # e.g. data=1,expert=4
   axis, size = axis_size.split('=')
   cfg.mesh[axis] = int(size)

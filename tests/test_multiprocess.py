@@ -27,18 +27,28 @@ def _free_port():
     return s.getsockname()[1]
 
 
-@pytest.mark.parametrize('mesh', ['data=1,expert=4', 'data=1,dcn_data=2,expert=2'])
-def test_two_processes_match_one(tmp_path, mesh):
-  """expert=4: the expert exchange crosses the processes; dcn_data=2 x expert=2: a hybrid mesh
-  with each process one granule (data parallel across them, experts inside)."""
+@pytest.mark.parametrize('mesh,sample', [('data=1,expert=4', True),
+                                         ('data=1,dcn_data=2,expert=2', False)])
+def test_two_processes_match_one(tmp_path, mesh, sample):
+  """expert=4: the expert exchange crosses the processes, and the run ends as a user's does
+  (the default train.sample_tokens: the end-of-run sample gathers the sharded params on every
+  process, process 0 prints it, both exit); dcn_data=2 x expert=2: a hybrid mesh with each
+  process one granule (data parallel across them, experts inside)."""
   work, port = str(tmp_path / 'mp'), str(_free_port())
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   procs = [subprocess.Popen([sys.executable, os.path.join(HERE, 'mp_worker.py'), str(p), port,
-                             work, mesh], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             work, mesh] + (['sample'] if sample else []), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True) for p in range(2)]
-  outs = [p.communicate(timeout=400)[0] for p in procs]
+  try:
+    outs = [p.communicate(timeout=400)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
   for p, out in zip(procs, outs):
     assert p.returncode == 0, out[-3000:]
+  if sample:
+    assert 'sample:' in outs[0] and 'sample:' not in outs[1], outs[0][-2000:]
   results = [json.loads(next(l for l in o.splitlines() if l.startswith('RESULT'))[7:])
              for o in outs]
   assert [r['process'] for r in results] == [0, 1] and results[0]['devices'] == 4

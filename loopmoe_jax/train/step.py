@@ -85,9 +85,12 @@ class OnMesh:
     with jax.set_mesh(self.mesh):
       return self.jitted(*args)
 
-  def lower(self, *args):
+  def lower(self, *args, platform: str | None = None):
+    """The lowered program; with `platform` ('tpu', 'cuda', ...) lowered for that platform
+    (call it under `pallas_kernels.ops.lowering_for(platform)` to build its kernels too)."""
     with jax.set_mesh(self.mesh):
-      return self.jitted.trace(*args).lower()
+      traced = self.jitted.trace(*args)
+      return traced.lower(lowering_platforms=(platform,)) if platform else traced.lower()
 
 
 def global_norm(tree):

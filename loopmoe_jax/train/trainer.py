@@ -23,6 +23,8 @@ import jax
 import numpy as np
 
 from loopmoe_jax import accounting, sharding
+from loopmoe_jax.dispatch import resolve_backend
+from loopmoe_jax.expert_parallel import exchange_kind
 from loopmoe_jax.data import pipeline
 from loopmoe_jax.experiment import build, config_diff
 from loopmoe_jax.model import LoopedMoE
@@ -109,7 +111,8 @@ def _train(cfg, exp, workdir: str) -> dict:
     print(f"model: {acct['params_total']:,} params ({acct['params_active']:,} active/token), "
           f"{mc.executed_layers} executed layers; data: {dc.source}, batch {dc.batch_size} x "
           f"{dc.seq_len}; steps {start} -> {tc.steps} on {n_dev} device(s)"
-          f"{_mesh_text(mesh)}", flush=True)
+          f"{_mesh_text(mesh)}; dispatch {mc.dispatch} -> {resolve_backend(mc.dispatch)}"
+          f"{_exchange_text(mc, mesh)}", flush=True)
 
   pending, val_loss = None, None
   t_log, tok_log, t0 = time.time(), 0, time.time()
@@ -197,8 +200,13 @@ def _train(cfg, exp, workdir: str) -> dict:
       json.dump(summary, f, indent=1)
     print('summary: ' + json.dumps({k: summary[k] for k in
                                     ('steps', 'final_window_loss', 'val_loss', 'tokens_per_s')}))
-    if tc.sample_tokens and not stop.signal:
-      _print_sample(mc, state['params'], dc, tc, state.get('router_bias'))
+  if tc.sample_tokens and not stop.signal:
+    params, bias = state['params'], state.get('router_bias')
+    if n_proc > 1:  # every process joins the gather; process 0 samples from the whole copy
+      from jax.experimental import multihost_utils
+      params, bias = multihost_utils.process_allgather((params, bias), tiled=True)
+    if proc == 0:
+      _print_sample(mc, params, dc, tc, bias)
   return summary
 
 
@@ -288,6 +296,12 @@ def _write_routing(workdir, step, stats, proc):
           idx = (p, layer) if lb.ndim == 2 else (layer,)
           f.write(json.dumps({'step': step, 'segment': seg, 'pass': p, 'layer': layer,
                               **{k: float(np.asarray(v)[idx]) for k, v in s.items()}}) + '\n')
+
+
+def _exchange_text(mc, mesh) -> str:
+  if mesh.shape['expert'] == 1:
+    return ''
+  return f', expert exchange {mc.expert_exchange} -> {exchange_kind(mc.expert_exchange)}'
 
 
 def _print_sample(mc, params, dc, tc, router_bias=None):
