@@ -25,10 +25,13 @@ local tokens x k routed rows of width d_model in the compute dtype; R = 2 with f
 the core, else 1 for the core's visits):
 - all-to-all: 2 exchanges (there and back) x (R forward + 1 backward) per visit, M rows each;
 - activation all-gather: 0 (routing and lookups are local);
-- gradient reduction: every parameter's gradient reduced once, at full size (an all-reduce's
-  result; a reduce-scatter's is its shard).
+- gradient reduction: every parameter's gradient reduced once into its sharding: one
+  reduce-scatter per parameter whose result is the device's shard, i.e. the per-device
+  parameter bytes (an all-reduce of a partial sum counts its larger result: the measured
+  figure exceeds this one by that, and by any reduction repeated per pass).
 Classification of all-gathers: a parameter gather's result has a parameter's shape (or a
-per-pass / per-layer slice of one, or such a shape still split over some axis); the expert
+per-pass / per-layer slice of one), or that shape still split over some of the axes the
+parameter is sharded over; the expert
 exchange's own counts gather (scope `permute`, [n, E] integers) is reported apart; every other
 all-gather gathers activations (`act_allgather_bytes_per_step`, 0 expected). Gradient
 reductions: all-reduce / reduce-scatter ops in the backward pass (`transpose(` in their op name)
@@ -180,20 +183,23 @@ def collective_bytes(hlo: str) -> dict[str, int]:
   return dict(out)
 
 
-def _param_dims(params) -> set[tuple[int, ...]]:
-  """Shapes a parameter gather can produce: each param's shape, its trailing slices (one
-  pass / layer of a stacked weight), and any of these with dimensions still split."""
+def _param_dims(params) -> set[tuple[tuple[int, ...], tuple[int, ...]]]:
+  """(shape, split factor per dimension) of each param and of its trailing slices (one pass /
+  layer of a stacked weight): a parameter gather yields such a shape with each dimension
+  divided by a divisor of its split factor (gathered over some of its axes, or all)."""
   out = set()
   for leaf in jax.tree.leaves(params):
     shape = tuple(leaf.shape)
+    split = tuple(a // b for a, b in zip(shape, leaf.sharding.shard_shape(shape)))
     for start in range(len(shape)):
-      out.add(shape[start:])
+      out.add((shape[start:], split[start:]))
   return out
 
 
 def _is_param_shape(dims, param_dims) -> bool:
-  for p in param_dims:
-    if len(p) == len(dims) and all(q % d == 0 for q, d in zip(p, dims) if d):
+  for shape, split in param_dims:
+    if len(shape) == len(dims) and all(
+        d and q % d == 0 and f % (q // d) == 0 for q, d, f in zip(shape, dims, split)):
       return True
   return False
 
@@ -206,7 +212,7 @@ def classify(colls, params) -> dict[str, int]:
   for c in colls:
     total = c['times'] * c['bytes']
     if c['kind'] == 'all-gather':
-      if '/permute/' in c['op_name'] and all(dt.startswith('s') for dt, _ in c['shapes']):
+      if 'permute/' in c['op_name'] and all(dt.startswith('s') for dt, _ in c['shapes']):
         out['exchange_counts'] += total
       elif all(_is_param_shape(d, pdims) for _, d in c['shapes']):
         out['param_allgather'] += total
@@ -251,13 +257,17 @@ def train_step_program(cfg_dict):
 
 @contextlib.contextmanager
 def _no_persistent_cache():
-  """A compile that must run XLA's passes (a cache hit writes no dump)."""
+  """A compile that must run XLA's passes (a cache hit writes no dump). jax decides once per
+  process whether its persistent cache is in use; its reset makes it decide again."""
+  from jax._src import compilation_cache  # pylint: disable=import-outside-toplevel
   old = jax.config.jax_enable_compilation_cache
   jax.config.update('jax_enable_compilation_cache', False)
+  compilation_cache.reset_cache()
   try:
     yield
   finally:
     jax.config.update('jax_enable_compilation_cache', old)
+    compilation_cache.reset_cache()
 
 
 def partitioned_compile(lowered):
@@ -302,8 +312,7 @@ def analytic(exp, mesh, params) -> dict[str, int]:
       if experts:
         fwd = remat if seg == 'core' else 1
         a2a += layers * passes * 2 * (fwd + 1) * row
-  grads = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
-              for s in jax.tree.leaves(params))
+  grads = sharding.bytes_per_device(params, jax.tree.map(lambda s: s.sharding, params))
   return {'all-to-all': a2a, 'act-all-gather': 0, 'grad-reduce': grads}
 
 

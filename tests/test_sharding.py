@@ -7,6 +7,7 @@ Tolerance for sharded vs one-device float32 runs: the same float32 sums in anoth
 losses (every step) agree to rtol 2e-5 and first-step gradients to rtol 1e-4 plus 1e-5 of
 the largest gradient.
 """
+import collections
 import functools
 
 import jax
@@ -384,3 +385,146 @@ def test_expert_exchange_carries_only_the_routed_rows():
   assert res['a2a_bytes_over_analytic'] == 1.0
   assert res['a2a_padded_bytes_over_analytic'] == 4.0
   assert 1.0 <= res['a2a_padded_cf1_bytes_over_analytic'] < 1.1
+
+
+# Pod efficiency: local routing, sharded weights, right-sized exchange, the platform dry run -----
+
+def _moe_layer_on(mesh, cfg, x, bias=None):
+  """Output, aux losses and gradients (w.r.t. params and x) of one MoE layer on `mesh`."""
+  from loopmoe_jax.moe import MoE
+  layer = MoE(cfg, cfg.core_experts)
+  params = layer.init(jax.random.key(0), x)['params']
+
+  def loss(p, x):
+    y, stats = layer.apply({'params': p}, x, bias)
+    return jnp.sum(y ** 2) + stats['load_balance'] + stats['z_loss'], stats
+  fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+  with jax.set_mesh(mesh):
+    (value, stats), grads = fn(params, x)
+  return jax.device_get((value, stats, grads))
+
+
+@pytest.mark.parametrize('mesh_name', list(MESHES))
+def test_local_routing_equals_one_device_on_a_skewed_batch(mesh_name):
+  """Top-k per batch shard with the aux losses from summed per-shard statistics: the loss,
+  load-balance and z-losses, expert loads and gradients equal one device's, on a batch where
+  90% of the rows are one token (so two experts take 90% of the choices) plus a router bias
+  that sends the rest to one expert shard."""
+  cfg = ModelConfig(**dict(SMALL, core_experts=8, dispatch='tiled', dispatch_tile=8))
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((8, 16, cfg.d_model)).astype(np.float32)
+  crowd = rng.random((8, 16)) < 0.9
+  x[crowd] = x[0, 0]
+  bias = jnp.asarray([0, 0, 0, 0, 0, 0, 5.0, 5.0], jnp.float32)
+  want = _moe_layer_on(one_device_mesh(), cfg, x, bias)
+  got = _moe_layer_on(sharding.make_mesh(MESHES[mesh_name]), cfg, x, bias)
+  load = want[1]['load']
+  assert np.sort(load)[-2:].sum() >= 0.9 * load.sum() * 0.9  # skewed as intended
+  np.testing.assert_allclose(got[0], want[0], rtol=2e-5)
+  for key in ('load_balance', 'z_loss', 'load'):
+    np.testing.assert_allclose(got[1][key], want[1][key], rtol=2e-5, err_msg=key)
+  assert int(got[1]['dropped']) == 0
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got[2]), jax.tree.leaves(want[2])):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * np.max(np.abs(w)) + 1e-9,
+                               err_msg=jax.tree_util.keystr(path))
+
+
+def test_train_step_gathers_no_activation():
+  """`dry_run.classify` on the compiled EP train step (data=2 x expert=4): every all-gather is
+  a parameter gather or the exchange's [n, E] counts; none gathers router probabilities,
+  tokens or hidden states. Dense weights are sharded over `expert` too (their gathers show)."""
+  from loopmoe_jax import dry_run
+  step, (state, batch), mesh, exp = dry_run.train_step_program(_small_cfg(MESHES['data2_expert4']))
+  hlo, _ = dry_run.partitioned_compile(step.lower(state, batch))
+  colls = dry_run.collectives(hlo)
+  kinds = dry_run.classify(colls, state['params'])
+  assert kinds['act_allgather'] == 0, [c for c in colls if c['kind'] == 'all-gather']
+  assert kinds['param_allgather'] > 0 and kinds['exchange_counts'] > 0
+  # the check can fail: a [tokens, E] all-gather of router probabilities is an activation
+  fake = [{'kind': 'all-gather', 'bytes': 4 * BATCH * SEQ * 4, 'times': 1, 'group': 8,
+           'shapes': [('f32', (BATCH * SEQ, 4))], 'op_name': 'jit(step)/route/top_k'}]
+  assert dry_run.classify(fake, state['params'])['act_allgather'] == 4 * BATCH * SEQ * 4
+
+
+def _small_cfg(mesh_cfg, **model):
+  import ml_collections
+  from loopmoe_jax.experiment import load_config
+  cfg = load_config('configs/default.py:smoke')
+  for k, v in dict(CONFIGS['untied'].__dict__, **model).items():
+    cfg.model[k] = v
+  cfg.data.batch_size, cfg.data.seq_len = BATCH, SEQ
+  assert isinstance(cfg, ml_collections.ConfigDict)
+  return _on(cfg, mesh_cfg)
+
+
+def _buffer_reference(ids, experts, shards, n, slot):
+  """Per batch shard: its assignments in (expert, token) order; of those for one device (the
+  holder of experts [j*E/n, (j+1)*E/n)), the first `slot` are kept."""
+  keep = np.ones(ids.shape, bool)
+  t, e_loc = ids.shape[0] // shards, experts // n
+  for s in range(shards):
+    rows = [(ids[i, j], i, j) for i in range(s * t, (s + 1) * t) for j in range(ids.shape[1])]
+    sent = collections.Counter()
+    for e, i, j in sorted(rows):
+      keep[i, j] = sent[e // e_loc] < slot
+      sent[e // e_loc] += 1
+  return keep
+
+
+@pytest.mark.parametrize('kind', ['padded', 'ragged'])
+def test_exchange_buffer_factor_drops_what_a_direct_count_drops(monkeypatch, kind):
+  """model.exchange_buffer_factor=1: a source sends one device at most ceil(T*k/n) rows, the
+  first in expert order; the rest are dropped (zero output) and counted, on both transports
+  (the ragged one through the emulated collective). Off (0), nothing is dropped."""
+  monkeypatch.setattr(jax.lax, 'ragged_all_to_all', _emulated_ragged_all_to_all)
+  x, ids, w, params = _moe_inputs(seed=4)
+  ids[:24] = [0, 1]  # experts 0 and 1 (device 0) crowded on the first shards
+  slot = expert_parallel.slot_rows(8, 2, 8, 4, buffer_factor=1.0)
+  assert slot == 4  # ceil(8 tokens * 2 / 4 devices)
+  keep = _buffer_reference(ids, 8, 8, 4, slot)
+  y, dropped = _ep(MESHES['data2_expert4'], x, ids, w, params, expert_exchange=kind,
+                   exchange_buffer_factor=1.0)
+  assert dropped == int((~keep).sum()) > 0
+  np.testing.assert_allclose(y, dispatch_lib.dispatch_reference(x, ids, np.where(keep, w, 0),
+                                                                params), rtol=1e-5, atol=1e-5)
+  y0, dropped0 = _ep(MESHES['data2_expert4'], x, ids, w, params, expert_exchange=kind)
+  assert dropped0 == 0
+  np.testing.assert_allclose(y0, dispatch_lib.dispatch_reference(x, ids, w, params),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_dropless_slot_is_bounded_by_local_experts():
+  """A token sends one device at most min(k, E/n) rows: top-4 of 8 experts on 4 devices
+  (2 each) needs slots of 2T rows, not 4T."""
+  assert expert_parallel.slot_rows(16, 4, 8, 4) == 32
+  assert expert_parallel.slot_rows(16, 2, 8, 4) == 32
+  assert expert_parallel.slot_rows(16, 4, 8, 4, factor=1.0) == 2 * 8  # E/n * C, C = 8
+  assert expert_parallel.slot_rows(16, 4, 8, 4, buffer_factor=1.25) == 20
+
+
+@pytest.mark.parametrize('value', [0.5, 'big', float('nan'), True])
+def test_exchange_buffer_factor_errors(value):
+  with pytest.raises(ValueError, match=r'model\.exchange_buffer_factor=.*(0 \(worst-case|>= 1)'):
+    ModelConfig(exchange_buffer_factor=value)
+
+
+def test_dry_run_platform_errors_before_any_compile():
+  from loopmoe_jax import dry_run
+  with pytest.raises(ValueError, match=r"--platform='metal': must be one of cpu, tpu, cuda"):
+    dry_run.check_platform('metal')
+
+
+def test_cuda_dry_run_counts_the_ragged_exchange_at_the_analytic_figure():
+  """The step as a GPU runs it (ragged exchange, Pallas kernels lowered compiled): its
+  exchange bytes (partitioned program, loop trip counts) equal the analytic 2 x 2 x M x D per
+  MoE visit; no activation all-gather; parameter bytes per device are the total / 8 (every
+  weight sharded over data x expert... here expert=4 x fsdp=2, d_model divides)."""
+  from loopmoe_jax import dry_run
+  cfg = _small_cfg(MeshConfig(data=1, fsdp=2, expert=4))
+  report = dry_run.dry_run(cfg, 'cuda')
+  coll = report['collective_bytes_per_step']
+  assert coll['ragged-all-to-all'] == report['analytic_collective_bytes_per_step']['all-to-all']
+  assert 'all-to-all' not in coll or coll['all-to-all'] < coll['ragged-all-to-all'] / 100
+  assert report['act_allgather_bytes_per_step'] == 0
+  assert report['lowered_for']['ragged_all_to_all'] > 0
+  assert report['params_bytes_per_device'] * 8 == report['params_bytes_total']
