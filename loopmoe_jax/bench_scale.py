@@ -11,6 +11,11 @@
 - ep_counts_bytes_per_token: the other collective of the exchange (all_gather of the per-expert
   counts), per token.
 - fsdp8_param_bytes_over_replicated: per-device parameter bytes at fsdp=8 over one device's.
+- act_allgather_bytes: bytes per step of all-gathers of activations in the EP train step of
+  the README's main job at smoke widths (data=2 x expert=4; `dry_run.classify`); 0 expected.
+- grad_reduce_bytes_over_one_reduction: gradient-reduction bytes per step of that train step
+  at num_loops=4 over the same at num_loops=1 (each shared weight's gradient reduced once
+  whatever the passes would give 1.0).
 - step_s_*: train-step time of the README's main job (smoke widths) at a fixed global batch on
   1 device and on meshes of 8 fake CPU devices (informative only: fake devices share 2 cores).
 """
@@ -34,7 +39,8 @@ from loopmoe_jax.train import step as steps
 from loopmoe_jax.train.config import TrainConfig
 from loopmoe_jax.train.optimizer import make_optimizer
 
-TARGETS.update({'a2a_bytes_over_analytic': 1.1, 'fsdp8_param_bytes_over_replicated': 0.14})
+TARGETS.update({'a2a_bytes_over_analytic': 1.1, 'fsdp8_param_bytes_over_replicated': 0.14,
+                'grad_reduce_bytes_over_one_reduction': 1.05})
 _TENSOR = re.compile(r'tensor<([\dx]+)x(f32|bf16|f16)>')
 
 
@@ -135,6 +141,24 @@ def _step_times(res, mc, batch, seq, quick):
   res['step_ratio_data2_expert4_over_1dev'] = times['data2_expert4'] / times['1dev']
 
 
+def _step_collectives(num_loops: int):
+  from loopmoe_jax import dry_run  # pylint: disable=import-outside-toplevel
+  cfg = load_config(DEFAULT_CONFIG + ':smoke')
+  cfg.model.num_loops = num_loops
+  cfg.mesh.data, cfg.mesh.expert = 2, 4
+  step, (state, batch), _, _ = dry_run.train_step_program(cfg)
+  hlo, _ = dry_run.partitioned_compile(step.lower(state, batch))
+  return dry_run.classify(dry_run.collectives(hlo), state['params'])
+
+
+def _step_traffic(res):
+  one, four = _step_collectives(1), _step_collectives(4)
+  res['act_allgather_bytes'] = four['act_allgather']
+  res['grad_reduce_bytes_loops1'] = one['grad_reduce']
+  res['grad_reduce_bytes_loops4'] = four['grad_reduce']
+  res['grad_reduce_bytes_over_one_reduction'] = four['grad_reduce'] / one['grad_reduce']
+
+
 @register('scale')
 def scale(quick: bool):
   if jax.device_count() < 8:
@@ -142,6 +166,7 @@ def scale(quick: bool):
                        'with JAX_NUM_CPU_DEVICES=8 on CPU')
   res = {}
   _exchange_ratios(res, quick)
+  _step_traffic(res)
   mc, batch, seq = _model(quick)
   _fsdp_ratio(res, mc, seq)
   _step_times(res, mc, batch, seq, quick)

@@ -178,7 +178,8 @@ class LoopedMoE(nn.Module):
                                                     bias.get('coda'))
     x_BTD = RMSNorm(c.norm_gain, c.norm_eps, c.param_dtype, name='final_norm')(x_BTD)
     if c.tie_embeddings:
-      logits_BTV = x_BTD @ embed_VD.T.astype(dt) / jnp.sqrt(c.d_model).astype(dt)
+      table_VD = constrain(embed_VD, ('vocab', None))  # the same parameter gather as the lookup
+      logits_BTV = x_BTD @ table_VD.T.astype(dt) / jnp.sqrt(c.d_model).astype(dt)
     else:
       head_DV = param(self, 'head', (c.d_model, c.vocab_size), ('embed', 'vocab'),
                       fan_in_init([0], [1]), DTYPES[c.param_dtype])
