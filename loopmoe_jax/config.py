@@ -19,6 +19,7 @@ SCALE_PASSES = ('trained', 'executed')
 INJECTIONS = ('none', 'add', 'concat')
 REMAT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch')
 LOOP_IMPLS = ('scan', 'unroll')
+CORE_COLLECTIVES = ('once', 'per_pass')
 DTYPES = ('float32', 'bfloat16', 'float16')
 DISPATCHES = ('reference', 'tiled', 'xla', 'pallas', 'auto')
 EXCHANGES = ('auto', 'padded', 'ragged')
@@ -69,6 +70,9 @@ class ModelConfig:
                                  # the trained one: 'trained' (model.num_loops) or 'executed'
   injection: str = 'none'        # prelude output injected into each pass: none | add | concat
   remat: str = 'none'
+  core_collectives: str = 'once' # under a mesh: 'once' gathers the looped core's weights once a
+                                 # step and reduces their gradients once (model.Core); 'per_pass'
+                                 # leaves both to XLA inside the loop (weights stay sharded)
   loop_impl: str = 'scan'        # 'unroll': Python loop over the same shared params
   # Embeddings, norms, positions.
   tie_embeddings: bool = False
@@ -155,7 +159,8 @@ def _validate(c: ModelConfig):
   choices = dict(residual_scale=RESIDUAL_SCALES, injection=INJECTIONS, remat=REMAT_POLICIES,
                  loop_impl=LOOP_IMPLS, dtype=DTYPES, param_dtype=DTYPES, dispatch=DISPATCHES,
                  expert_exchange=EXCHANGES, scale_passes=SCALE_PASSES,
-                 router_score=ROUTER_SCORES, router_bias=ROUTER_BIASES)
+                 router_score=ROUTER_SCORES, router_bias=ROUTER_BIASES,
+                 core_collectives=CORE_COLLECTIVES)
   for name, allowed in choices.items():
     if getattr(c, name) not in allowed:
       _err(name, getattr(c, name), f'must be one of {allowed}')

@@ -173,6 +173,21 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, factor, 
   return y_TD, jax.lax.psum(dropped, batch_axes)
 
 
+def _body_kw(cfg, mesh, num_experts):
+  return dict(num_experts=num_experts, n=mesh.shape['expert'], factor=cfg.capacity_factor,
+              kind=exchange_kind(cfg.expert_exchange), backend=cfg.dispatch,
+              tile=cfg.dispatch_tile, batch_axes=sharding.batch_axes(mesh),
+              tensor=mesh.shape['tensor'], buffer_factor=cfg.exchange_buffer_factor)
+
+
+def local_dispatch(x_TD, experts_Tk, weights_Tk, params, cfg, mesh, num_experts: int):
+  """The per-device body called where every mesh axis is already manual (model.Core's
+  shard_map): this device's rows and its E/n experts (`params`); (y_TD, dropped)."""
+  y_TD, dropped = _local_moe(x_TD, experts_Tk, weights_Tk, params,
+                             **_body_kw(cfg, mesh, num_experts))
+  return y_TD.astype(x_TD.dtype), dropped
+
+
 def moe_dispatch(x_TD, experts_Tk, weights_Tk, params, cfg, mesh):
   """Expert-parallel dispatch over `mesh` (the abstract mesh of `jax.set_mesh`): (y_TD,
   dropped assignments over the whole batch). Token rows are split over the batch axes."""
@@ -181,15 +196,10 @@ def moe_dispatch(x_TD, experts_Tk, weights_Tk, params, cfg, mesh):
   if num_experts % n:
     raise ValueError(f'{num_experts} experts do not divide over mesh.expert={n}; make every '
                      f'model.*_experts a multiple of {n}')
-  batch_axes = sharding.batch_axes(mesh)
-  rows = P(batch_axes)
+  rows = P(sharding.batch_axes(mesh))
   w_in = sharding.spec(('experts', None, 'mlp'), mesh.axis_names)
   w_out = sharding.spec(('experts', 'mlp', None), mesh.axis_names)
-  body = lambda x, e, w, p: _local_moe(
-      x, e, w, p, num_experts=num_experts, n=n, factor=cfg.capacity_factor,
-      kind=exchange_kind(cfg.expert_exchange), backend=cfg.dispatch, tile=cfg.dispatch_tile,
-      batch_axes=batch_axes, tensor=mesh.shape['tensor'],
-      buffer_factor=cfg.exchange_buffer_factor)
+  body = lambda x, e, w, p: _local_moe(x, e, w, p, **_body_kw(cfg, mesh, num_experts))
   y_TD, dropped = jax.shard_map(
       body, in_specs=(rows, rows, rows, {'gate': w_in, 'up': w_in, 'down': w_out}),
       out_specs=(rows, P()), check_vma=False)(x_TD, experts_Tk, weights_Tk, params)

@@ -19,11 +19,13 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from loopmoe_jax import sharding
 from loopmoe_jax.attention import Attention, AttentionWeights
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.layers import DTYPES, DenseMLP, RMSNorm, fan_in_init, param
-from loopmoe_jax.moe import MoE
+from loopmoe_jax.moe import MoE, losses_from_sums
 from loopmoe_jax.sharding import constrain
 
 ACTIVATION = ('batch', 'length', 'act_embed')  # the residual stream's logical axes
@@ -126,7 +128,10 @@ class Core(nn.Module):
                         split_rngs={'params': False},
                         in_axes=(0, nn.broadcast, nn.broadcast, 0 if per_pass else nn.broadcast),
                         length=num_loops)
-      return scanned(**kw, name='body')(x_BTD, pass_attn, e_BTD, positions_BT, bias)
+      args = (x_BTD, pass_attn, e_BTD, positions_BT, bias)
+      if self._collectives_once(x_BTD.shape[0]):
+        return _core_once(scanned(**kw), self.variables['params']['body'], args)
+      return scanned(**kw, name='body')(*args)
     stack = body(**kw, name='body')
     stats = []
     for l in range(num_loops):
@@ -134,6 +139,61 @@ class Core(nn.Module):
       x_BTD, s = stack(x_BTD, attn_l, e_BTD, positions_BT, bias[l] if per_pass else bias)
       stats.append(s)
     return x_BTD, jax.tree.map(lambda *a: jnp.stack(a), *stats)
+
+
+  def _collectives_once(self, batch: int) -> bool:
+    """model.core_collectives='once' applies: a multi-device mesh without `tensor` (heads and
+    expert widths would need manual collectives) whose batch shards split the sequences,
+    training or evaluation (not decoding, routing records, probes or expert masks), params
+    already made. Otherwise the loop runs as a plain scan under XLA's partitioning."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return (self.cfg.core_collectives == 'once' and not mesh.empty and mesh.size > 1 and
+            not sharding.is_manual(mesh) and mesh.shape['tensor'] == 1 and
+            batch % sharding.batch_size_of(mesh) == 0 and not self.decode and
+            not self.record and not self.is_initializing() and
+            'routing_mask' not in self.variables and
+            not self.is_mutable_collection('intermediates'))
+
+
+def _expert_weight(path) -> bool:
+  keys = [str(getattr(k, 'key', k)) for k in path]
+  return 'moe' in keys and 'shared' not in keys and keys[-1] in ('gate', 'up', 'down')
+
+
+def _core_once(scanned, params, args):
+  """The scanned core inside `jax.shard_map` over the whole mesh: each device runs every pass
+  on its rows with the core's weights gathered once on entry (expert weights keep their
+  `expert` split), so the gradients of the shared weights accumulate locally across passes
+  and are reduced once, where the shard_map's transpose sums them on exit. The MoE layers
+  route and exchange locally (moe.py) and return their routing sums, added here over the
+  shards to give the global batch's aux losses; outputs as the plain scan's."""
+  mesh = jax.sharding.get_abstract_mesh()
+  rows = P(sharding.batch_axes(mesh))
+  p_specs = jax.tree_util.tree_map_with_path(
+      lambda path, _: P('expert') if _expert_weight(path) else P(), params)
+  x_BTD, pass_attn, e_BTD, positions_BT, bias = args
+
+  def inner(params, x_BTD, pass_attn, e_BTD, positions_BT, bias):
+    x_BTD, stats = scanned.apply({'params': params}, x_BTD, pass_attn, e_BTD, positions_BT, bias)
+    if not stats:
+      return x_BTD, {}
+    return x_BTD, {'sums': jax.tree.map(lambda v: v[None], stats['sums']),
+                   'dropped': stats['dropped']}
+
+  out_stats = {} if not scanned.num_experts else {
+      'sums': {k: rows for k in ('load', 'probs', 'z', 'tokens')}, 'dropped': P()}
+  opt = lambda a, spec: None if a is None else spec
+  x_BTD, stats = jax.shard_map(
+      inner, in_specs=(p_specs, rows, opt(pass_attn, P()), opt(e_BTD, rows), rows,
+                       opt(bias, P())),
+      out_specs=(rows, out_stats), check_vma=False)(params, x_BTD, pass_attn, e_BTD,
+                                                    positions_BT, bias)
+  if not stats:
+    return x_BTD, {}
+  sums = jax.tree.map(lambda v: jnp.sum(v, axis=0), stats['sums'])
+  lb, zl = losses_from_sums(sums, scanned.cfg.top_k)
+  return x_BTD, {'load_balance': lb, 'z_loss': zl, 'load': sums['load'],
+                 'dropped': stats['dropped']}
 
 
 class LoopedMoE(nn.Module):

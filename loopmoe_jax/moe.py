@@ -86,11 +86,13 @@ def routing_sums(experts_Tk, probs_TE, logits_TE):
 
 
 def losses_from_sums(sums, top_k: int):
-  """(load-balance loss E * sum_i f_i P_i, z-loss) from `routing_sums` totals."""
+  """(load-balance loss E * sum_i f_i P_i, z-loss) from `routing_sums` totals (leading axes,
+  e.g. [passes, layers], carried through)."""
   num_experts = sums['probs'].shape[-1]
-  f_E = sums['load'] / (sums['tokens'] * top_k)
-  p_E = sums['probs'] / sums['tokens']
-  return num_experts * jnp.sum(f_E * p_E), sums['z'] / sums['tokens']
+  tokens = sums['tokens'][..., None]
+  f_E = sums['load'] / (tokens * top_k)
+  p_E = sums['probs'] / tokens
+  return num_experts * jnp.sum(f_E * p_E, axis=-1), sums['z'] / sums['tokens']
 
 
 def load_balance_loss(experts_Tk, probs_TE):
@@ -116,7 +118,7 @@ def route_local(logits_TE, cfg: ModelConfig, bias_E=None):
     return experts_Tk, weights_Tk, routing_sums(experts_Tk, probs_TE, logits_TE), plan
 
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1:
+  if mesh.empty or mesh.size == 1 or sharding.is_manual(mesh):  # already local
     return one_shard(logits_TE, bias_E)
   rows = P(sharding.batch_axes(mesh))
   stacked = jax.tree.map(lambda _: rows, routing_sums(
@@ -143,13 +145,16 @@ class MoE(nn.Module):
     c, dt = self.cfg, DTYPES[self.cfg.param_dtype]
     b, t, d = x_BTD.shape
     e, f = self.num_experts, c.expert_width
+    mesh = jax.sharding.get_abstract_mesh()
+    # inside the core's shard_map (model.Core) a device holds its E/n experts
+    e_here = e // mesh.shape['expert'] if sharding.is_manual(mesh) else e
     router_DE = param(self, 'router', (d, e), ('embed', 'experts'), fan_in_init([0], [1]), dt)
     experts = {
-        'gate': param(self, 'gate', (e, d, f), ('experts', 'embed', 'mlp'),
+        'gate': param(self, 'gate', (e_here, d, f), ('experts', 'embed', 'mlp'),
                       fan_in_init([1], [2], [0]), dt),
-        'up': param(self, 'up', (e, d, f), ('experts', 'embed', 'mlp'),
+        'up': param(self, 'up', (e_here, d, f), ('experts', 'embed', 'mlp'),
                     fan_in_init([1], [2], [0]), dt),
-        'down': param(self, 'down', (e, f, d), ('experts', 'mlp', 'embed'),
+        'down': param(self, 'down', (e_here, f, d), ('experts', 'mlp', 'embed'),
                       fan_in_init([1], [2], [0]), dt),
     }
     x_TD = x_BTD.reshape(b * t, d)
@@ -164,12 +169,16 @@ class MoE(nn.Module):
       experts_Tk, weights_Tk, sums, plan = route_local(logits_TE, c, bias_E)
     lb, zl = losses_from_sums(sums, c.top_k)
     stats = {'load_balance': lb, 'z_loss': zl, 'load': sums['load']}
+    if sharding.is_manual(mesh):  # inside the core's shard_map: the shard's sums, which the
+      stats['sums'] = sums        # core adds over the shards (the losses above are local)
     if self.record:
       stats['experts'] = experts_Tk.reshape(b, t, -1)
       stats['logits'] = logits_TE.reshape(b, t, -1)
     params = {k: v.astype(x_BTD.dtype) for k, v in experts.items()}
-    mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and mesh.size > 1:  # under a device mesh: expert parallelism
+    if sharding.is_manual(mesh):  # inside the core's shard_map: this device's rows and experts
+      y_TD, stats['dropped'] = expert_parallel.local_dispatch(x_TD, experts_Tk, weights_Tk,
+                                                              params, c, mesh, e)
+    elif not mesh.empty and mesh.size > 1:  # under a device mesh: expert parallelism
       y_TD, stats['dropped'] = expert_parallel.moe_dispatch(x_TD, experts_Tk, weights_Tk,
                                                             params, c, mesh)
     else:

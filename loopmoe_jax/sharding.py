@@ -135,6 +135,11 @@ def spec(names: Sequence[str | None], mesh_axes: Sequence[str] = AXES) -> P:
   return P(*(_entry(axes) for axes in _rule_axes(names, mesh_axes)))
 
 
+def is_manual(mesh) -> bool:
+  """True inside a `jax.shard_map` over every axis of the mesh (all names are local)."""
+  return not mesh.empty and mesh.are_all_axes_manual
+
+
 def batch_axes(mesh) -> tuple[str, ...]:
   """The batch axes present on `mesh` (the row split of tokens)."""
   return tuple(a for a in BATCH_AXES if a in mesh.axis_names)
@@ -162,9 +167,10 @@ def check_batch(batch_size: int, microbatches: int, mesh):
 
 def constrain(x, names: Sequence[str | None]):
   """with_sharding_constraint by logical names under the mesh set by `jax.set_mesh`; a no-op
-  without one (one device, decoding, tests of the model alone)."""
+  without one (one device, decoding, tests of the model alone) and inside a shard_map over
+  the whole mesh (the looped core's, model.Core)."""
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1:
+  if mesh.empty or mesh.size == 1 or is_manual(mesh):
     return x
   return jax.lax.with_sharding_constraint(x, spec(names, mesh.axis_names))
 

@@ -528,3 +528,25 @@ def test_cuda_dry_run_counts_the_ragged_exchange_at_the_analytic_figure():
   assert report['act_allgather_bytes_per_step'] == 0
   assert report['lowered_for']['ragged_all_to_all'] > 0
   assert report['params_bytes_per_device'] * 8 == report['params_bytes_total']
+
+
+@pytest.mark.parametrize('collectives,equal', [('once', True), ('per_pass', False)])
+def test_gradient_reductions_do_not_grow_with_the_passes(collectives, equal):
+  """model.core_collectives='once': the shared core weights' gradients accumulate locally over
+  the passes and are reduced once, so the train step's gradient all-reduce/reduce-scatter ops
+  and bytes (dry_run.classify on the partitioned program, loop trip counts applied) are the
+  same at num_loops=1 and 4; 'per_pass' (XLA's partitioning of the plain scan) reduces inside
+  the loop, and the same check sees them grow."""
+  from loopmoe_jax import dry_run
+
+  def reductions(loops):
+    cfg = _small_cfg(MESHES['data2_expert4'], num_loops=loops, core_collectives=collectives)
+    step, (state, batch), _, _ = dry_run.train_step_program(cfg)
+    hlo, _ = dry_run.partitioned_compile(step.lower(state, batch))
+    kinds = dry_run.classify(dry_run.collectives(hlo), state['params'])
+    return kinds['grad_reduce_ops'], kinds['grad_reduce']
+  one, four = reductions(1), reductions(4)
+  assert one[1] > 0
+  assert (one == four) == equal, (one, four)
+  if not equal:
+    assert four[1] > one[1]
