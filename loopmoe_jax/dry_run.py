@@ -246,7 +246,7 @@ def train_step_program(cfg_dict):
   sharding.check_batch(exp.data.batch_size, exp.train.microbatches, mesh)
   model = LoopedMoE(exp.model)
   tx, schedule = make_optimizer(exp.train)
-  state_sh, batch_sh = steps.shardings(mesh, model, tx, exp.data.seq_len)
+  state_sh, batch_sh = steps.shardings(mesh, model, tx, exp.data.seq_len, exp.mesh.zero_data)
   state = steps.abstract_state(model, tx, exp.data.seq_len, state_sh)
   batch = {k: jax.ShapeDtypeStruct((exp.data.batch_size, exp.data.seq_len), jnp.int32,
                                    sharding=batch_sh) for k in ('inputs', 'targets')}

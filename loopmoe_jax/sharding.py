@@ -58,11 +58,15 @@ class MeshConfig:
   expert: int = 1
   tensor: int = 1
   dcn_data: int = 1
+  zero_data: bool = False  # dense weights and optimizer moments also split over `data`
+                           # (ZeRO-3 style: less memory per device, a gather per use)
 
   def __post_init__(self):
     free = [a for a in ('data', 'fsdp', 'expert', 'tensor') if getattr(self, a) == -1]
     if len(free) > 1:
       raise ValueError(f'mesh: only one axis may be -1, got {", ".join("mesh." + a for a in free)}')
+    if not isinstance(self.zero_data, bool):
+      raise ValueError(f'mesh.zero_data={self.zero_data!r}: must be true or false')
     for a in AXES:
       v = getattr(self, a)
       if v < 1 and not (v == -1 and a != 'dcn_data'):
@@ -114,12 +118,18 @@ def make_mesh(cfg: MeshConfig | None = None, devices: Sequence[Any] | None = Non
                        devices=devices)
 
 
-def _rule_axes(names, mesh_axes):
-  """Per dimension, the mesh axes RULES gives it, each mesh axis used once (first claim)."""
+# mesh.zero_data: parameter widths also over `data` (ZeRO-3 style), after RULES' axes
+ZERO_DATA = {'embed': ('data',)}
+
+
+def _rule_axes(names, mesh_axes, extra=None):
+  """Per dimension, the mesh axes RULES gives it (then `extra`'s), each mesh axis used once
+  (first claim)."""
   used, out = set(), []
   for name in names:
     rule = RULES.get(name) if name else None
     axes = (rule,) if isinstance(rule, str) else tuple(rule or ())
+    axes += tuple((extra or {}).get(name, ()))
     axes = tuple(a for a in axes if a in mesh_axes and a not in used)
     used.update(axes)
     out.append(axes)
@@ -181,7 +191,7 @@ def _is_box(x):
   return isinstance(x, nn.LogicallyPartitioned)
 
 
-def param_specs(boxed_params, mesh):
+def param_specs(boxed_params, mesh, zero_data: bool = False):
   """PartitionSpecs of a boxed (logically partitioned) param tree, checking that every
   sharded dimension divides over its mesh axis (a ValueError naming the param, the numbers
   and the config key to change)."""
@@ -189,7 +199,8 @@ def param_specs(boxed_params, mesh):
     names = box.names if _is_box(box) else (None,) * len(box.shape)
     value = box.value if _is_box(box) else box
     out = []
-    for dim, (name, axes) in enumerate(zip(names, _rule_axes(names, mesh.axis_names))):
+    extra = ZERO_DATA if zero_data else None
+    for dim, (name, axes) in enumerate(zip(names, _rule_axes(names, mesh.axis_names, extra))):
       axes = [a for a in axes if mesh.shape[a] > 1]
       if axes and value.shape[dim] % mesh.shape[axes[0]]:
         keys = [str(getattr(k, 'key', k)) for k in path]
@@ -208,17 +219,18 @@ def param_specs(boxed_params, mesh):
   return jax.tree_util.tree_map_with_path(one, boxed_params, is_leaf=_is_box)
 
 
-def param_shardings(mesh, boxed_params):
+def param_shardings(mesh, boxed_params, zero_data: bool = False):
   """NamedShardings of the params (param_specs on `mesh`)."""
-  return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(boxed_params, mesh),
+  return jax.tree.map(lambda s: NamedSharding(mesh, s),
+                      param_specs(boxed_params, mesh, zero_data),
                       is_leaf=lambda x: isinstance(x, P))
 
 
-def state_shardings(mesh, boxed_params, tx):
+def state_shardings(mesh, boxed_params, tx, zero_data: bool = False):
   """NamedShardings of {'params', 'opt_state', 'step'}: optimizer moments follow their
   params (optax.tree_map_params), counters and other scalars are replicated."""
   params = nn.unbox(boxed_params)
-  named = param_shardings(mesh, boxed_params)
+  named = param_shardings(mesh, boxed_params, zero_data)
   rep = NamedSharding(mesh, P())
   opt_shapes = jax.eval_shape(tx.init, params)
   opt = optax.tree_map_params(tx, lambda _, sh: sh, opt_shapes, named,

@@ -550,3 +550,21 @@ def test_gradient_reductions_do_not_grow_with_the_passes(collectives, equal):
   assert (one == four) == equal, (one, four)
   if not equal:
     assert four[1] > one[1]
+
+
+def test_zero_data_splits_every_weight_over_data_too():
+  """data=2 x expert=4: every weight is split 4 ways over `expert` (expert weights by their
+  expert dimension, the rest by their width); mesh.zero_data also splits widths over `data`,
+  so each device holds an eighth of every weight and of the optimizer moments."""
+  model = LoopedMoE(CONFIGS['untied'])
+  tx, _ = make_optimizer(TrainConfig())
+  mesh = sharding.make_mesh(MESHES['data2_expert4'])
+  shapes = steps.abstract_state(model, tx, SEQ)
+  total = sum(int(np.prod(s.shape)) * 4 for s in jax.tree.leaves(shapes['params']))
+  for zero, parts in ((False, 4), (True, 8)):
+    state_sh, _ = steps.shardings(mesh, model, tx, SEQ, zero_data=zero)
+    assert sharding.bytes_per_device(shapes['params'], state_sh['params']) * parts == total
+    moments = sharding.bytes_per_device(shapes['opt_state'], state_sh['opt_state'])
+    assert abs(moments * parts - 2 * total) <= 8 * parts  # mu and nu, plus replicated counts
+  with pytest.raises(ValueError, match=r'mesh\.zero_data=.yes.: must be true or false'):
+    MeshConfig(zero_data='yes')

@@ -47,10 +47,11 @@ def boxed_params(model, seq_len: int = 8):
   return jax.eval_shape(lambda: model.lazy_init(init_key(0), _tokens(seq_len))['params'])
 
 
-def shardings(mesh, model, tx, seq_len: int):
-  """(state shardings, batch sharding) on `mesh`, from the params' logical axis names."""
+def shardings(mesh, model, tx, seq_len: int, zero_data: bool = False):
+  """(state shardings, batch sharding) on `mesh`, from the params' logical axis names
+  (`zero_data`: mesh.zero_data)."""
   boxed = boxed_params(model, seq_len)
-  state_sh = sharding.state_shardings(mesh, boxed, tx)
+  state_sh = sharding.state_shardings(mesh, boxed, tx, zero_data)
   segments = bias_shapes(model.cfg)
   if segments:  # small: replicated
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

@@ -82,7 +82,7 @@ def _train(cfg, exp, workdir: str) -> dict:
   n_dev, proc, n_proc = jax.device_count(), jax.process_index(), jax.process_count()
   mesh = sharding.make_mesh(exp.mesh)
   sharding.check_batch(dc.batch_size, tc.microbatches, mesh)
-  state_sh, batch_sh = steps.shardings(mesh, model, tx, dc.seq_len)
+  state_sh, batch_sh = steps.shardings(mesh, model, tx, dc.seq_len, exp.mesh.zero_data)
   target = steps.abstract_state(model, tx, dc.seq_len, state_sh)
   mngr = checkpoint.manager(os.path.join(workdir, 'checkpoints'), tc.keep, tc.async_save,
                             keep_every=tc.keep_every, keep_steps=tc.kept_steps)
