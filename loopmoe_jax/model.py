@@ -155,25 +155,49 @@ class Core(nn.Module):
             not self.is_mutable_collection('intermediates'))
 
 
-def _expert_weight(path) -> bool:
-  keys = [str(getattr(k, 'key', k)) for k in path]
-  return 'moe' in keys and 'shared' not in keys and keys[-1] in ('gate', 'up', 'down')
+def _gather_specs(scanned, args, mesh):
+  """Per core weight: (its PartitionSpec under the rules table, per dimension the mesh axes to
+  gather it over inside the shard_map: all of them but an expert dimension's `expert`)."""
+  shapes = jax.tree.map(lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype),
+                        args)
+  boxed = jax.eval_shape(lambda *a: scanned.init(jax.random.key(0), *a), *shapes)['params']
+  specs = sharding.param_specs(boxed, mesh)
+  is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)
+
+  def gather_axes(box, spec):
+    out = []
+    for name, entry in zip(box.names, spec):
+      axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+      out.append(tuple(a for a in axes if not (name == 'experts' and a == 'expert')))
+    return tuple(out)
+  gathers = jax.tree.map(gather_axes, boxed, specs, is_leaf=is_box)
+  return specs, gathers
 
 
 def _core_once(scanned, params, args):
   """The scanned core inside `jax.shard_map` over the whole mesh: each device runs every pass
-  on its rows with the core's weights gathered once on entry (expert weights keep their
-  `expert` split), so the gradients of the shared weights accumulate locally across passes
-  and are reduced once, where the shard_map's transpose sums them on exit. The MoE layers
-  route and exchange locally (moe.py) and return their routing sums, added here over the
-  shards to give the global batch's aux losses; outputs as the plain scan's."""
+  on its rows. The core's weights enter in their sharded layout and are all-gathered once
+  inside, before the loop (expert weights keep their `expert` split); the transpose of that
+  gather is one reduce-scatter of each weight's gradient after the backward loop, so the
+  shared weights' gradients accumulate locally across passes and are reduced once (the
+  memory price: the core's weights, and their gradient accumulator, whole over the batch
+  axes for the step). The MoE layers route and exchange locally (moe.py) and return their
+  routing sums, added here over the shards to give the global batch's aux losses; outputs
+  as the plain scan's."""
   mesh = jax.sharding.get_abstract_mesh()
   rows = P(sharding.batch_axes(mesh))
-  p_specs = jax.tree_util.tree_map_with_path(
-      lambda path, _: P('expert') if _expert_weight(path) else P(), params)
+  specs, gathers = _gather_specs(scanned, args, mesh)
   x_BTD, pass_attn, e_BTD, positions_BT, bias = args
 
+  def gather(w, dims):
+    for dim, axes in enumerate(dims):
+      if axes:
+        w = jax.lax.all_gather(w, axes, axis=dim, tiled=True)
+    return w
+
   def inner(params, x_BTD, pass_attn, e_BTD, positions_BT, bias):
+    with jax.named_scope('gather_core_weights'):
+      params = jax.tree.map(gather, params, gathers, is_leaf=lambda x: isinstance(x, tuple))
     x_BTD, stats = scanned.apply({'params': params}, x_BTD, pass_attn, e_BTD, positions_BT, bias)
     if not stats:
       return x_BTD, {}
@@ -184,7 +208,7 @@ def _core_once(scanned, params, args):
       'sums': {k: rows for k in ('load', 'probs', 'z', 'tokens')}, 'dropped': P()}
   opt = lambda a, spec: None if a is None else spec
   x_BTD, stats = jax.shard_map(
-      inner, in_specs=(p_specs, rows, opt(pass_attn, P()), opt(e_BTD, rows), rows,
+      inner, in_specs=(specs, rows, opt(pass_attn, P()), opt(e_BTD, rows), rows,
                        opt(bias, P())),
       out_specs=(rows, out_stats), check_vma=False)(params, x_BTD, pass_attn, e_BTD,
                                                     positions_BT, bias)
