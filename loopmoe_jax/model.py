@@ -155,12 +155,10 @@ class Core(nn.Module):
             not self.is_mutable_collection('intermediates'))
 
 
-def _gather_specs(scanned, args, mesh):
-  """Per core weight: (its PartitionSpec under the rules table, per dimension the mesh axes to
-  gather it over inside the shard_map: all of them but an expert dimension's `expert`)."""
-  shapes = jax.tree.map(lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype),
-                        args)
-  boxed = jax.eval_shape(lambda *a: scanned.init(jax.random.key(0), *a), *shapes)['params']
+def _gather_specs(boxed, mesh):
+  """Per weight of a boxed tree: (its PartitionSpec under the rules table, per dimension the
+  mesh axes to gather it over inside the shard_map: all of them but an expert dimension's
+  `expert`)."""
   specs = sharding.param_specs(boxed, mesh)
   is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)
 
@@ -186,8 +184,17 @@ def _core_once(scanned, params, args):
   as the plain scan's."""
   mesh = jax.sharding.get_abstract_mesh()
   rows = P(sharding.batch_axes(mesh))
-  specs, gathers = _gather_specs(scanned, args, mesh)
   x_BTD, pass_attn, e_BTD, positions_BT, bias = args
+  shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+  specs, gathers = _gather_specs(jax.eval_shape(
+      lambda *a: scanned.init(jax.random.key(0), *a), *shapes)['params'], mesh)
+  attn_specs, attn_gathers = None, None
+  if pass_attn is not None:  # untied attention: per pass, sharded like any weight
+    one_layer = jax.eval_shape(lambda: AttentionWeights(scanned.cfg, stack=scanned.cfg.num_loops)
+                               .init(jax.random.key(0)))['params']
+    attn_spec, attn_gather = _gather_specs(one_layer, mesh)
+    attn_specs = [attn_spec] * len(pass_attn)
+    attn_gathers = [attn_gather] * len(pass_attn)
 
   def gather(w, dims):
     for dim, axes in enumerate(dims):
@@ -197,7 +204,10 @@ def _core_once(scanned, params, args):
 
   def inner(params, x_BTD, pass_attn, e_BTD, positions_BT, bias):
     with jax.named_scope('gather_core_weights'):
-      params = jax.tree.map(gather, params, gathers, is_leaf=lambda x: isinstance(x, tuple))
+      dims = lambda x: isinstance(x, tuple)
+      params = jax.tree.map(gather, params, gathers, is_leaf=dims)
+      if pass_attn is not None:
+        pass_attn = jax.tree.map(gather, pass_attn, attn_gathers, is_leaf=dims)
     x_BTD, stats = scanned.apply({'params': params}, x_BTD, pass_attn, e_BTD, positions_BT, bias)
     if not stats:
       return x_BTD, {}
@@ -208,7 +218,7 @@ def _core_once(scanned, params, args):
       'sums': {k: rows for k in ('load', 'probs', 'z', 'tokens')}, 'dropped': P()}
   opt = lambda a, spec: None if a is None else spec
   x_BTD, stats = jax.shard_map(
-      inner, in_specs=(specs, rows, opt(pass_attn, P()), opt(e_BTD, rows), rows,
+      inner, in_specs=(specs, rows, attn_specs, opt(e_BTD, rows), rows,
                        opt(bias, P())),
       out_specs=(rows, out_stats), check_vma=False)(params, x_BTD, pass_attn, e_BTD,
                                                     positions_BT, bias)
