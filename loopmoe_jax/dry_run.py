@@ -35,7 +35,12 @@ parameter is sharded over; the expert
 exchange's own counts gather (scope `permute`, [n, E] integers) is reported apart; every other
 all-gather gathers activations (`act_allgather_bytes_per_step`, 0 expected). Gradient
 reductions: all-reduce / reduce-scatter ops in the backward pass (`transpose(` in their op name)
-whose result has a parameter's (or a parameter slice's) shape.
+whose result has a parameter's (or a parameter slice's) shape, and floating point.
+XLA:CPU's partitioner leaves the gradient of a weight used on the whole batch (embedding,
+head, prelude and coda weights) as an all-reduce of the full gradient followed by a slice;
+GPU/TPU pipelines rewrite that pair into a reduce-scatter (not checked here), so for those
+weights the measured bytes are the all-reduce's, up to the device count above a
+reduce-scatter's.
 """
 from __future__ import annotations
 
@@ -204,6 +209,14 @@ def _is_param_shape(dims, param_dims) -> bool:
   return False
 
 
+def _backward(op_name: str) -> bool:
+  """A reduction of the backward pass: XLA's partitioning of a transposed op, or a shard_map's
+  transpose (the sum of a replicated input's cotangent, named 'psum', or the reduce-scatter
+  that transposes the core's weight gather)."""
+  return ('transpose(' in op_name or op_name.split('/')[-1] == 'psum' or
+          op_name.endswith('gather_core_weights/reduce_scatter'))
+
+
 def classify(colls, params) -> dict[str, int]:
   """{'act_allgather', 'param_allgather', 'exchange_counts', 'grad_reduce', 'grad_reduce_ops'}:
   bytes per step (ops per step for the last), by the rules of the module docstring."""
@@ -218,7 +231,7 @@ def classify(colls, params) -> dict[str, int]:
         out['param_allgather'] += total
       else:
         out['act_allgather'] += total
-    elif c['kind'] in ('all-reduce', 'reduce-scatter') and 'transpose(' in c['op_name']:
+    elif c['kind'] in ('all-reduce', 'reduce-scatter') and _backward(c['op_name']):
       if any(dt.startswith(('f', 'bf')) and _is_param_shape(d, pdims) for dt, d in c['shapes']):
         out['grad_reduce'] += total
         out['grad_reduce_ops'] += c['times']

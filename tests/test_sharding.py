@@ -540,7 +540,8 @@ def test_gradient_reductions_do_not_grow_with_the_passes(collectives, equal):
   from loopmoe_jax import dry_run
 
   def reductions(loops):
-    cfg = _small_cfg(MESHES['data2_expert4'], num_loops=loops, core_collectives=collectives)
+    cfg = _small_cfg(MESHES['data2_expert4'], num_loops=loops, core_collectives=collectives,
+                     tie_attention=True)
     step, (state, batch), _, _ = dry_run.train_step_program(cfg)
     hlo, _ = dry_run.partitioned_compile(step.lower(state, batch))
     kinds = dry_run.classify(dry_run.collectives(hlo), state['params'])
