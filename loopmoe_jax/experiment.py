@@ -61,6 +61,13 @@ def build(cfg: ml_collections.ConfigDict) -> Experiment:
   return Experiment(*(SECTIONS[n].from_dict(cfg.get(n, {}) or {}) for n in SECTIONS))
 
 
+# How the same parameters run, not what they are: the same results up to float summation order
+# (dispatch backend, exchange transport, remat, loop implementation, the core's collectives).
+# A resumed run or a finished sweep point may change them.
+RUN_SETTINGS = tuple(f'model.{k}' for k in ('dispatch', 'dispatch_tile', 'expert_exchange', 'remat',
+                                            'loop_impl', 'core_collectives'))
+
+
 def config_diff(stored: Mapping[str, Any], exp: Experiment) -> list[tuple[str, Any, Any]]:
   """(section.field, stored value, current value) for every field of every section where a
   stored config (a resolved config's JSON dict) differs from `exp`; a stored section that

@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from loopmoe_jax.accounting import count
 from loopmoe_jax.config import ModelConfig
-from loopmoe_jax.experiment import build, config_diff
+from loopmoe_jax.experiment import RUN_SETTINGS, build, config_diff
 from loopmoe_jax.scaling.data import write_csv
 
 EXPERTS_ALIAS = 'model.num_experts'
@@ -85,7 +85,8 @@ def _convert(old: Any, value: Any, key: str):
 # fields that may differ between a point's runs (cadence, length, threads): not a new point
 FREE_FIELDS = tuple(f'train.{k}' for k in (
     'steps', 'log_every', 'eval_every', 'save_every', 'keep', 'async_save', 'routing_every',
-    'sample_tokens', 'sample_prompt', 'peak_flops')) + ('data.num_threads', 'data.prefetch')
+    'sample_tokens', 'sample_prompt', 'peak_flops')) + ('data.num_threads',
+                                                        'data.prefetch') + RUN_SETTINGS
 
 
 def config_changes(workdir: str, cfg) -> list[str]:

@@ -26,7 +26,7 @@ from loopmoe_jax import accounting, sharding
 from loopmoe_jax.dispatch import resolve_backend
 from loopmoe_jax.expert_parallel import exchange_kind
 from loopmoe_jax.data import pipeline
-from loopmoe_jax.experiment import build, config_diff
+from loopmoe_jax.experiment import RUN_SETTINGS, build, config_diff
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.train import checkpoint, step as steps
 from loopmoe_jax.train.lock import WorkdirLock
@@ -225,7 +225,8 @@ def _check_same_run(stored: dict, exp, where: str, mismatch: str | None = ''):
   diffs, notes = [], []
   for key, old, new in config_diff(stored, exp):
     line = f'{key}: {old!r} in the checkpoint, {new!r} now'
-    free = key.startswith(('train.', 'mesh.')) or key in DATA_FREE_ON_RESUME
+    free = (key.startswith(('train.', 'mesh.')) or key in DATA_FREE_ON_RESUME or
+            key in RUN_SETTINGS)
     (notes if free else diffs).append(line)
   if mismatch:
     diffs += [mismatch] + notes
