@@ -64,13 +64,22 @@ def test_resume_is_bitwise_identical(tmp_path):
   assert again == resumed
 
 
-def test_resume_from_an_earlier_checkpoint_drops_the_lost_rows(tmp_path):
+def test_resume_from_an_earlier_checkpoint_drops_the_lost_rows(tmp_path, capsys):
+  """Also when the logs end in a torn line (the disk filled mid-write): the cut line is moved
+  to metrics.jsonl.torn (nothing lost, a warning names it) and the resume goes on."""
   work = str(tmp_path / 'r')
   train(tiny(steps=5, schedule_steps=6), work)               # checkpoints at 3 and 5
   shutil.rmtree(os.path.join(work, 'checkpoints', '5'))      # the step-5 save never landed
+  path = os.path.join(work, 'metrics.jsonl')
+  whole = open(path).read()
+  with open(path, 'w') as f:                                 # the last 60 bytes never landed
+    f.write(whole[:-60])
+  cut = whole[:-60].rsplit('\n', 1)[1]
   train(tiny(steps=6), work)
-  steps = [json.loads(l)['step'] for l in open(os.path.join(work, 'metrics.jsonl'))]
+  steps = [json.loads(l)['step'] for l in open(path)]
   assert steps == list(range(1, 7))
+  assert open(path + '.torn').read() == cut + '\n' and cut
+  assert 'metrics.jsonl: line ' in capsys.readouterr().out
 
 
 def test_same_seed_same_batches_across_architectures(tmp_path):

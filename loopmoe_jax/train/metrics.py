@@ -58,11 +58,28 @@ class Writer:
 
 
 def _drop_rows_after(path: str, step: int):
-  """On resume, forgets rows logged after the restored step (they will be logged again)."""
+  """On resume, forgets rows logged after the restored step (they will be logged again). A
+  line that does not parse as a row (a write torn by a full disk or a kill) does not block the
+  resume: it is moved to PATH.torn, nothing lost, with a warning naming the file and line."""
   if not os.path.exists(path):
     return
+  rows, torn = [], []
   with open(path) as f:
-    rows = [line for line in f if line.strip() and json.loads(line)['step'] <= step]
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        row_step = json.loads(line)['step']
+      except (ValueError, KeyError, TypeError):
+        torn.append((number, line if line.endswith('\n') else line + '\n'))
+        continue
+      if row_step <= step:
+        rows.append(line if line.endswith('\n') else line + '\n')
+  if torn:
+    with open(path + '.torn', 'a') as f:
+      f.writelines(line for _, line in torn)
+    print(f'warning: {path}: line {", ".join(str(n) for n, _ in torn)} is not a whole row (a '
+          f'write cut short); moved to {path}.torn', flush=True)
   with open(path + '.tmp', 'w') as f:
     f.writelines(rows)
   os.replace(path + '.tmp', path)
