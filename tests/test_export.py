@@ -245,6 +245,14 @@ def test_non_empty_out_refused_and_failed_export_leaves_nothing(tmp_path):
   with files.output_dir(str(out), overwrite=True) as tmp:
     open(os.path.join(tmp, 'new'), 'w').close()
   assert os.listdir(out) == ['new']
+  run = tmp_path / 'run'  # a training run (or a folder holding one) is never replaced
+  (run / 'checkpoints').mkdir(parents=True)
+  (run / 'metrics.jsonl').write_text('{}')
+  for target in (run, tmp_path):
+    with pytest.raises(FileExistsError, match='holds a training run.*choose another --out'):
+      with files.output_dir(str(target), overwrite=True):
+        pass
+  assert sorted(os.listdir(run)) == ['checkpoints', 'metrics.jsonl']
 
 
 def test_safetensors_with_missing_or_extra_tensors(tmp_path):

@@ -108,20 +108,32 @@ def test_continuation_with_longer_schedule(tmp_path):
     assert r['lr'] == pytest.approx(float(f(r['step'] - 1)), rel=1e-6)
 
 
-def test_corrupt_latest_step_is_skipped(tmp_path, capsys):
-  train(tiny(steps=6), str(tmp_path / 'r'))
-  ckpt = tmp_path / 'r' / 'checkpoints'
-  assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [3, 6]
-  state_dir = ckpt / '6' / 'state'
+def _garble(state_dir):
   for root, _, files in os.walk(state_dir):
     for f in files:
       with open(os.path.join(root, f), 'wb') as fh:
         fh.write(b'garbage')
+
+
+def test_corrupt_latest_step_is_skipped(tmp_path, capsys):
+  """A corrupt newest step is skipped; when every step is corrupt the run does not start
+  over (which would overwrite its logs): an error, and nothing changed."""
+  train(tiny(steps=6), str(tmp_path / 'r'))
+  ckpt = tmp_path / 'r' / 'checkpoints'
+  assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [3, 6]
+  _garble(ckpt / '6' / 'state')
   cfg, params, step, _ = checkpoint.load_params(str(tmp_path / 'r'))
   assert step == 3
   assert 'step 6' in capsys.readouterr().out
   summary = train(tiny(steps=6), str(tmp_path / 'r'))         # resumes from 3, redoes 4..6
   assert summary['steps'] == 6
+  for s in ('3', '6'):
+    _garble(ckpt / s / 'state')
+  metrics = open(tmp_path / 'r' / 'metrics.jsonl').read()
+  with pytest.raises(RuntimeError, match=r'every checkpoint step in .* is unreadable'):
+    train(tiny(steps=8), str(tmp_path / 'r'))
+  assert open(tmp_path / 'r' / 'metrics.jsonl').read() == metrics
+  assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [3, 6]
 
 
 def test_nan_loss_stops_and_keeps_the_good_checkpoint(tmp_path):

@@ -17,13 +17,21 @@ FORMATS = ('safetensors', 'hf-mixtral')
 SHARD_BYTES = 2 << 30  # hub-style shards with an index past this size
 
 
+RUN_FILES = {'metrics.jsonl', 'summary.json', 'routing.jsonl'}
+
+
 @contextlib.contextmanager
 def output_dir(out: str, overwrite: bool = False):
   """Yields a fresh temporary directory beside `out`, renamed to `out` on success and
-  removed on failure. An existing non-empty `out` is refused unless `overwrite`."""
+  removed on failure. An existing non-empty `out` is refused unless `overwrite`, and a `out`
+  that holds a training run (checkpoints/ or its logs, at any depth) always."""
   out = os.path.abspath(out)
   if os.path.exists(out) and not os.path.isdir(out):
     raise FileExistsError(f'--out={out} exists and is not a directory')
+  for root, dirs, names in os.walk(out) if os.path.isdir(out) else ():
+    if 'checkpoints' in dirs or RUN_FILES & set(names):  # never replace a run directory
+      raise FileExistsError(f'--out={out} holds a training run ({root}); --overwrite replaces '
+                            'exports only: choose another --out')
   if os.path.isdir(out) and os.listdir(out) and not overwrite:
     raise FileExistsError(f'--out={out} exists and is not empty (pass --overwrite to replace it)')
   parent = os.path.dirname(out)

@@ -251,6 +251,10 @@ def _initial_state(mngr, target, model, tx, exp, state_sh, workdir):
     if stored:  # name the changed settings with it
       _check_same_run(stored[1], exp, where, str(e))
     raise
+  if restored is None and skipped:  # never start over on top of a run whose steps all fail
+    raise RuntimeError(f'every checkpoint step in {mngr.directory} is unreadable ({skipped}); '
+                       'nothing was changed. Restore them from a copy, or move them (and '
+                       'metrics.jsonl) aside to start this run over')
   if restored is not None and skipped:  # newer steps that do not read: set them aside
     if jax.process_count() > 1:
       raise RuntimeError(f'checkpoint steps {skipped} in {mngr.directory} are unreadable; '
