@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from loopmoe_jax import sharding
 from loopmoe_jax.attention import AttentionWeights
-from loopmoe_jax.moe import losses_from_sums
+from loopmoe_jax.moe import SUM_KEYS, losses_from_sums
 
 
 def _gather_specs(boxed, mesh):
@@ -81,7 +81,7 @@ def core_once(scanned, params, args):
                    'dropped': stats['dropped']}
 
   out_stats = {} if not scanned.num_experts else {
-      'sums': {k: rows for k in ('load', 'probs', 'z', 'tokens')}, 'dropped': P()}
+      'sums': {k: rows for k in SUM_KEYS}, 'dropped': P()}
   opt = lambda a, spec: None if a is None else spec
   x_BTD, stats = jax.shard_map(
       inner, in_specs=(specs, rows, attn_specs, opt(e_BTD, rows), rows,

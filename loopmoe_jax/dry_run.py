@@ -179,11 +179,13 @@ def collectives(hlo: str):
   return out
 
 
-def collective_bytes(hlo: str) -> dict[str, int]:
-  """Bytes of the results of each collective kind per execution of the HLO module's entry,
-  while-loop bodies multiplied by their trip counts, single-device groups skipped."""
+def collective_bytes(hlo_or_colls) -> dict[str, int]:
+  """Bytes of the results of each collective kind per execution of the HLO module's entry
+  (an HLO text or its `collectives`), while-loop bodies multiplied by their trip counts,
+  single-device groups skipped."""
+  colls = collectives(hlo_or_colls) if isinstance(hlo_or_colls, str) else hlo_or_colls
   out = collections.Counter()
-  for c in collectives(hlo):
+  for c in colls:
     out[c['kind']] += c['times'] * c['bytes']
   return dict(out)
 
@@ -361,9 +363,7 @@ def dry_run(cfg_dict, platform: str = 'cpu') -> dict:
     lowered_for = {'platform': platform, 'custom_calls': text.count('stablehlo.custom_call'),
                    'ragged_all_to_all': text.count('ragged_all_to_all')}
   colls = collectives(report_hlo)
-  coll = collections.Counter()
-  for c in colls:
-    coll[c['kind']] += c['times'] * c['bytes']
+  coll = collective_bytes(colls)
   kinds = classify(colls, state['params'])
   per_dev = lambda tree: sharding.bytes_per_device(tree, jax.tree.map(lambda s: s.sharding, tree))
   total = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
@@ -378,7 +378,7 @@ def dry_run(cfg_dict, platform: str = 'cpu') -> dict:
       'opt_state_bytes_per_device': per_dev(state['opt_state']),
       'temp_bytes_per_device': int(getattr(mem, 'temp_size_in_bytes', 0)) if mem else None,
       'temp_bytes_program': 'cpu (XLA:CPU buffers of the CPU program)',
-      'collective_bytes_per_step': dict(coll),
+      'collective_bytes_per_step': coll,
       'collective_bytes_program': f'{platform}, after SPMD partitioning (its dtypes)',
       'act_allgather_bytes_per_step': kinds['act_allgather'],
       'param_allgather_bytes_per_step': kinds['param_allgather'],

@@ -74,6 +74,9 @@ def max_vio(load):
   return (load.max(-1) - mean) / mean
 
 
+SUM_KEYS = ('load', 'probs', 'z', 'tokens')  # routing_sums' keys
+
+
 def routing_sums(experts_Tk, probs_TE, logits_TE):
   """The additive statistics of a set of tokens that the aux losses are made of:
   {'load': choices per expert [E], 'probs': router probabilities summed over tokens [E],
@@ -121,8 +124,7 @@ def route_local(logits_TE, cfg: ModelConfig, bias_E=None):
   if mesh.empty or mesh.size == 1 or sharding.is_manual(mesh):  # already local
     return one_shard(logits_TE, bias_E)
   rows = P(sharding.batch_axes(mesh))
-  stacked = jax.tree.map(lambda _: rows, routing_sums(
-      jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1)), jnp.zeros((1, 1))))
+  stacked = {k: rows for k in SUM_KEYS}
   body = lambda l, b: (lambda e, w, s, _: (e, w, jax.tree.map(lambda v: v[None], s)))(
       *one_shard(l, b))
   experts_Tk, weights_Tk, sums = jax.shard_map(
