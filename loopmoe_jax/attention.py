@@ -10,6 +10,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jax.ad_checkpoint import checkpoint_name
+
+from loopmoe_jax.attention_impls import attend_with, resolve
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.layers import DTYPES, fan_in_init, param, rope
 
@@ -46,6 +49,10 @@ class Attention(nn.Module):
   mutable=['intermediates'] (outside decode), it sows float32 'q' [B,T,H,K], 'k' and 'v'
   [B,T,G,K] (after RoPE) and 'sink' [B,H], the attention mass on key 0 averaged over queries
   1..T-1. Otherwise nothing is sown and the traced program is unchanged.
+
+  `model.attention_impl` picks the implementation (attention_impls.py); decoding (the cache
+  path) and the probes (they read the attention weights) use 'xla' whatever it says. q, k and
+  v carry the checkpoint name 'attn_qkv', the attention output 'attention'.
   """
   cfg: ModelConfig
   decode: bool = False
@@ -57,8 +64,9 @@ class Attention(nn.Module):
     q_BTHK = jnp.einsum('btd,dhk->bthk', x_BTD, w['q'].astype(dt))
     k_BSGK = jnp.einsum('btd,dgk->btgk', x_BTD, w['k'].astype(dt))
     v_BSGK = jnp.einsum('btd,dgk->btgk', x_BTD, w['v'].astype(dt))
-    q_BTHK = rope(q_BTHK, positions_BT, c.rope_theta)
-    k_BSGK = rope(k_BSGK, positions_BT, c.rope_theta)
+    q_BTHK = checkpoint_name(rope(q_BTHK, positions_BT, c.rope_theta), 'attn_qkv')
+    k_BSGK = checkpoint_name(rope(k_BSGK, positions_BT, c.rope_theta), 'attn_qkv')
+    v_BSGK = checkpoint_name(v_BSGK, 'attn_qkv')
     k_pos_BS = positions_BT
     if self.decode:
       initialized = self.has_variable('cache', 'k')
@@ -77,8 +85,12 @@ class Attention(nn.Module):
       out_BTHK, sink_BH = attend(q_BTHK, k_BSGK, v_BSGK, positions_BT, k_pos_BS, sink=True)
       for name, val in (('q', q_BTHK), ('k', k_BSGK), ('v', v_BSGK), ('sink', sink_BH)):
         self.sow('intermediates', name, val.astype(jnp.float32))
+    elif self.decode or (impl := resolve(c.attention_impl, c.dtype)) == 'xla':
+      out_BTHK = checkpoint_name(attend(q_BTHK, k_BSGK, v_BSGK, positions_BT, k_pos_BS),
+                                 'attention')
     else:
-      out_BTHK = attend(q_BTHK, k_BSGK, v_BSGK, positions_BT, k_pos_BS)
+      out_BTHK = attend_with(impl, q_BTHK, k_BSGK, v_BSGK, positions_BT, k_pos_BS,
+                             c.attention_block)
     return jnp.einsum('bthk,hkd->btd', out_BTHK, w['o'].astype(dt))
 
 

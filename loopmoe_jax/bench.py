@@ -46,7 +46,8 @@ from loopmoe_jax.objective import loss_fn
 SUBCOMMANDS: dict[str, Callable[[bool], dict[str, Any]]] = {}
 # Sub-command -> the module that registers it (imported by `run` on demand).
 MODULES = {'model': 'loopmoe_jax.bench', 'data': 'loopmoe_jax.bench_data',
-           'kernels': 'loopmoe_jax.bench_kernels', 'scale': 'loopmoe_jax.bench_scale'}
+           'kernels': 'loopmoe_jax.bench_kernels', 'scale': 'loopmoe_jax.bench_scale',
+           'memory': 'loopmoe_jax.bench_memory'}
 TARGETS = {  # key -> upper bound
     'compile_ratio_L16_over_L1': 1.3,
     'loop_over_unrolled': 1.15,

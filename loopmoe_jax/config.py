@@ -17,7 +17,8 @@ from typing import Any, Mapping
 RESIDUAL_SCALES = ('none', 'inverse_loops')
 SCALE_PASSES = ('trained', 'executed')
 INJECTIONS = ('none', 'add', 'concat')
-REMAT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch')
+REMAT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch', 'pass_input', 'attention', 'named')
+ATTENTION_IMPLS = ('auto', 'xla', 'chunked', 'cudnn', 'splash')
 LOOP_IMPLS = ('scan', 'unroll')
 CORE_COLLECTIVES = ('once', 'per_pass')
 DTYPES = ('float32', 'bfloat16', 'float16')
@@ -69,7 +70,12 @@ class ModelConfig:
   scale_passes: str = 'trained'  # r of that 1/r when a forward runs another pass count than
                                  # the trained one: 'trained' (model.num_loops) or 'executed'
   injection: str = 'none'        # prelude output injected into each pass: none | add | concat
-  remat: str = 'none'
+  remat: str = 'none'            # what the backward recomputes (model.REMAT, README table):
+                                 # the core, prelude and coda layers and the head and loss
+  attention_impl: str = 'auto'   # attention_impls.py: auto | xla | chunked | cudnn | splash
+  attention_block: int = 512     # key block of 'chunked' (a length not a multiple is padded)
+  loss_chunk: int = 0            # > 0: the head and LM loss over chunks of this many positions
+                                 # (objective.py; no float32 [B, T, V] logits); 0: whole
   core_collectives: str = 'once' # under a mesh: 'once' gathers the looped core's weights once a
                                  # step and reduces their gradients once (model.Core); 'per_pass'
                                  # leaves both to XLA inside the loop (weights stay sharded)
@@ -136,12 +142,12 @@ def _err(field: str, value: Any, why: str):
 
 def _validate(c: ModelConfig):
   for name in ('vocab_size', 'd_model', 'num_heads', 'expert_width', 'top_k', 'num_loops',
-               'dispatch_tile'):
+               'dispatch_tile', 'attention_block'):
     if getattr(c, name) < 1:
       _err(name, getattr(c, name), 'must be >= 1')
   for name in ('num_kv_heads', 'head_dim', 'prelude_layers', 'core_layers', 'coda_layers',
                'prelude_experts', 'core_experts', 'coda_experts', 'num_shared_experts',
-               'shared_expert_width'):
+               'shared_expert_width', 'loss_chunk'):
     if getattr(c, name) < 0:
       _err(name, getattr(c, name), 'must be >= 0')
   if not c.head_dim and c.d_model % c.num_heads:
@@ -160,7 +166,7 @@ def _validate(c: ModelConfig):
                  loop_impl=LOOP_IMPLS, dtype=DTYPES, param_dtype=DTYPES, dispatch=DISPATCHES,
                  expert_exchange=EXCHANGES, scale_passes=SCALE_PASSES,
                  router_score=ROUTER_SCORES, router_bias=ROUTER_BIASES,
-                 core_collectives=CORE_COLLECTIVES)
+                 core_collectives=CORE_COLLECTIVES, attention_impl=ATTENTION_IMPLS)
   for name, allowed in choices.items():
     if getattr(c, name) not in allowed:
       _err(name, getattr(c, name), f'must be one of {allowed}')

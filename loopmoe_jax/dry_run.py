@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from loopmoe_jax import sharding
+from loopmoe_jax import accounting, sharding
 from loopmoe_jax.experiment import build
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.train import step as steps
@@ -190,6 +190,49 @@ def collective_bytes(hlo_or_colls) -> dict[str, int]:
   return dict(out)
 
 
+_DOT = re.compile(r'^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(\S+?\[[\d,]*\])\S*\s+dot\((.*?)\),(.*)$')
+
+
+def dot_flops(hlo: str) -> int:
+  """FLOPs of the module's matmuls per run of its entry: 2 x result elements x contracted
+  size for every `dot`, while-loop bodies multiplied by their trip counts (XLA's own cost
+  analysis counts a loop body once). Matmuls are the model's FLOPs but for softmax, norms and
+  activations (a few percent)."""
+  comps = _computations(hlo)
+  mult = _multiplicities(comps)
+  total = 0
+  for name, lines in comps.items():
+    if not mult[name]:
+      continue
+    defs = {}
+    for line in lines:
+      d = _DEF.match(line)
+      if d:
+        defs[d.group(1)] = d.group(2)
+    for line in lines:
+      m = _DOT.match(line)
+      if not m:
+        continue
+      lhs = m.group(2).split(',')[0].strip().split(' ')
+      lhs_shape = lhs[0] if len(lhs) > 1 else defs.get(lhs[-1].lstrip('%'), '')
+      dims = _shapes(lhs_shape)
+      contract = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', m.group(3))
+      if not dims or not contract:
+        continue
+      k = math.prod(dims[0][1][int(i)] for i in contract.group(1).split(',') if i)
+      out = _shapes(m.group(1))[0][1]
+      total += mult[name] * 2 * math.prod(out) * k
+  return int(total)
+
+
+def analytic_flops(exp, mesh) -> int:
+  """Training FLOPs per device and step: 3 x the forward's (6 x N_active per token plus
+  attention's 12 x context x heads x head size per executed layer, accounting.py's convention,
+  no causal discount) x the batch's tokens, over the devices."""
+  per_token = accounting.count(exp.model, exp.data.seq_len)['flops_per_token']
+  return int(3 * per_token * exp.data.batch_size * exp.data.seq_len // mesh.size)
+
+
 def _param_dims(params) -> set[tuple[tuple[int, ...], tuple[int, ...]]]:
   """(shape, split factor per dimension) of each param and of its trailing slices (one pass /
   layer of a stacked weight): a parameter gather yields such a shape with each dimension
@@ -254,10 +297,11 @@ def check_platform(platform: str):
                      f'that has the {platform} lowering') from None
 
 
-def train_step_program(cfg_dict):
-  """(train step, abstract state and batch, mesh, experiment) for the config, on its mesh."""
+def train_step_program(cfg_dict, devices=None):
+  """(train step, abstract state and batch, mesh, experiment) for the config, on its mesh
+  (over `devices`, default all)."""
   exp = build(cfg_dict)
-  mesh = sharding.make_mesh(exp.mesh)
+  mesh = sharding.make_mesh(exp.mesh, devices)
   sharding.check_batch(exp.data.batch_size, exp.train.microbatches, mesh)
   model = LoopedMoE(exp.model)
   tx, schedule = make_optimizer(exp.train)
@@ -297,6 +341,10 @@ def partitioned_compile(lowered):
     except Exception as e:  # pylint: disable=broad-except
       error = e
     files = glob.glob(os.path.join(tmp, '*after_spmd-partitioning*.txt'))
+    if not files and compiled is not None and len(compiled.input_shardings[0]) and all(
+        len(s.device_set) == 1 for s in jax.tree.leaves(compiled.input_shardings)):
+      # one device: XLA runs no partitioner; its module before optimisation is the same
+      files = glob.glob(os.path.join(tmp, '*before_optimizations.txt'))
     if not files:
       if error is not None:
         raise error
@@ -345,11 +393,29 @@ def param_groups(params) -> dict[str, int]:
   return dict(sorted(out.items()))
 
 
+def memory_and_flops(cfg_dict, devices=None) -> dict:
+  """{'temp_bytes_per_device', 'flops_per_step_per_device', 'analytic_flops_per_step_per_device',
+  'flops_over_analytic'} of the train step compiled for this CPU (mesh over `devices`)."""
+  step, (state, batch), mesh, exp = train_step_program(cfg_dict, devices)
+  hlo, compiled = partitioned_compile(step.lower(state, batch))
+  mem = compiled.memory_analysis()
+  flops, analytic_f = dot_flops(hlo), analytic_flops(exp, mesh)
+  return {'temp_bytes_per_device': int(getattr(mem, 'temp_size_in_bytes', 0)) if mem else None,
+          'flops_per_step_per_device': flops, 'analytic_flops_per_step_per_device': analytic_f,
+          'flops_over_analytic': round(flops / analytic_f, 4)}
+
+
+def remat_policies(cfg_dict, policies, devices=None) -> dict[str, dict]:
+  """`memory_and_flops` per model.remat policy (one CPU compile each)."""
+  return {p: memory_and_flops(_with_model(cfg_dict, remat=p), devices) for p in policies}
+
+
 def dry_run(cfg_dict, platform: str = 'cpu') -> dict:
   check_platform(platform)
   step, (state, batch), mesh, exp = train_step_program(cfg_dict)
   cpu_hlo, compiled = partitioned_compile(step.lower(state, batch))
   mem = compiled.memory_analysis()
+  flops, analytic_f = dot_flops(cpu_hlo), analytic_flops(exp, mesh)
   report_hlo, lowered_for = cpu_hlo, None
   if platform != 'cpu':
     with pallas_kernels.ops.lowering_for(platform):
@@ -378,6 +444,11 @@ def dry_run(cfg_dict, platform: str = 'cpu') -> dict:
       'opt_state_bytes_per_device': per_dev(state['opt_state']),
       'temp_bytes_per_device': int(getattr(mem, 'temp_size_in_bytes', 0)) if mem else None,
       'temp_bytes_program': 'cpu (XLA:CPU buffers of the CPU program)',
+      'flops_per_step_per_device': flops,
+      'analytic_flops_per_step_per_device': analytic_f,
+      'flops_over_analytic': round(flops / analytic_f, 4),
+      'remat': exp.model.remat,
+      'attention_impl': exp.model.attention_impl,
       'collective_bytes_per_step': coll,
       'collective_bytes_program': f'{platform}, after SPMD partitioning (its dtypes)',
       'act_allgather_bytes_per_step': kinds['act_allgather'],
@@ -391,6 +462,20 @@ def dry_run(cfg_dict, platform: str = 'cpu') -> dict:
   }
 
 
+def policy_table(rows: dict[str, dict]) -> str:
+  """One line per remat policy: temporaries and FLOPs, and both over the policy 'none'."""
+  base = rows.get('none')
+  lines = [f"{'remat':<14}{'temporaries/device':>20}{'FLOPs/device':>14}{'over analytic':>15}"
+           f"{'temp/none':>11}{'FLOPs/none':>12}"]
+  for p, r in rows.items():
+    rel = (f"{r['temp_bytes_per_device'] / base['temp_bytes_per_device']:>11.3f}"
+           f"{r['flops_per_step_per_device'] / base['flops_per_step_per_device']:>12.3f}"
+           if base else '')
+    lines.append(f"{p:<14}{r['temp_bytes_per_device'] / 2**30:>16.3f} GiB"
+                 f"{r['flops_per_step_per_device']:>14.4g}{r['flops_over_analytic']:>15.3f}{rel}")
+  return '\n'.join(lines)
+
+
 def table(report: dict) -> str:
   gib = lambda b: f'{b / 2**30:.3f} GiB' if b >= 2**27 else f'{b / 2**20:.3f} MiB'
   mesh = ' x '.join(f'{a}={n}' for a, n in report['mesh'].items() if n > 1) or 'one device'
@@ -400,7 +485,11 @@ def table(report: dict) -> str:
           ('params / device', gib(report['params_bytes_per_device']))]
   rows += [(f'  {g}', gib(b)) for g, b in report['params_bytes_per_device_by_group'].items()]
   rows += [('optimizer state / device', gib(report['opt_state_bytes_per_device'])),
-           ('temporaries / device (CPU program)', gib(report['temp_bytes_per_device'] or 0))]
+           ('temporaries / device (CPU program)', gib(report['temp_bytes_per_device'] or 0)),
+           ('matmul FLOPs / device / step', f"{report['flops_per_step_per_device']:.4g} = "
+            f"{report['flops_over_analytic']:.3f} x analytic "
+            f"{report['analytic_flops_per_step_per_device']:.4g} (remat {report['remat']}, "
+            f"attention {report['attention_impl']})")]
   rows += [(f'{kind} / step', gib(b)) for kind, b in
            sorted(report['collective_bytes_per_step'].items())]
   rows += [('  activation all-gather / step', gib(report['act_allgather_bytes_per_step'])),

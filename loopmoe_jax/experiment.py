@@ -62,10 +62,12 @@ def build(cfg: ml_collections.ConfigDict) -> Experiment:
 
 
 # How the same parameters run, not what they are: the same results up to float summation order
-# (dispatch backend, exchange transport, remat, loop implementation, the core's collectives).
-# A resumed run or a finished sweep point may change them.
-RUN_SETTINGS = tuple(f'model.{k}' for k in ('dispatch', 'dispatch_tile', 'expert_exchange', 'remat',
-                                            'loop_impl', 'core_collectives'))
+# (dispatch backend, exchange transport, remat, loop implementation, the core's collectives,
+# attention implementation, loss chunks). A resumed run or a finished sweep point may change
+# them.
+RUN_SETTINGS = tuple(f'model.{k}' for k in (
+    'dispatch', 'dispatch_tile', 'expert_exchange', 'remat', 'loop_impl', 'core_collectives',
+    'attention_impl', 'attention_block', 'loss_chunk'))
 
 
 def config_diff(stored: Mapping[str, Any], exp: Experiment) -> list[tuple[str, Any, Any]]:

@@ -34,6 +34,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
@@ -134,11 +135,13 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, factor, 
     if kind == 'padded':  # rows past a slot fall off the buffer (mode='drop')
       buf = jnp.zeros((n, slot, d), x_TD.dtype).at[dest, pos].set(x_send, mode='drop')
       recv = jax.lax.all_to_all(buf, 'expert', 0, 0, tiled=True).reshape(n * slot, d)
+      recv = checkpoint_name(recv, 'exchange')
       block_start = jnp.arange(n, dtype=jnp.int32) * slot
     else:  # each source's first dest_counts rows per destination
       out_off = _exclusive_cumsum(c_nn, 0)[me]
       recv = jax.lax.ragged_all_to_all(x_send, jnp.zeros((n * slot, d), x_TD.dtype), send_off,
                                        dest_counts, out_off, c_nn[:, me], axis_name='expert')
+      recv = checkpoint_name(recv, 'exchange')
       block_start = _exclusive_cumsum(c_nn[:, me])
 
   with jax.named_scope('regroup'):
@@ -155,7 +158,8 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, factor, 
 
   with jax.named_scope('exchange_back'):
     if kind == 'padded':
-      back = jax.lax.all_to_all(out_recv.reshape(n, slot, d), 'expert', 0, 0, tiled=True)
+      back = checkpoint_name(jax.lax.all_to_all(out_recv.reshape(n, slot, d), 'expert', 0, 0,
+                                                tiled=True), 'exchange')
       out_sorted = back.at[dest, pos].get(mode='fill', fill_value=0)
     else:  # rows a slot dropped are never written: they stay zero
       # where each source's rows for this device begin in its send buffer (offsets of the
@@ -164,6 +168,7 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, factor, 
       out_sorted = jax.lax.ragged_all_to_all(out_recv, jnp.zeros((m, d), out_recv.dtype),
                                              block_start, c_nn[:, me], src_off, dest_counts,
                                              axis_name='expert')
+      out_sorted = checkpoint_name(out_sorted, 'exchange')
 
   with jax.named_scope('unpermute'):
     out_TkD = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(t, k, d)

@@ -36,11 +36,28 @@ ACTIVATION = ('batch', 'length', 'act_embed')  # the residual stream's logical a
 BROADCAST = ('params', 'routing_mask')
 PER_PASS = {'cache': 0, 'intermediates': 0}
 
+_save = jax.checkpoint_policies.save_only_these_names
+# model.remat: what the backward keeps of the forward; everything else it recomputes. Every
+# layer (prelude, core passes, coda) is rematerialised per layer stack (one core pass), and
+# the head and LM loss with it (objective.py). Named checkpoints: 'attn_qkv' (q, k, v after
+# RoPE), 'attention' (the attention output, and chunked attention's log-sum-exp), 'router' (router
+# logits), 'expert_out' (the combined expert output), 'exchange' (the rows each expert-parallel
+# all-to-all delivers). Measured memory and recompute per policy: README, scripts/dry_run.py.
 REMAT = {
-    'full': None,
+    'full': None,                      # keep each stack's input only
     'dots': jax.checkpoint_policies.checkpoint_dots,
     'dots_no_batch': jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    'pass_input': _save('exchange'),   # each pass's input, and what the exchange delivered
+    'attention': _save('exchange', 'attn_qkv', 'attention'),  # no attention recompute
+    'named': _save('exchange', 'attn_qkv', 'attention', 'router', 'expert_out'),
 }
+
+
+def remat(module_cls, c: ModelConfig):
+  """`module_cls` rematerialised under model.remat (unchanged with 'none')."""
+  if c.remat == 'none':
+    return module_cls
+  return nn.remat(module_cls, policy=REMAT[c.remat], prevent_cse=False)
 
 
 class Layer(nn.Module):
@@ -118,9 +135,7 @@ class Core(nn.Module):
       stacked = [AttentionWeights(c, stack=c.num_loops, name=f'pass_attn_{i}')()
                  for i in range(c.core_layers)]
       pass_attn = jax.tree.map(lambda w: w[:num_loops], stacked)
-    body = Stack
-    if c.remat != 'none':
-      body = nn.remat(Stack, policy=REMAT[c.remat], prevent_cse=False)
+    body = remat(Stack, c)
     kw = dict(cfg=c, num_layers=c.core_layers, num_experts=c.core_experts, scale=scale,
               injection=c.injection, decode=self.decode, record=self.record)
     e_BTD = x_BTD if c.injection != 'none' else None
@@ -163,7 +178,9 @@ class LoopedMoE(nn.Module):
 
   @nn.compact
   def __call__(self, tokens_BT=None, *, num_loops: int | None = None,
-               return_routing: bool = False, x_BTD=None):
+               return_routing: bool = False, x_BTD=None, return_hidden: bool = False):
+    """(logits_BTV float32, extras); with `return_hidden` (hidden_BTD, extras): the final
+    normed states, for a loss that applies the head itself (`head_matrix`, objective.py)."""
     c = self.cfg
     dt = DTYPES[c.dtype]
     num_loops = self._check_loops(num_loops)
@@ -186,24 +203,23 @@ class LoopedMoE(nn.Module):
       bias = self.variable(ROUTER_BIAS, 'bias', lambda: {
           seg: jnp.zeros(shape, jnp.float32) for seg, shape in bias_shapes(c).items()}).value
     if c.prelude_layers:
-      x_BTD, per_visit['prelude'] = Stack(c, c.prelude_layers, c.prelude_experts, **seg_kw,
+      x_BTD, per_visit['prelude'] = remat(Stack, c)(c, c.prelude_layers, c.prelude_experts, **seg_kw,
                                           name='prelude')(x_BTD, None, None, positions_BT,
                                                           bias.get('prelude'))
     if c.core_layers:
       x_BTD, per_visit['core'] = Core(c, **seg_kw, name='core')(x_BTD, positions_BT, num_loops,
                                                                 bias.get('core'))
     if c.coda_layers:
-      x_BTD, per_visit['coda'] = Stack(c, c.coda_layers, c.coda_experts, **seg_kw,
+      x_BTD, per_visit['coda'] = remat(Stack, c)(c, c.coda_layers, c.coda_experts, **seg_kw,
                                        name='coda')(x_BTD, None, None, positions_BT,
                                                     bias.get('coda'))
     x_BTD = RMSNorm(c.norm_gain, c.norm_eps, c.param_dtype, name='final_norm')(x_BTD)
-    if c.tie_embeddings:
-      table_VD = constrain(embed_VD, ('vocab', None))  # the same parameter gather as the lookup
-      logits_BTV = x_BTD @ table_VD.T.astype(dt) / jnp.sqrt(c.d_model).astype(dt)
-    else:
-      head_DV = param(self, 'head', (c.d_model, c.vocab_size), ('embed', 'vocab'),
-                      fan_in_init([0], [1]), DTYPES[c.param_dtype])
-      logits_BTV = x_BTD @ head_DV.astype(dt)
+    head_DV = None if c.tie_embeddings else param(
+        self, 'head', (c.d_model, c.vocab_size), ('embed', 'vocab'), fan_in_init([0], [1]),
+        DTYPES[c.param_dtype])
+    if return_hidden:
+      return x_BTD, _extras(per_visit, return_routing)
+    logits_BTV = x_BTD @ head_matrix(c, {'embed': embed_VD, 'head': head_DV})
     return logits_BTV.astype(jnp.float32), _extras(per_visit, return_routing)
 
   def _check_loops(self, num_loops):
@@ -218,6 +234,17 @@ class LoopedMoE(nn.Module):
       if initialized:
         pos.value = pos.value + length
     return jnp.broadcast_to(base, (batch, length))
+
+
+def head_matrix(c: ModelConfig, params):
+  """The output head [D, V] in the compute dtype from the model's params (their 'embed' and
+  'head'): the untied 'head', or the tied embedding table transposed over sqrt(d_model)
+  (gathered whole over its width first, the same parameter gather as the lookup)."""
+  dt = DTYPES[c.dtype]
+  if c.tie_embeddings:
+    table_VD = constrain(params['embed'], ('vocab', None))
+    return table_VD.T.astype(dt) / jnp.sqrt(c.d_model).astype(dt)
+  return params['head'].astype(dt)
 
 
 def _extras(per_visit, return_routing):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
@@ -168,6 +169,7 @@ class MoE(nn.Module):
         # router bias (model.router_bias) cannot pick a masked expert back
         logits_TE = logits_TE + mask_E
         bias_E = mask_E if bias_E is None else bias_E + mask_E
+      logits_TE = checkpoint_name(logits_TE, 'router')
       experts_Tk, weights_Tk, sums, plan = route_local(logits_TE, c, bias_E)
     lb, zl = losses_from_sums(sums, c.top_k)
     stats = {'load_balance': lb, 'z_loss': zl, 'load': sums['load']}
@@ -187,7 +189,7 @@ class MoE(nn.Module):
       weights_Tk, _, stats['dropped'] = expert_parallel.apply_capacity(
           experts_Tk, weights_Tk, e, c.capacity_factor)
       y_TD = dispatch(x_TD, experts_Tk, weights_Tk, params, c.dispatch, c.dispatch_tile, plan)
-    y_BTD = y_TD.reshape(b, t, d)
+    y_BTD = checkpoint_name(y_TD, 'expert_out').reshape(b, t, d)
     if c.num_shared_experts:
       y_BTD = y_BTD + DenseMLP(c.num_shared_experts * c.shared_width, c.param_dtype,
                                name='shared')(x_BTD)

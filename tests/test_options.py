@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from loopmoe_jax.config import ModelConfig
+from loopmoe_jax.config import REMAT_POLICIES, ModelConfig
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.objective import loss_fn
 
@@ -30,11 +30,29 @@ def _grads(cfg, params):
   return jax.jit(jax.grad(lambda p, b: loss_fn(p, LoopedMoE(cfg), b)[0]))(params, _batch())
 
 
-@pytest.mark.parametrize('policy', ['full', 'dots', 'dots_no_batch'])
-def test_remat_gives_the_same_gradients(policy):
+def _loss_and_grads(cfg, params):
+  """(reported LM loss, gradients) from one compiled value_and_grad."""
+  fn = jax.value_and_grad(lambda p, b: loss_fn(p, LoopedMoE(cfg), b), has_aux=True)
+  (_, metrics), grads = jax.jit(fn)(params, _batch())
+  return float(metrics['loss']), grads
+
+
+@pytest.fixture(scope='module')
+def plain():
+  """Params, loss and gradients with remat none, 'xla' attention, the loss in one piece."""
   params = _init(CFG)
-  ref = _grads(CFG, params)
-  got = _grads(CFG.replace(remat=policy), params)
+  return (params, *_loss_and_grads(CFG.replace(attention_impl='xla'), params))
+
+
+@pytest.mark.parametrize('policy', [p for p in REMAT_POLICIES if p != 'none'])
+def test_remat_gives_the_same_loss_and_gradients(plain, policy):
+  """Each policy (prelude, core and coda rematerialised, the head and loss too), here with
+  chunked attention over blocks that do not divide the length and a chunked loss, gives
+  today's loss and gradients."""
+  params, loss, ref = plain
+  cfg = CFG.replace(remat=policy, attention_impl='chunked', attention_block=5, loss_chunk=5)
+  got_loss, got = _loss_and_grads(cfg, params)
+  assert got_loss == pytest.approx(loss, rel=1e-6)
   for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 

@@ -19,7 +19,7 @@ import optax
 from loopmoe_jax import sharding
 from loopmoe_jax.moe import max_vio
 from loopmoe_jax.model import ROUTER_BIAS, bias_shapes, update_router_bias, variables
-from loopmoe_jax.objective import loss_fn, lm_loss
+from loopmoe_jax.objective import loss_fn, token_nll
 
 
 def init_key(seed: int):
@@ -169,11 +169,8 @@ def make_train_step(model, tx, schedule, lb_coef: float, z_coef: float, state_sh
 def make_eval_step(model, num_loops=None, mesh=None):
   """Sum of token NLL and token count of a batch (so batches of any mask average exactly)."""
   def step(params, batch, router_bias=None):
-    logits, _ = model.apply(variables(params, router_bias=router_bias), batch['inputs'],
-                            num_loops=num_loops)
-    mask = batch['mask']
-    count = jnp.sum(mask)
-    return lm_loss(logits, batch['targets'], mask) * count, count
+    total, count, _ = token_nll(params, model, batch, num_loops, router_bias)
+    return total, count
   return OnMesh(jax.jit(step), mesh) if mesh is not None else jax.jit(step)
 
 

@@ -1,0 +1,236 @@
+"""The implementations behind `model.attention_impl` (a run setting: none changes a parameter).
+
+- `xla`: `attention.attend`, an einsum that materialises float32 scores [B, G, Q, T, S] and
+  keeps them for the backward. The probes that read attention weights (the sink mass of
+  analysis/probes.py) and decoding with a KV cache always use it.
+- `chunked`: causal attention in plain JAX over key blocks of `model.attention_block` with an
+  online softmax (flash attention's recurrence: a running max m, normaliser l and output
+  accumulator per query), and a custom VJP that recomputes each block's probabilities from
+  the saved log-sum-exp. Forward and backward hold O(T x block) scores per head, never
+  T x S. Runs on every platform; the CPU path and the fallback. The keys are cut into the
+  fewest blocks of at most `attention_block` (as even as can be; the last padded, its padded
+  keys masked out), so a sequence shorter than the block is one block.
+- `cudnn`: `jax.nn.dot_product_attention(implementation='cudnn')`, cuDNN's fused flash
+  attention: NVIDIA GPUs, bfloat16/float16 compute (`model.dtype`).
+- `splash`: JAX's Pallas TPU splash-attention kernel (causal mask, GQA); on CPU it only runs in
+  Pallas's interpreter (slow; for checking). The length is padded to a multiple of 128.
+- `auto`: splash on TPU, cudnn on a GPU with 16-bit compute, chunked otherwise.
+
+The fused kernels run per batch shard inside `jax.shard_map` under a device mesh (their
+custom calls are not partitioned by XLA); the attention output and, in `chunked`, its saved
+log-sum-exp carry the checkpoint name 'attention' (model.REMAT's named policies).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+import pallas_kernels
+from loopmoe_jax import sharding
+
+from loopmoe_jax.config import ATTENTION_IMPLS as IMPLS
+RUNS_ON = {'xla': ('cpu', 'gpu', 'tpu'), 'chunked': ('cpu', 'gpu', 'tpu'),
+           'cudnn': ('gpu',), 'splash': ('tpu', 'cpu')}
+SIXTEEN_BIT = ('bfloat16', 'float16')
+SPLASH_MULTIPLE = 128  # splash's block sizes are multiples of the 128-lane layout
+
+
+def resolve(impl: str, dtype: str, platform: str | None = None) -> str:
+  """The implementation `impl` ('auto' or a name) runs as on `platform` (default: the one
+  programs are built for, `pallas_kernels.ops.platform()`); one the platform cannot run is a
+  ValueError naming model.attention_impl and the platform."""
+  platform = platform or pallas_kernels.ops.platform()
+  if impl == 'auto':
+    if platform == 'tpu':
+      return 'splash'
+    return 'cudnn' if platform == 'gpu' and dtype in SIXTEEN_BIT else 'chunked'
+  if impl not in RUNS_ON:
+    raise ValueError(f'model.attention_impl={impl!r}: must be one of {IMPLS}')
+  if platform not in RUNS_ON[impl]:
+    raise ValueError(f'model.attention_impl={impl!r} does not run on platform {platform!r} '
+                     f'(it runs on {", ".join(RUNS_ON[impl])}); use auto, chunked or xla')
+  if impl == 'cudnn' and dtype not in SIXTEEN_BIT:
+    raise ValueError(f"model.attention_impl='cudnn' needs a 16-bit model.dtype (got {dtype!r}); "
+                     "set model.dtype='bfloat16' or use chunked")
+  return impl
+
+
+# chunked: flash attention's recurrence in plain JAX --------------------------------------
+
+def _pad_to(x, axis: int, size: int, value=0):
+  pad = size - x.shape[axis]
+  if not pad:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _blocks(k_BSGK, v_BSGK, k_pos_BS, block: int):
+  """Keys, values and positions padded to whole blocks and split [n, B, block, ...]; padded
+  keys sit at the largest position, so no query attends to them."""
+  s = k_BSGK.shape[1]
+  n = -(-s // block)
+  block = -(-s // n)  # the fewest blocks of at most `block`, as even as can be: least padding
+  big = jnp.iinfo(k_pos_BS.dtype).max
+  split = lambda x: jnp.moveaxis(x.reshape(x.shape[0], n, block, *x.shape[2:]), 1, 0)
+  return (split(_pad_to(k_BSGK, 1, n * block)), split(_pad_to(v_BSGK, 1, n * block)),
+          split(_pad_to(k_pos_BS, 1, n * block, big)))
+
+
+def _scores(q_BGQTK, k_BsGK, q_pos_BT, k_pos_Bs, scale):
+  """float32 scores of one key block [B, G, Q, T, s], -inf where the key is after the query."""
+  s = jnp.einsum('bgqtk,bsgk->bgqts', q_BGQTK, k_BsGK,
+                 preferred_element_type=jnp.float32) * scale
+  mask = q_pos_BT[:, None, None, :, None] >= k_pos_Bs[:, None, None, None, :]
+  return jnp.where(mask, s, -jnp.inf)
+
+
+def _chunked_fwd_impl(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block):
+  b, t, h, kd = q_BTHK.shape
+  g = k_BSGK.shape[2]
+  scale = 1.0 / float(kd) ** 0.5
+  q = jnp.moveaxis(q_BTHK.reshape(b, t, g, h // g, kd), 1, 3)  # [B, G, Q, T, K]
+  kb, vb, pb = _blocks(k_BSGK, v_BSGK, k_pos_BS, block)
+
+  def step(carry, blk):
+    m, l, acc = carry
+    k_blk, v_blk, pos_blk = blk
+    s = _scores(q, k_blk, q_pos_BT, pos_blk, scale)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    corr = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new[..., None])
+    l = l * corr + jnp.sum(p, axis=-1)
+    acc = acc * corr[..., None] + jnp.einsum('bgqts,bsgk->bgqtk', p.astype(v_blk.dtype), v_blk,
+                                             preferred_element_type=jnp.float32)
+    return (m_new, l, acc), None
+
+  shape = (b, g, h // g, t)
+  init = (jnp.full(shape, jnp.finfo(jnp.float32).min), jnp.zeros(shape, jnp.float32),
+          jnp.zeros(shape + (kd,), jnp.float32))
+  (m, l, acc), _ = jax.lax.scan(step, init, (kb, vb, pb))
+  out = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
+  lse = m + jnp.log(jnp.maximum(l, 1e-30))
+  out_BTHK = jnp.moveaxis(out, 3, 1).reshape(b, t, h, kd).astype(q_BTHK.dtype)
+  return out_BTHK, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def chunked_attend(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block: int = 512):
+  """Causal softmax attention as `attention.attend` (same arguments and result), computed
+  over key blocks of `block` with an online softmax; the backward recomputes each block's
+  probabilities from the saved log-sum-exp (memory O(T x block) per head)."""
+  return _chunked_fwd_impl(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block)[0]
+
+
+def _chunked_fwd(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block):
+  out, lse = _chunked_fwd_impl(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block)
+  out, lse = checkpoint_name(out, 'attention'), checkpoint_name(lse, 'attention')
+  return out, (q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, out, lse)
+
+
+def _chunked_bwd(block, res, d_out_BTHK):
+  q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, out_BTHK, lse = res
+  b, t, h, kd = q_BTHK.shape
+  s_len, g = k_BSGK.shape[1], k_BSGK.shape[2]
+  scale = 1.0 / float(kd) ** 0.5
+  to5 = lambda x: jnp.moveaxis(x.reshape(b, t, g, h // g, kd), 1, 3)  # [B, G, Q, T, K]
+  q, d_out = to5(q_BTHK), to5(d_out_BTHK)
+  delta = jnp.sum(d_out.astype(jnp.float32) * to5(out_BTHK).astype(jnp.float32), axis=-1)
+  kb, vb, pb = _blocks(k_BSGK, v_BSGK, k_pos_BS, block)
+
+  def step(dq, blk):
+    k_blk, v_blk, pos_blk = blk
+    p = jnp.exp(_scores(q, k_blk, q_pos_BT, pos_blk, scale) - lse[..., None])
+    dv = jnp.einsum('bgqts,bgqtk->bsgk', p.astype(d_out.dtype), d_out,
+                    preferred_element_type=jnp.float32)
+    dp = jnp.einsum('bgqtk,bsgk->bgqts', d_out, v_blk, preferred_element_type=jnp.float32)
+    ds = (p * (dp - delta[..., None]) * scale).astype(q.dtype)
+    dq = dq + jnp.einsum('bgqts,bsgk->bgqtk', ds, k_blk, preferred_element_type=jnp.float32)
+    dk = jnp.einsum('bgqts,bgqtk->bsgk', ds, q, preferred_element_type=jnp.float32)
+    return dq, (dk, dv)
+
+  dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(q.shape, jnp.float32), (kb, vb, pb))
+  unblock = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, -1, g, kd)[:, :s_len]
+  dq_BTHK = jnp.moveaxis(dq, 3, 1).reshape(b, t, h, kd).astype(q_BTHK.dtype)
+  return (dq_BTHK, unblock(dk).astype(k_BSGK.dtype), unblock(dv).astype(v_BSGK.dtype),
+          None, None)
+
+
+chunked_attend.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+# fused kernels, per batch shard -----------------------------------------------------------
+
+# cuDNN version assumed when a program for NVIDIA GPUs is built on a machine without cuDNN
+# (dry runs and the cross-lowering tests: jax asks the library for its version while tracing).
+ASSUMED_CUDNN_VERSION = 91000
+
+
+@contextlib.contextmanager
+def _assume_cudnn():
+  from jax._src.cudnn import fused_attention_stablehlo as fa  # pylint: disable=import-outside-toplevel
+  saved = fa.check_cudnn_version
+  fa.check_cudnn_version = lambda: ASSUMED_CUDNN_VERSION
+  try:
+    yield
+  finally:
+    fa.check_cudnn_version = saved
+
+
+def _cudnn(q_BTHK, k_BSGK, v_BSGK):
+  call = lambda: jax.nn.dot_product_attention(q_BTHK, k_BSGK, v_BSGK, is_causal=True,
+                                              implementation='cudnn')
+  if jax.default_backend() == 'gpu':
+    return call()
+  with _assume_cudnn():  # built here for a GPU (lowering_for('cuda')); never run here
+    return call()
+
+
+def _splash(q_BTHK, k_BSGK, v_BSGK):
+  from jax.experimental.pallas.ops.tpu.splash_attention import (  # pylint: disable=import-outside-toplevel
+      splash_attention_kernel as splash, splash_attention_mask as masks)
+  t, kd = q_BTHK.shape[1], q_BTHK.shape[3]
+  padded = -(-t // SPLASH_MULTIPLE) * SPLASH_MULTIPLE  # padded keys follow every real query
+  blk = max(d for d in (512, 256, 128) if padded % d == 0)
+  interpret = pallas_kernels.ops.DEFAULT_INTERPRET
+  if interpret is None:
+    interpret = pallas_kernels.ops.platform() == 'cpu'
+  mask = masks.MultiHeadMask([masks.CausalMask((padded, padded))] * q_BTHK.shape[2])
+  kernel = splash.make_splash_mha(
+      mask, head_shards=1, q_seq_shards=1, interpret=interpret,
+      block_sizes=splash.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk,
+                                    block_q_dkv=blk, block_kv_dkv=blk, block_kv_dkv_compute=blk,
+                                    block_q_dq=blk, block_kv_dq=blk))
+  heads_first = lambda x: jnp.moveaxis(_pad_to(x, 1, padded), 2, 1)  # [B, heads, T, K]
+  q = heads_first(q_BTHK * jnp.asarray(1.0 / float(kd) ** 0.5, q_BTHK.dtype))
+  out = jax.vmap(kernel)(q, heads_first(k_BSGK), heads_first(v_BSGK))
+  return jnp.moveaxis(out, 1, 2)[:, :t]
+
+
+def _per_shard(fn, q_BTHK, k_BSGK, v_BSGK, kv_heads: int):
+  """`fn` on each batch shard (heads over `tensor` when it divides the KV heads) inside
+  `jax.shard_map` under a multi-device mesh that is not already manual; else directly."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1 or sharding.is_manual(mesh):
+    return fn(q_BTHK, k_BSGK, v_BSGK)
+  tensor = mesh.shape['tensor']
+  heads = 'tensor' if tensor > 1 and kv_heads % tensor == 0 else None
+  spec = P(sharding.batch_axes(mesh), None, heads, None)
+  return jax.shard_map(fn, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(
+      q_BTHK, k_BSGK, v_BSGK)
+
+
+def attend_with(impl: str, q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block: int):
+  """Causal attention [B, T, H, K] by a resolved implementation other than 'xla' (positions:
+  the training layout, query t at position t, for the fused kernels)."""
+  if impl == 'chunked':
+    return chunked_attend(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block)
+  fn = {'cudnn': _cudnn, 'splash': _splash}[impl]
+  out = _per_shard(fn, q_BTHK, k_BSGK, v_BSGK, k_BSGK.shape[2])
+  return checkpoint_name(out, 'attention')

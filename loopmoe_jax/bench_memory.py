@@ -1,0 +1,121 @@
+"""`benchmark.py memory`: what attention, the loss and each remat policy hold, read from programs
+compiled for this CPU (XLA's memory analysis: temporaries, the buffers that are neither
+arguments nor outputs; FLOPs from the HLO's matmuls with loop trip counts, dry_run.dot_flops).
+Nothing is run: shapes are abstract, so full sizes compile on a laptop.
+
+- attn_temp_T4096_over_T1024: one attention layer's forward+backward (q, k, v -> output, the
+  gradients of q, k and v; Foil's 16 heads of 64, bfloat16) at 1 x 4,096 tokens over 4 x 1,024
+  (the same tokens per batch), `chunked` (model.attention_block 512); `_xla` the einsum's.
+- loss_temp_over_logits: the LM loss's forward+backward on the final hidden states (head matmul,
+  log-softmax, target log-probability; gradients of the hidden states and the head) at Foil's
+  2 x 4,096 tokens, width 1,024, vocabulary 49,152, over the bytes of the float32 logits
+  [B, T, V], with model.loss_chunk=256; `_whole` without chunks.
+- remat_temp_over_none.<policy>, remat_flops_over_none.<policy>: Foil-2's train step (configs/
+  foil.py:foil2, one device, 2 sequences of 4,096, `chunked` attention) per model.remat policy,
+  temporaries and matmul FLOPs over those with remat 'none'. remat_best: the policy with the
+  least temporaries among those recomputing less than 'full' (FLOPs below full's), and its
+  temp ratio as remat_best_temp_over_none (its FLOPs ratio: remat_best_flops_over_none).
+- step_chunked_over_xla: train-step time of the README's main job (configs/default.py, 16 x 128
+  tokens) with attention `chunked` over `xla`, timed interleaved (informative).
+
+`--quick` uses small widths and lengths (a smoke run; its ratios are not the targets').
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from loopmoe_jax import dry_run
+from loopmoe_jax.attention import attend
+from loopmoe_jax.attention_impls import chunked_attend
+from loopmoe_jax.bench import FAST_COMPILE, TARGETS, _batch, register, step_seconds
+from loopmoe_jax.config import REMAT_POLICIES
+from loopmoe_jax.experiment import build, load_config
+from loopmoe_jax.objective import head_nll
+
+TARGETS.update({'attn_temp_T4096_over_T1024': 1.3, 'loss_temp_over_logits': 0.25,
+                'remat_best_temp_over_none': 0.35, 'remat_best_flops_over_none': 1.2})
+_sd = jax.ShapeDtypeStruct
+
+
+def _temp_bytes(fn, *args) -> int:
+  compiled = jax.jit(fn).lower(*args).compile(FAST_COMPILE)
+  return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def attention_temp(impl: str, batch: int, seq: int, heads: int, head_dim: int,
+                   block: int = 512) -> int:
+  """Temporaries of causal attention's forward+backward (grads of q, k, v)."""
+  pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+  att = (lambda q, k, v: chunked_attend(q, k, v, pos, pos, block)) if impl == 'chunked' else (
+      lambda q, k, v: attend(q, k, v, pos, pos))
+  loss = lambda q, k, v: jnp.sum(att(q, k, v).astype(jnp.float32))
+  x = _sd((batch, seq, heads, head_dim), jnp.bfloat16)
+  return _temp_bytes(jax.grad(loss, argnums=(0, 1, 2)), x, x, x)
+
+
+def loss_temp(batch: int, seq: int, width: int, vocab: int, chunk: int) -> int:
+  """Temporaries of the LM loss's forward+backward from hidden states (grads of h and head)."""
+  fn = jax.grad(lambda h, w, t: head_nll(h, w, t, None, chunk)[0], argnums=(0, 1))
+  return _temp_bytes(fn, _sd((batch, seq, width), jnp.bfloat16), _sd((width, vocab), jnp.float32),
+                     _sd((batch, seq), jnp.int32))
+
+
+def remat_rows(quick: bool) -> dict[str, dict]:
+  """dry_run.memory_and_flops per remat policy on Foil-2 at 2 x 4,096 (quick: smoke widths,
+  2 x 256), one device, chunked attention."""
+  arg = 'foil2,smoke' if quick else 'foil2'
+  seq = 256 if quick else 4096
+  cfg = load_config(f'configs/foil.py:{arg}')
+  cfg.data.batch_size, cfg.data.seq_len = 2, seq
+  cfg.model.attention_impl = 'chunked'
+  cfg.model.attention_block = 128 if quick else 512
+  cfg.mesh.data = 1
+  return dry_run.remat_policies(cfg, REMAT_POLICIES, jax.devices()[:1])
+
+
+@register('memory')
+def bench_memory(quick: bool = False) -> dict[str, Any]:
+  res: dict[str, Any] = {'quick': quick}
+  heads, head_dim = (4, 32) if quick else (16, 64)
+  long, short = (1024, 256) if quick else (4096, 1024)
+  for impl in ('chunked', 'xla'):
+    t_long = attention_temp(impl, 1, long, heads, head_dim, 128 if quick else 512)
+    t_short = attention_temp(impl, long // short, short, heads, head_dim, 128 if quick else 512)
+    suffix = '' if impl == 'chunked' else '_xla'
+    res[f'attn_temp_bytes_long{suffix}'], res[f'attn_temp_bytes_short{suffix}'] = t_long, t_short
+    res[f'attn_temp_T4096_over_T1024{suffix}'] = t_long / t_short
+
+  b, t, d, v = (2, 512, 64, 4096) if quick else (2, 4096, 1024, 49152)
+  logits = b * t * v * 4
+  res['logits_bytes'] = logits
+  res['loss_temp_over_logits'] = loss_temp(b, t, d, v, 64 if quick else 256) / logits
+  res['loss_temp_over_logits_whole'] = loss_temp(b, t, d, v, 0) / logits
+
+  rows = remat_rows(quick)
+  none = rows['none']
+  for p, r in rows.items():
+    res[f'remat_temp_bytes.{p}'] = r['temp_bytes_per_device']
+    res[f'remat_flops.{p}'] = r['flops_per_step_per_device']
+    res[f'remat_temp_over_none.{p}'] = r['temp_bytes_per_device'] / none['temp_bytes_per_device']
+    res[f'remat_flops_over_none.{p}'] = (r['flops_per_step_per_device'] /
+                                          none['flops_per_step_per_device'])
+  res['remat_flops_over_analytic_none'] = none['flops_over_analytic']
+  full_flops = res['remat_flops_over_none.full']
+  cheaper = [p for p in rows if p not in ('none', 'full') and
+             res[f'remat_flops_over_none.{p}'] < full_flops]
+  best = min(cheaper, key=lambda p: res[f'remat_temp_over_none.{p}']) if cheaper else None
+  res['remat_best'] = best
+  res['remat_best_temp_over_none'] = res[f'remat_temp_over_none.{best}'] if best else None
+  res['remat_best_flops_over_none'] = res[f'remat_flops_over_none.{best}'] if best else None
+
+  main = build(load_config('configs/default.py')).model
+  batch = _batch(main, 4 if quick else 16, 128)
+  secs = step_seconds({'chunked': main.replace(attention_impl='chunked'),
+                       'xla': main.replace(attention_impl='xla')}, batch, 3 if quick else 15,
+                      FAST_COMPILE if quick else None)
+  res.update(step_s_chunked=secs['chunked'], step_s_xla=secs['xla'],
+             step_chunked_over_xla=secs['chunked'] / secs['xla'])
+  return res

@@ -1,0 +1,157 @@
+"""Attention implementations (model.attention_impl), the chunked loss and the FLOP counter:
+each against the plain computation it replaces."""
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels
+from loopmoe_jax import attention_impls, dry_run
+from loopmoe_jax.attention import attend
+from loopmoe_jax.attention_impls import chunked_attend, resolve
+from loopmoe_jax.config import ModelConfig
+from loopmoe_jax.layers import rope
+from loopmoe_jax.model import LoopedMoE
+from loopmoe_jax.objective import head_nll, lm_loss, loss_fn
+
+
+def _qkv(b, t, h, g, k, seed=0):
+  rng = np.random.default_rng(seed)
+  pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  q = rope(jnp.asarray(rng.standard_normal((b, t, h, k)), jnp.float32), pos, 1e4)
+  kk = rope(jnp.asarray(rng.standard_normal((b, t, g, k)), jnp.float32), pos, 1e4)
+  v = jnp.asarray(rng.standard_normal((b, t, g, k)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((b, t, h, k)), jnp.float32)  # a cotangent
+  return q, kk, v, pos, w
+
+
+def _rel(a, b):
+  return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+
+
+@pytest.mark.parametrize('t,block', [(37, 16), (64, 16), (50, 512), (100, 32)])
+def test_chunked_equals_xla_outputs_and_gradients(t, block):
+  """Causal GQA (4 query heads on 2 KV heads) with RoPE, lengths that are and are not a
+  multiple of the block, float32: outputs and gradients to 1e-5 relative."""
+  q, k, v, pos, w = _qkv(2, t, 4, 2, 8)
+  ref = lambda q, k, v: jnp.sum(attend(q, k, v, pos, pos) * w)
+  got = lambda q, k, v: jnp.sum(chunked_attend(q, k, v, pos, pos, block) * w)
+  assert _rel(chunked_attend(q, k, v, pos, pos, block), attend(q, k, v, pos, pos)) < 1e-5
+  for a, b in zip(jax.grad(got, (0, 1, 2))(q, k, v), jax.grad(ref, (0, 1, 2))(q, k, v)):
+    assert _rel(a, b) < 1e-5
+
+
+def test_chunked_follows_positions_not_indices():
+  """The mask is by position: a query at position p sees exactly keys at positions <= p, so
+  reversing the keys' order (positions with them) changes nothing."""
+  q, k, v, pos, _ = _qkv(1, 20, 2, 2, 8, seed=1)
+  rev = lambda x: x[:, ::-1]
+  out = chunked_attend(q, rev(k), rev(v), pos, rev(pos), 8)
+  np.testing.assert_allclose(out, attend(q, k, v, pos, pos), rtol=1e-5, atol=1e-6)
+
+
+def test_splash_kernel_matches_xla_in_the_interpreter():
+  """JAX's Pallas TPU splash kernel, run in Pallas's interpreter here: outputs and gradients
+  equal the einsum's (a length of 100 is padded to 128 inside)."""
+  q, k, v, pos, w = _qkv(1, 100, 4, 2, 64, seed=2)
+  ref = lambda q, k, v: jnp.sum(attend(q, k, v, pos, pos) * w)
+  got = lambda q, k, v: jnp.sum(attention_impls._splash(q, k, v) * w)  # pylint: disable=protected-access
+  assert _rel(attention_impls._splash(q, k, v), attend(q, k, v, pos, pos)) < 1e-5  # pylint: disable=protected-access
+  for a, b in zip(jax.grad(got, (0, 1, 2))(q, k, v), jax.grad(ref, (0, 1, 2))(q, k, v)):
+    assert _rel(a, b) < 1e-5
+
+
+@pytest.mark.parametrize('platform,impl,call', [('tpu', 'splash', 'tpu_custom_call'),
+                                                ('cuda', 'cudnn', '__cudnn$fmha')])
+def test_fused_attention_lowers_for_its_platform(platform, impl, call):
+  """The model's train step built for TPU / NVIDIA GPU from this CPU: with attention_impl
+  'auto' (bfloat16) every layer's attention, forward and backward, is the platform's fused
+  kernel, and no [B, H, T, T] score array is left in the program."""
+  cfg = ModelConfig(vocab_size=64, d_model=128, num_heads=2, head_dim=64, expert_width=32,
+                    prelude_layers=1, core_layers=1, coda_layers=0, num_loops=2,
+                    dtype='bfloat16', dispatch='xla')
+  model = LoopedMoE(cfg)
+  toks = jax.ShapeDtypeStruct((2, 256), jnp.int32)
+  params = nn.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), toks))['params'])
+  batch = {'inputs': toks, 'targets': toks}
+  with pallas_kernels.ops.lowering_for(platform):
+    assert resolve('auto', cfg.dtype) == impl
+    grad = jax.jit(jax.grad(lambda p, b: loss_fn(p, model, b)[0]))
+    text = grad.trace(params, batch).lower(lowering_platforms=(platform,)).as_text()
+  calls = re.findall(r'custom_call @([\w$]+)', text)
+  assert sum(c.startswith(call) for c in calls) >= 2 * 2  # 2 attention layers x fwd and bwd
+  assert not re.search(r'tensor<2x2x(1x)?256x256xf32>', text)  # the einsum's scores
+
+
+def test_attention_impl_errors_name_the_key_and_platform():
+  with pytest.raises(ValueError, match=r"model.attention_impl='cudnn'.*platform 'cpu'"):
+    resolve('cudnn', 'bfloat16', 'cpu')
+  with pytest.raises(ValueError, match=r"model.attention_impl='splash'.*platform 'gpu'"):
+    resolve('splash', 'bfloat16', 'gpu')
+  with pytest.raises(ValueError, match='16-bit model.dtype'):
+    resolve('cudnn', 'float32', 'gpu')
+  assert resolve('auto', 'float32', 'gpu') == 'chunked'  # never a kernel that cannot run
+  assert resolve('auto', 'bfloat16', 'cpu') == 'chunked'
+  for field, value in (('attention_impl', 'flash'), ('remat', 'most'), ('loss_chunk', -1),
+                       ('attention_block', 0)):
+    with pytest.raises(ValueError, match=f'model.{field}'):
+      ModelConfig(**{field: value})
+  model = LoopedMoE(ModelConfig(attention_impl='cudnn', dtype='bfloat16'))
+  with pytest.raises(ValueError, match="attention_impl='cudnn'"):
+    model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+
+
+@pytest.mark.parametrize('chunk', [5, 8, 40])
+def test_chunked_loss_equals_the_plain_loss_and_gradient(chunk):
+  rng = np.random.default_rng(3)
+  b, t, d, v = 2, 16, 8, 24
+  h = jnp.asarray(rng.standard_normal((b, t, d)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((d, v)), jnp.float32)
+  tgt = jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32)
+  mask = jnp.asarray(rng.random((b, t)) < 0.7, jnp.float32)
+  plain = lambda h, w: lm_loss(h @ w, tgt, mask)
+  chunked = lambda h, w: (lambda s, c: s / c)(*head_nll(h, w, tgt, mask, chunk))
+  assert float(chunked(h, w)) == pytest.approx(float(plain(h, w)), rel=1e-6)
+  for a, e in zip(jax.grad(chunked, (0, 1))(h, w), jax.grad(plain, (0, 1))(h, w)):
+    np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-7)
+
+
+def _buffers_of_shape(hlo: str, dims) -> int:
+  """How many float32 arrays in a compiled program hold `dims` elements per their shape (a
+  [B, T, V] or [B*T, V] logits buffer, whatever its layout)."""
+  size = int(np.prod(dims))
+  return sum(int(np.prod([int(x) for x in s.split(',') if x] or [1])) == size
+             for s in re.findall(r'\bf32\[([\d,]*)\]', hlo))
+
+
+def test_chunked_loss_train_step_holds_no_whole_logits():
+  """The named check: the compiled train step's HLO (after XLA's optimisations) has no float32
+  array of B x T x V elements with model.loss_chunk set, and has one without it (so the check
+  can fail)."""
+  cfg = ModelConfig(vocab_size=96, d_model=16, num_heads=2, expert_width=16, prelude_layers=0,
+                    core_layers=1, coda_layers=0, num_loops=1, core_experts=2, top_k=1)
+  toks = jax.ShapeDtypeStruct((2, 24), jnp.int32)
+  batch = {'inputs': toks, 'targets': toks}
+  counts = {}
+  for chunk in (0, 8):
+    model = LoopedMoE(cfg.replace(loss_chunk=chunk))
+    params = nn.unbox(jax.eval_shape(lambda m=model: m.init(jax.random.key(0), toks))['params'])
+    step = jax.jit(jax.grad(lambda p, b, m=model: loss_fn(p, m, b)[0]))
+    counts[chunk] = _buffers_of_shape(step.lower(params, batch).compile().as_text(), (2, 24, 96))
+  assert counts[0] > 0 and counts[8] == 0, counts
+
+
+def test_dot_flops_counts_loop_bodies_by_trip_count():
+  """dry_run.dot_flops against the obvious count: 10 passes of a [64, 32] x [32, 48] matmul
+  plus one [64, 48] x [48, 16] (XLA's own cost analysis counts the loop body once)."""
+  w1, w2 = jnp.ones((32, 32)), jnp.ones((48, 16))
+
+  def f(x, w1, w2):
+    x = jax.lax.scan(lambda c, _: (c @ w1, None), x, None, length=10)[0]
+    return jnp.pad(x, ((0, 0), (0, 16))) @ w2
+  x = jnp.ones((64, 32))
+  hlo, _ = dry_run.partitioned_compile(jax.jit(f).lower(x, w1, w2))
+  assert dry_run.dot_flops(hlo) == 10 * 2 * 64 * 32 * 32 + 2 * 64 * 48 * 16
