@@ -9,12 +9,17 @@ Nothing is run: shapes are abstract, so full sizes compile on a laptop.
 - loss_temp_over_logits: the LM loss's forward+backward on the final hidden states (head matmul,
   log-softmax, target log-probability; gradients of the hidden states and the head) at Foil's
   2 x 4,096 tokens, width 1,024, vocabulary 49,152, over the bytes of the float32 logits
-  [B, T, V], with model.loss_chunk=256; `_whole` without chunks.
+  [B, T, V], with model.loss_chunk=1024 (vocabulary columns per chunk); `_whole` without.
 - remat_temp_over_none.<policy>, remat_flops_over_none.<policy>: Foil-2's train step (configs/
-  foil.py:foil2, one device, 2 sequences of 4,096, `chunked` attention) per model.remat policy,
+  foil.py:foil2, one device, 2 sequences of 4,096, `chunked` attention, model.loss_chunk=1024)
+  per model.remat policy,
   temporaries and matmul FLOPs over those with remat 'none'. remat_best: the policy with the
   least temporaries among those recomputing less than 'full' (FLOPs below full's), and its
   temp ratio as remat_best_temp_over_none (its FLOPs ratio: remat_best_flops_over_none).
+  remat_act_temp_over_none.<policy>: the same ratio for the temporaries that grow with the
+  tokens (each policy's temporaries at 2 x 4,096 less its own at 1 x 128: what is left is
+  weight-sized, gradients, the core's gradient accumulator, compute-dtype copies of the
+  weights and the optimizer update, about 4.6 GiB for Foil-2 on one device).
 - step_chunked_over_xla: train-step time of the README's main job (configs/default.py, 16 x 128
   tokens) with attention `chunked` over `xla`, timed interleaved (informative).
 
@@ -63,15 +68,15 @@ def loss_temp(batch: int, seq: int, width: int, vocab: int, chunk: int) -> int:
                      _sd((batch, seq), jnp.int32))
 
 
-def remat_rows(quick: bool) -> dict[str, dict]:
-  """dry_run.memory_and_flops per remat policy on Foil-2 at 2 x 4,096 (quick: smoke widths,
-  2 x 256), one device, chunked attention."""
+def remat_rows(quick: bool, batch: int = 2, seq: int | None = None) -> dict[str, dict]:
+  """dry_run.memory_and_flops per remat policy on Foil-2 at `batch` x 4,096 (quick: smoke
+  widths, x 256), one device, chunked attention, the chunked loss."""
   arg = 'foil2,smoke' if quick else 'foil2'
-  seq = 256 if quick else 4096
   cfg = load_config(f'configs/foil.py:{arg}')
-  cfg.data.batch_size, cfg.data.seq_len = 2, seq
+  cfg.data.batch_size, cfg.data.seq_len = batch, seq or (256 if quick else 4096)
   cfg.model.attention_impl = 'chunked'
   cfg.model.attention_block = 128 if quick else 512
+  cfg.model.loss_chunk = 256 if quick else 1024
   cfg.mesh.data = 1
   return dry_run.remat_policies(cfg, REMAT_POLICIES, jax.devices()[:1])
 
@@ -91,12 +96,17 @@ def bench_memory(quick: bool = False) -> dict[str, Any]:
   b, t, d, v = (2, 512, 64, 4096) if quick else (2, 4096, 1024, 49152)
   logits = b * t * v * 4
   res['logits_bytes'] = logits
-  res['loss_temp_over_logits'] = loss_temp(b, t, d, v, 64 if quick else 256) / logits
+  res['loss_temp_over_logits'] = loss_temp(b, t, d, v, 256 if quick else 1024) / logits
   res['loss_temp_over_logits_whole'] = loss_temp(b, t, d, v, 0) / logits
 
   rows = remat_rows(quick)
+  # the temporaries that do not grow with the tokens (weight-sized: gradients, the core's
+  # gradient accumulator, compute-dtype weight copies, the optimizer update), read at 1 x 128
+  fixed = {p: r['temp_bytes_per_device'] for p, r in remat_rows(quick, 1, 128).items()}
   none = rows['none']
+  act_none = none['temp_bytes_per_device'] - fixed['none']
   for p, r in rows.items():
+    res[f'remat_act_temp_over_none.{p}'] = (r['temp_bytes_per_device'] - fixed[p]) / act_none
     res[f'remat_temp_bytes.{p}'] = r['temp_bytes_per_device']
     res[f'remat_flops.{p}'] = r['flops_per_step_per_device']
     res[f'remat_temp_over_none.{p}'] = r['temp_bytes_per_device'] / none['temp_bytes_per_device']
@@ -110,6 +120,8 @@ def bench_memory(quick: bool = False) -> dict[str, Any]:
   res['remat_best'] = best
   res['remat_best_temp_over_none'] = res[f'remat_temp_over_none.{best}'] if best else None
   res['remat_best_flops_over_none'] = res[f'remat_flops_over_none.{best}'] if best else None
+  res['remat_best_act_temp_over_none'] = (res[f'remat_act_temp_over_none.{best}'] if best
+                                          else None)
 
   main = build(load_config('configs/default.py')).model
   batch = _batch(main, 4 if quick else 16, 128)

@@ -21,8 +21,9 @@ a ragged all-to-all moves at most min(operand, result) rows, counted so.
 
 Analytic column (`analytic_collective_bytes_per_step`), what the model and mesh require, per
 device and step (V MoE visits: MoE layers of prelude and coda once, the core's L times; M =
-local tokens x k routed rows of width d_model in the compute dtype; R = 2 with full remat of
-the core, else 1 for the core's visits):
+local tokens x k routed rows of width d_model in the compute dtype; R = 1 with no remat or a
+policy that saves the exchange's rows (pass_input, attention, named), else 2: every layer is
+rematerialised, prelude and coda too):
 - all-to-all: 2 exchanges (there and back) x (R forward + 1 backward) per visit, M rows each;
 - activation all-gather: 0 (routing and lookups are local);
 - gradient reduction: every parameter's gradient reduced once into its sharding: one
@@ -190,13 +191,15 @@ def collective_bytes(hlo_or_colls) -> dict[str, int]:
   return dict(out)
 
 
-_DOT = re.compile(r'^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(\S+?\[[\d,]*\])\S*\s+dot\((.*?)\),(.*)$')
+_DOT = re.compile(r'^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(\S+?\[[\d,]*\])\S*\s+(dot|ragged-dot)\((.*?)\),(.*)$')
 
 
 def dot_flops(hlo: str) -> int:
   """FLOPs of the module's matmuls per run of its entry: 2 x result elements x contracted
-  size for every `dot`, while-loop bodies multiplied by their trip counts (XLA's own cost
-  analysis counts a loop body once). Matmuls are the model's FLOPs but for softmax, norms and
+  size for every `dot` and `ragged-dot` (a ragged-dot contracting its ragged dimension, the
+  grouped weight gradient, counts each row once: result elements / groups), while-loop bodies
+  multiplied by their trip counts (XLA's own cost analysis counts a loop body once; a loop of
+  data-dependent length counts once). Matmuls are the model's FLOPs but for softmax, norms and
   activations (a few percent)."""
   comps = _computations(hlo)
   mult = _multiplicities(comps)
@@ -213,16 +216,37 @@ def dot_flops(hlo: str) -> int:
       m = _DOT.match(line)
       if not m:
         continue
-      lhs = m.group(2).split(',')[0].strip().split(' ')
+      lhs = m.group(3).split(',')[0].strip().split(' ')
       lhs_shape = lhs[0] if len(lhs) > 1 else defs.get(lhs[-1].lstrip('%'), '')
       dims = _shapes(lhs_shape)
-      contract = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', m.group(3))
+      contract = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', m.group(4))
       if not dims or not contract:
         continue
-      k = math.prod(dims[0][1][int(i)] for i in contract.group(1).split(',') if i)
+      axes = [int(i) for i in contract.group(1).split(',') if i]
+      k = math.prod(dims[0][1][i] for i in axes)
       out = _shapes(m.group(1))[0][1]
-      total += mult[name] * 2 * math.prod(out) * k
+      flops = 2 * math.prod(out) * k
+      ragged = re.search(r'lhs_ragged_dims=\{(\d+)\}', m.group(4))
+      if m.group(2) == 'ragged-dot' and ragged and int(ragged.group(1)) in axes:
+        flops //= out[0]  # [groups, ...] result: each contracted row belongs to one group
+      total += mult[name] * flops
   return int(total)
+
+
+def step_flops(cfg_dict) -> int:
+  """Matmul FLOPs of the config's train step per device: the step lowered for one device
+  (`dot_flops` of its HLO) over the mesh's devices. Lowered with the 'xla' dispatch (one
+  ragged-dot per grouped matmul: exactly the routed rows, where the tiled dispatch loops over a
+  data-dependent number of tiles) and chunked attention (the fused kernels' FLOPs are inside
+  custom calls), for TPU (where ragged-dot stays one op); nothing is compiled."""
+  exp = build(cfg_dict)
+  devices = sharding.make_mesh(exp.mesh).size
+  one = _with_model(cfg_dict, dispatch='xla', attention_impl='chunked')
+  one['mesh'] = {'data': 1}
+  with pallas_kernels.ops.lowering_for('tpu'):
+    step, args, _, _ = train_step_program(one, jax.devices()[:1])
+    text = step.lower(*args, platform='tpu').compiler_ir('hlo').as_hlo_text()
+  return dot_flops(text) // devices
 
 
 def analytic_flops(exp, mesh) -> int:
@@ -361,6 +385,11 @@ def _with_model(cfg_dict, **fields):
   return cfg
 
 
+# remat policies whose backward keeps what the expert exchange delivered (model.REMAT): it
+# sends forward once; the others ('full', 'dots', 'dots_no_batch') repeat it in the recompute
+EXCHANGE_SAVED = ('none', 'pass_input', 'attention', 'named')
+
+
 def analytic(exp, mesh, params) -> dict[str, int]:
   """The analytic column (formulas in the module docstring)."""
   mc = exp.model
@@ -368,12 +397,11 @@ def analytic(exp, mesh, params) -> dict[str, int]:
   local_tokens = exp.data.batch_size * exp.data.seq_len // n_batch
   act = np.dtype(jnp.dtype(mc.dtype)).itemsize
   row = local_tokens * mc.top_k * mc.d_model * act
-  remat = 2 if mc.remat != 'none' else 1
+  fwd = 1 if mc.remat in EXCHANGE_SAVED else 2
   a2a = 0
   if mesh.shape['expert'] > 1:
-    for seg, layers, experts, passes in mc.segments:
+    for _, layers, experts, passes in mc.segments:
       if experts:
-        fwd = remat if seg == 'core' else 1
         a2a += layers * passes * 2 * (fwd + 1) * row
   grads = sharding.bytes_per_device(params, jax.tree.map(lambda s: s.sharding, params))
   return {'all-to-all': a2a, 'act-all-gather': 0, 'grad-reduce': grads}
@@ -395,11 +423,12 @@ def param_groups(params) -> dict[str, int]:
 
 def memory_and_flops(cfg_dict, devices=None) -> dict:
   """{'temp_bytes_per_device', 'flops_per_step_per_device', 'analytic_flops_per_step_per_device',
-  'flops_over_analytic'} of the train step compiled for this CPU (mesh over `devices`)."""
+  'flops_over_analytic'}: temporaries of the train step compiled for this CPU (mesh over
+  `devices`), FLOPs by `step_flops`."""
   step, (state, batch), mesh, exp = train_step_program(cfg_dict, devices)
-  hlo, compiled = partitioned_compile(step.lower(state, batch))
+  compiled = step.lower(state, batch).compile()
   mem = compiled.memory_analysis()
-  flops, analytic_f = dot_flops(hlo), analytic_flops(exp, mesh)
+  flops, analytic_f = step_flops(cfg_dict), analytic_flops(exp, mesh)
   return {'temp_bytes_per_device': int(getattr(mem, 'temp_size_in_bytes', 0)) if mem else None,
           'flops_per_step_per_device': flops, 'analytic_flops_per_step_per_device': analytic_f,
           'flops_over_analytic': round(flops / analytic_f, 4)}
@@ -415,7 +444,7 @@ def dry_run(cfg_dict, platform: str = 'cpu') -> dict:
   step, (state, batch), mesh, exp = train_step_program(cfg_dict)
   cpu_hlo, compiled = partitioned_compile(step.lower(state, batch))
   mem = compiled.memory_analysis()
-  flops, analytic_f = dot_flops(cpu_hlo), analytic_flops(exp, mesh)
+  flops, analytic_f = step_flops(cfg_dict), analytic_flops(exp, mesh)
   report_hlo, lowered_for = cpu_hlo, None
   if platform != 'cpu':
     with pallas_kernels.ops.lowering_for(platform):
@@ -424,7 +453,9 @@ def dry_run(cfg_dict, platform: str = 'cpu') -> dict:
       text = step_p.lower(*args, platform=platform).as_text()
       # the same program for the partitioner here: XLA's grouped matmul in place of the
       # kernels (no collective in either), the exchange the platform uses
-      step_x, args, _, _ = train_step_program(_with_model(cfg_dict, dispatch='xla'))
+      # (and chunked attention for the platform's fused kernel: neither has a collective)
+      step_x, args, _, _ = train_step_program(_with_model(cfg_dict, dispatch='xla',
+                                                          attention_impl='chunked'))
       report_hlo, _ = partitioned_compile(step_x.lower(*args))
     lowered_for = {'platform': platform, 'custom_calls': text.count('stablehlo.custom_call'),
                    'ragged_all_to_all': text.count('ragged_all_to_all')}

@@ -236,11 +236,12 @@ class LoopedMoE(nn.Module):
     return jnp.broadcast_to(base, (batch, length))
 
 
-def head_matrix(c: ModelConfig, params):
-  """The output head [D, V] in the compute dtype from the model's params (their 'embed' and
-  'head'): the untied 'head', or the tied embedding table transposed over sqrt(d_model)
-  (gathered whole over its width first, the same parameter gather as the lookup)."""
-  dt = DTYPES[c.dtype]
+def head_matrix(c: ModelConfig, params, dtype=None):
+  """The output head [D, V] from the model's params (their 'embed' and 'head'), in `dtype`
+  (default the compute dtype): the untied 'head', or the tied embedding table transposed over
+  sqrt(d_model) (gathered whole over its width first, the same parameter gather as the
+  lookup)."""
+  dt = dtype or DTYPES[c.dtype]
   if c.tie_embeddings:
     table_VD = constrain(params['embed'], ('vocab', None))
     return table_VD.T.astype(dt) / jnp.sqrt(c.d_model).astype(dt)

@@ -1,17 +1,21 @@
 """The training objective: LM loss plus weighted aux losses; the LM loss is reported alone.
 
 The loss applies the output head itself (`token_nll`): with `model.loss_chunk` = c > 0 the
-head, the log-softmax and the target's log-probability run over chunks of c positions inside a
-scan whose body is rematerialised, so at most [B, c, V] float32 logits exist at a time in the
-forward or the backward (never [B, T, V]); with `model.remat` set the whole-sequence head and
+head, the log-softmax and the target's log-probability run over vocabulary chunks of at most c
+columns (`chunked_nll_sum`, a custom VJP: an online log-sum-exp forward, a backward that
+recomputes each chunk's logits), so at most [B, T, c] float32 logits exist at a time in the
+forward or the backward, never [B, T, V]; with `model.remat` set the whole-vocabulary head and
 loss are rematerialised (the backward keeps the final hidden states, not the logits).
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from loopmoe_jax import sharding
+from loopmoe_jax.layers import DTYPES
 from loopmoe_jax.model import head_matrix, variables
 
 
@@ -25,39 +29,102 @@ def lm_loss(logits_BTV, targets_BT, mask_BT=None):
   return jnp.sum(nll_BT * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def _nll_sum(h_BcD, head_DV, targets_Bc, mask_Bc):
-  """Summed NLL of one chunk (float32 logits live only here)."""
-  logits = jnp.dot(h_BcD, head_DV.astype(h_BcD.dtype), preferred_element_type=jnp.float32)
-  target = jnp.take_along_axis(logits, targets_Bc[..., None], axis=-1)[..., 0]
-  return jnp.sum((jax.nn.logsumexp(logits, axis=-1) - target) * mask_Bc)
+def _nll_sum(h_BTD, head_DV, targets_BT, mask_BT):
+  """Summed NLL with the whole [B, T, V] float32 logits."""
+  logits = jnp.dot(h_BTD, head_DV.astype(h_BTD.dtype), preferred_element_type=jnp.float32)
+  target = jnp.take_along_axis(logits, targets_BT[..., None], axis=-1)[..., 0]
+  return jnp.sum((jax.nn.logsumexp(logits, axis=-1) - target) * mask_BT)
+
+
+def _vocab_chunks(vocab: int, chunk: int) -> tuple[int, int]:
+  """(columns per chunk, chunks): the fewest chunks of at most `chunk` columns, as even as can
+  be (a vocabulary that does not divide is padded; padded columns are masked out)."""
+  n = -(-vocab // chunk)
+  return -(-vocab // n), n
+
+
+def _chunk_logits(h_BTD, head_DV, i, cols: int):
+  """float32 logits of vocabulary chunk i [B, T, cols] (-inf past the vocabulary) and the
+  chunk's first column."""
+  vocab = head_DV.shape[1]
+  start = i * cols
+  w = jax.lax.dynamic_slice_in_dim(_pad_cols(head_DV, cols), start, cols, axis=1)
+  logits = jnp.dot(h_BTD, w.astype(h_BTD.dtype), preferred_element_type=jnp.float32)
+  valid = start + jnp.arange(cols) < vocab
+  return jnp.where(valid, logits, -jnp.inf), start
+
+
+def _pad_cols(head_DV, cols: int):
+  pad = -head_DV.shape[1] % cols
+  return jnp.pad(head_DV, ((0, 0), (0, pad))) if pad else head_DV
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def chunked_nll_sum(h_BTD, head_DV, targets_BT, mask_BT, chunk: int):
+  """Summed NLL of the head over vocabulary chunks of at most `chunk` columns: the forward
+  keeps a running log-sum-exp per token; the backward recomputes each chunk's logits and
+  writes that chunk's head gradient in place, so no [B, T, V] array and no per-chunk copy of
+  the head's gradient exists (memory O(B x T x chunk) beyond the gradients)."""
+  return _chunked_fwd(h_BTD, head_DV, targets_BT, mask_BT, chunk)[0]
+
+
+def _chunked_fwd(h_BTD, head_DV, targets_BT, mask_BT, chunk):
+  cols, n = _vocab_chunks(head_DV.shape[1], chunk)
+
+  def step(carry, i):
+    m, l, tgt = carry
+    logits, start = _chunk_logits(h_BTD, head_DV, i, cols)
+    m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
+    l = l * jnp.exp(m - m_new) + jnp.sum(jnp.exp(logits - m_new[..., None]), axis=-1)
+    here = (targets_BT >= start) & (targets_BT < start + cols)
+    pick = jnp.take_along_axis(logits, jnp.clip(targets_BT - start, 0, cols - 1)[..., None],
+                               axis=-1)[..., 0]
+    return (m_new, l, jnp.where(here, pick, tgt)), None
+
+  shape = targets_BT.shape
+  init = (jnp.full(shape, -jnp.inf), jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
+  (m, l, tgt), _ = jax.lax.scan(step, init, jnp.arange(n))
+  lse = m + jnp.log(l)
+  mask = mask_BT.astype(jnp.float32)
+  return jnp.sum((lse - tgt) * mask), (h_BTD, head_DV, targets_BT, mask, lse)
+
+
+def _chunked_bwd(chunk, res, g):
+  h_BTD, head_DV, targets_BT, mask, lse = res
+  cols, n = _vocab_chunks(head_DV.shape[1], chunk)
+  coef_BT = g * mask
+
+  def step(carry, i):
+    dh, dw = carry
+    logits, start = _chunk_logits(h_BTD, head_DV, i, cols)
+    onehot = (targets_BT[..., None] - start) == jnp.arange(cols)
+    d = ((jnp.exp(logits - lse[..., None]) - onehot) * coef_BT[..., None]).astype(h_BTD.dtype)
+    w = jax.lax.dynamic_slice_in_dim(_pad_cols(head_DV, cols), start, cols, axis=1)
+    dh = dh + jnp.einsum('btv,dv->btd', d, w.astype(d.dtype), preferred_element_type=jnp.float32)
+    dw_chunk = jnp.einsum('btd,btv->dv', h_BTD, d, preferred_element_type=jnp.float32)
+    return (dh, jax.lax.dynamic_update_slice_in_dim(dw, dw_chunk.astype(dw.dtype), start, 1)), None
+
+  init = (jnp.zeros(h_BTD.shape, jnp.float32),
+          jnp.zeros((head_DV.shape[0], n * cols), head_DV.dtype))
+  (dh, dw), _ = jax.lax.scan(step, init, jnp.arange(n))
+  return dh.astype(h_BTD.dtype), dw[:, :head_DV.shape[1]], None, None
+
+
+chunked_nll_sum.defvjp(_chunked_fwd, _chunked_bwd)
 
 
 def head_nll(h_BTD, head_DV, targets_BT, mask_BT, chunk: int, remat: bool = False):
-  """(summed NLL, token count) of the output head `head_DV` on the final hidden states: with
-  `chunk` > 0 over chunks of that many positions (the last padded and masked), each chunk's
-  logits recomputed in the backward; else in one piece (rematerialised with `remat`)."""
-  b, t, d = h_BTD.shape
-  mask_BT = jnp.ones((b, t), jnp.float32) if mask_BT is None else mask_BT.astype(jnp.float32)
+  """(summed NLL, token count) of the output head `head_DV` [D, V] (any dtype; the matmuls run
+  in the hidden states' dtype with float32 results) on the final hidden states: with `chunk`
+  > 0 over vocabulary chunks of at most that many columns (`chunked_nll_sum`); else with the
+  whole logits (rematerialised with `remat`: the backward keeps the hidden states)."""
+  mask_BT = (jnp.ones(targets_BT.shape, jnp.float32) if mask_BT is None
+             else mask_BT.astype(jnp.float32))
   count = jnp.sum(mask_BT)
-  if not chunk or chunk >= t:
-    fn = jax.checkpoint(_nll_sum) if remat else _nll_sum
-    return fn(h_BTD, head_DV, targets_BT, mask_BT), count
-  n = -(-t // chunk)
-  pad = n * chunk - t
-
-  def split(x):  # [B, T, ...] -> [n, B, chunk, ...], each batch shard keeping its rows
-    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-    x = jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)
-    return sharding.constrain(x, (None, 'batch', 'length') + ('act_embed',) * (x.ndim - 3))
-
-  body = jax.checkpoint(_nll_sum)
-
-  def step(total, piece):
-    return total + body(piece[0], head_DV, piece[1], piece[2]), None
-
-  total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32),
-                          (split(h_BTD), split(targets_BT), split(mask_BT)))
-  return total, count
+  if chunk and chunk < head_DV.shape[1]:
+    return chunked_nll_sum(h_BTD, head_DV, targets_BT, mask_BT, chunk), count
+  fn = jax.checkpoint(_nll_sum) if remat else _nll_sum
+  return fn(h_BTD, head_DV, targets_BT, mask_BT), count
 
 
 def token_nll(params, model, batch, num_loops: int | None = None, router_bias=None):
@@ -66,7 +133,12 @@ def token_nll(params, model, batch, num_loops: int | None = None, router_bias=No
   c = model.cfg
   h_BTD, extras = model.apply(variables(params, router_bias=router_bias), batch['inputs'],
                               num_loops=num_loops, return_hidden=True)
-  head_DV = head_matrix(c, params['params'] if 'params' in params else params)
+  # in the parameters' dtype: the chunked loss casts chunk by chunk, and its head gradient
+  # stays in that dtype
+  head_DV = head_matrix(c, params['params'] if 'params' in params else params,
+                        DTYPES[c.param_dtype])
+  # gathered whole over its width (a parameter gather): the hidden states stay where they are
+  head_DV = sharding.constrain(head_DV, (None, 'vocab'))
   total, count = head_nll(h_BTD, head_DV, batch['targets'], batch.get('mask'),
                           c.loss_chunk, remat=c.remat != 'none')
   return total, count, extras

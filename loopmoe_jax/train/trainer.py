@@ -22,7 +22,7 @@ import time
 import jax
 import numpy as np
 
-from loopmoe_jax import accounting, sharding
+from loopmoe_jax import accounting, attention_impls, sharding
 from loopmoe_jax.dispatch import resolve_backend
 from loopmoe_jax.expert_parallel import exchange_kind
 from loopmoe_jax.data import pipeline
@@ -112,7 +112,8 @@ def _train(cfg, exp, workdir: str) -> dict:
           f"{mc.executed_layers} executed layers; data: {dc.source}, batch {dc.batch_size} x "
           f"{dc.seq_len}; steps {start} -> {tc.steps} on {n_dev} device(s)"
           f"{_mesh_text(mesh)}; dispatch {mc.dispatch} -> {resolve_backend(mc.dispatch)}"
-          f"{_exchange_text(mc, mesh)}", flush=True)
+          f"{_exchange_text(mc, mesh)}; attention {mc.attention_impl} -> "
+          f"{attention_impls.resolve(mc.attention_impl, mc.dtype)}", flush=True)
 
   pending, val_loss = None, None
   t_log, tok_log, t0 = time.time(), 0, time.time()
