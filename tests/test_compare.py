@@ -63,6 +63,16 @@ def test_paired_difference_equals_textbook_formulas():
     paired.paired_difference([1.0], [2.0])
 
 
+def test_negative_autocorrelation_never_raises_n_eff_above_n():
+  """Alternating differences (rho ~ -0.5): the AR(1) formula would give n_eff ~ 3n; it is
+  capped at n, so SE_eff equals the i.i.d. SE instead of falling below it."""
+  rng = np.random.default_rng(1)
+  d = np.where(np.arange(100) % 2, 1.0, -1.0) * 0.01 + 0.001 * rng.standard_normal(100)
+  got = paired.paired_difference(0.5 + d, np.full(100, 0.5))
+  assert got['lag1_autocorr'] < -0.5
+  assert got['n_eff'] == 100 and got['se_eff'] == pytest.approx(got['se'], rel=1e-12)
+
+
 def test_compare_runs_window_and_final_losses(tmp_path):
   steps = range(1, 101)
   la = {s: 3.0 - 0.01 * s + 0.001 * (s % 3) for s in steps}

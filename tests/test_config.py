@@ -396,3 +396,16 @@ def test_describe_init_matches_accounting():
   assert out['params_total'] == out['params_init']
   assert round(out['params_init'] / 1e6, 1) == 553.7
   assert out['flops_per_token'] == count(model_of(FOIL, 'foil1'))['flops_per_token']
+
+
+def test_readme_generate_line_stays_within_the_trained_context():
+  """The README's own generate.py line: prompt bytes + new tokens fit the main job's context
+  (it used to print its own past-the-context warning)."""
+  import re  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.experiment import build, load_config  # pylint: disable=import-outside-toplevel
+  readme = open(os.path.join(ROOT, 'README.md')).read()
+  m = re.search(r"generate\.py --workdir=/tmp/loopmoe_default --prompt='([^']*)' --tokens=(\d+)",
+                readme)
+  assert m, 'the README has no generate.py line for the main job'
+  seq_len = build(load_config('configs/default.py')).data.seq_len
+  assert len(m.group(1).encode()) + 1 + int(m.group(2)) <= seq_len  # +1: a BOS, if any

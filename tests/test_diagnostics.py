@@ -260,7 +260,9 @@ def test_diagnose_end_to_end_on_a_trained_workdir(tmp_path):
   assert np.sum(core['load_share_pooled']) == pytest.approx(1.0)
   assert set(r['segments']) == {'prelude', 'core'}
   assert len(r['masking']) == 1 and len(r['masking'][0]['random']) == 2
-  assert any(l.startswith('time:') for l in summary_lines(r))
+  time_line = next(l for l in summary_lines(r) if l.startswith('time:'))
+  # the analyses that ran are timed by name; evals did not run and are not named
+  assert '; probes ' in time_line and '; recurrence ' in time_line and 'evals' not in time_line
   with pytest.raises(ValueError, match='validation split'):
     diagnose(work, out, tokens=10**9)
   with pytest.raises(FileNotFoundError, match='no checkpoint'):

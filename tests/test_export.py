@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -297,3 +298,14 @@ def test_cli_names_missing_and_ignored_flags(tmp_path):
                        capture_output=True, text=True, timeout=300, cwd=root)
     assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == want, r.stderr[-500:]
   assert not os.path.exists(tmp_path / 'x')
+
+
+def test_verify_without_torch_fails_before_writing(tmp_path, monkeypatch):
+  """--verify of hf-mixtral needs torch: without it the export stops before reading the
+  checkpoint or writing anything (it used to write the export, then fail)."""
+  from loopmoe_jax.export.files import export_workdir
+  monkeypatch.setitem(sys.modules, 'torch', None)  # `import torch` raises ImportError
+  out = tmp_path / 'hf'
+  with pytest.raises(ImportError, match='--verify of hf-mixtral needs torch'):
+    export_workdir(str(tmp_path / 'run'), str(out), 'hf-mixtral', verify=True)
+  assert not out.exists()

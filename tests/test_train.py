@@ -180,7 +180,7 @@ def test_sigterm_saves_a_restorable_checkpoint(tmp_path):
   cmd = [sys.executable, 'scripts/train.py', f'--workdir={work}', '--config=configs/default.py:smoke',
          '--config.train.steps=100000', '--config.train.log_every=1',
          '--config.train.save_every=100000', '--config.train.sample_tokens=0',
-         '--config.data.batch_size=4', '--config.data.seq_len=32']
+         '--config.train.eval_every=2', '--config.data.batch_size=4', '--config.data.seq_len=32']
   proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
   metrics = os.path.join(work, 'metrics.jsonl')
@@ -195,7 +195,11 @@ def test_sigterm_saves_a_restorable_checkpoint(tmp_path):
   assert 'SIGTERM: saved step' in out
   _, params, step, _ = checkpoint.load_params(work)
   assert step >= 3
-  assert json.load(open(os.path.join(work, 'summary.json')))['stopped_by'] == 'SIGTERM'
+  summary = json.load(open(os.path.join(work, 'summary.json')))
+  assert summary['stopped_by'] == 'SIGTERM'
+  # the summary's validation loss says which step it was measured at: the last evaluated one
+  last = [json.loads(l) for l in open(metrics) if 'val_loss' in l][-1]
+  assert summary['val_step'] == last['step'] and summary['val_loss'] == last['val_loss']
 
 
 def test_resume_with_another_model_is_an_error_and_loses_nothing(tmp_path):

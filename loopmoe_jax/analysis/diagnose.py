@@ -133,7 +133,9 @@ def diagnose(workdir: str, out_dir: str, tokens: int, step: int | None = None,
                         'records_per_1k_tokens_after_first_batch':
                             1000 * res['timing']['rest_s'] / res['timing']['rest_tokens']
                             if res['timing']['rest_tokens'] else None}
+  ran = {}  # seconds of each analysis after masking that ran
   if probes:
+    t = time.perf_counter()
     from loopmoe_jax.analysis import probes as mech  # pylint: disable=import-outside-toplevel
     inputs, have = [], 0  # the probe set's own windows, up to `probes` tokens
     for b in batches:
@@ -142,15 +144,21 @@ def diagnose(workdir: str, out_dir: str, tokens: int, step: int | None = None,
       inputs.append(b['inputs'])
       have += b['inputs'].size
     report['probes'] = mech.mechanistic_probes(cfg, params, inputs)
+    ran['probes'] = time.perf_counter() - t
   if evals:
+    t = time.perf_counter()
     from loopmoe_jax.analysis import evals as ev  # pylint: disable=import-outside-toplevel
     report['evals'] = ev.reasoning_evals(workdir, s, examples=evals)
+    ran['evals'] = time.perf_counter() - t
   if recurrence:
+    t = time.perf_counter()
     from loopmoe_jax.analysis import evals as ev  # pylint: disable=import-outside-toplevel
     report['recurrence'] = ev.recurrence(workdir, recurrence, s)
     figures.append(ev.plot_recurrence(report['recurrence'],
                                       os.path.join(out_dir, 'recurrence.png')))
+    ran['recurrence'] = time.perf_counter() - t
   report['timing_s']['analyses_after_masking'] = time.perf_counter() - t3
+  report['timing_s']['after_masking'] = ran  # only the analyses that ran
   report['figures'] = figures
   report = _plain(report)
   with open(os.path.join(out_dir, 'diagnostics.json'), 'w') as f:
@@ -198,8 +206,7 @@ def summary_lines(r: dict) -> list[str]:
                f'tokens; records {t["records"]:.1f} s = first batch {t["records_first_batch"]:.1f} '
                f's with compile, then '
                + (f'{steady:.3f} s per 1,000 tokens)' if steady is not None else 'no more batches)')
-               + (f'; then probes, evals and recurrence {t["analyses_after_masking"]:.1f} s'
-                  if t.get('analyses_after_masking') else ''))
+               + ''.join(f'; {name} {sec:.1f} s' for name, sec in t.get('after_masking', {}).items()))
   return lines
 
 

@@ -8,11 +8,13 @@ last 20%), with n steps:
   mean difference  m = mean_t d_t
   standard error   SE = sd(d) / sqrt(n)                    (sd with ddof=1; i.i.d. textbook)
   lag-1 autocorr.  rho = sum_t (d_t - m)(d_{t+1} - m) / sum_t (d_t - m)^2
-  effective n      n_eff = n (1 - rho) / (1 + rho)         (AR(1) approximation, floored at 1)
+  effective n      n_eff = n (1 - rho) / (1 + rho)         (AR(1) approximation, within [1, n])
   SE with n_eff    SE_eff = sd(d) / sqrt(n_eff)
 
 Consecutive training losses are correlated (the same weights a step apart), so SE
-understates the uncertainty when rho > 0; report SE_eff beside it. The runs must share the
+understates the uncertainty when rho > 0; report SE_eff beside it. A negative rho would give
+n_eff > n (an SE_eff below the i.i.d. SE, more information than n independent steps hold):
+n_eff is capped at n, so SE_eff is never below SE. The runs must share the
 data order: their `data` sections (seed, source, paths, seq_len, batch size, task,
 tokenizer, val split; not the loader's threads or prefetch) must agree, else a ValueError
 names both directories and the differing fields. Architecture and train settings may
@@ -86,7 +88,7 @@ def paired_difference(loss_a, loss_b) -> dict:
   c = d - m
   denom = float(c @ c)
   rho = float(c[:-1] @ c[1:]) / denom if denom > 0 else 0.0
-  n_eff = max(1.0, n * (1 - rho) / (1 + rho)) if rho > -1 else float(n)
+  n_eff = min(float(n), max(1.0, n * (1 - rho) / (1 + rho))) if rho > -1 else float(n)
   return {'n': n, 'mean_diff': m, 'sd': sd, 'se': sd / math.sqrt(n), 'lag1_autocorr': rho,
           'n_eff': n_eff, 'se_eff': sd / math.sqrt(n_eff)}
 

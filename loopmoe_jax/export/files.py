@@ -108,6 +108,8 @@ def export_workdir(workdir: str, out: str, fmt: str, step: int | None = None,
   from loopmoe_jax.train import checkpoint
   if fmt not in FORMATS:
     raise ValueError(f'--format={fmt!r}: one of {FORMATS}')
+  if verify and fmt == 'hf-mixtral':
+    _verify_packages()  # before anything is written
   cfg, params, s, config = checkpoint.load_params(workdir, step)
   if fmt == 'hf-mixtral':
     mixtral.check_exportable(cfg)
@@ -143,6 +145,17 @@ def import_hf(src: str, out: str, span: tuple[int, int, int] | None = None,
           'core_layers': cfg.core_layers, 'num_loops': cfg.num_loops}
 
 
+def _verify_packages():
+  """(torch, transformers), or an ImportError saying --verify of hf-mixtral needs them."""
+  try:
+    import torch  # pylint: disable=import-outside-toplevel
+    import transformers  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise ImportError(f'--verify of hf-mixtral needs torch and transformers ({e}); '
+                      'pip install torch==2.13.0 transformers') from None
+  return torch, transformers
+
+
 def verify_export(workdir: str, out: str, fmt: str, step: int | None = None,
                   tokens: int = 256, greedy: int = 16, loaded=None) -> dict:
   """Checks an export against our model on the run's first validation window(s): the max
@@ -170,12 +183,7 @@ def verify_export(workdir: str, out: str, fmt: str, step: int | None = None,
     forward2 = jax.jit(lambda p, t: LoopedMoE(cfg2).apply({'params': p}, t)[0])
     theirs = lambda t: np.asarray(forward2(back, jnp.asarray(t)), np.float32)
   else:
-    try:
-      import torch
-      import transformers
-    except ImportError as e:
-      raise ImportError(f'--verify of hf-mixtral needs torch and transformers ({e}); '
-                        'pip install torch==2.13.0 transformers') from None
+    torch, transformers = _verify_packages()
     model = transformers.MixtralForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
 
     def theirs(t):

@@ -115,7 +115,7 @@ def _train(cfg, exp, workdir: str) -> dict:
           f"{_exchange_text(mc, mesh)}; attention {mc.attention_impl} -> "
           f"{attention_impls.resolve(mc.attention_impl, mc.dtype)}", flush=True)
 
-  pending, val_loss = None, None
+  pending, val_loss, val_step = None, None, None
   t_log, tok_log, t0 = time.time(), 0, time.time()
   last_saved = start if mngr.latest_step() is not None else None
 
@@ -136,7 +136,7 @@ def _train(cfg, exp, workdir: str) -> dict:
     return s, m
 
   def handle(pending):
-    nonlocal t_log, tok_log, val_loss
+    nonlocal t_log, tok_log, val_loss, val_step
     s, m = finish(pending)
     tok_log += dc.batch_size * dc.seq_len  # this step's tokens, counted once it is finished
     if s % tc.log_every and s != tc.steps:
@@ -147,6 +147,7 @@ def _train(cfg, exp, workdir: str) -> dict:
     if val and (s % tc.eval_every == 0 or s == tc.steps):
       m['val_loss'] = val_loss = steps.evaluate(eval_step, state['params'], val, batch_sh,
                                                 state.get('router_bias'))
+      val_step = s
     writer.write(s, m)
     writer.progress(s, m)
     t_log, tok_log = time.time(), 0
@@ -193,14 +194,16 @@ def _train(cfg, exp, workdir: str) -> dict:
   window = losses[-tc.final_window:]
   summary = {'steps': final, 'final_window_loss': float(np.mean(window)) if window else None,
              'final_window': len(window), 'final_loss': losses[-1] if losses else None,
-             'val_loss': val_loss, 'tokens_per_s': (final - start) * dc.batch_size * dc.seq_len /
+             'val_loss': val_loss, 'val_step': val_step,  # the step val_loss was measured at
+             'tokens_per_s': (final - start) * dc.batch_size * dc.seq_len /
              wall, 'wall_s': wall, 'params_total': acct['params_total'],
              'params_active': acct['params_active'], 'stopped_by': stop.signal}
   if proc == 0:
     with open(summary_path, 'w') as f:
       json.dump(summary, f, indent=1)
     print('summary: ' + json.dumps({k: summary[k] for k in
-                                    ('steps', 'final_window_loss', 'val_loss', 'tokens_per_s')}))
+                                    ('steps', 'final_window_loss', 'val_loss', 'val_step',
+                                     'tokens_per_s')}))
   if tc.sample_tokens and not stop.signal:
     params, bias = state['params'], state.get('router_bias')
     if n_proc > 1:  # every process joins the gather; process 0 samples from the whole copy
