@@ -16,13 +16,16 @@ _CONFIG = config_flag()
 _DISTRIBUTED = distributed_flags()
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory (checkpoints, metrics).',
                                required=True)
+_FORCE = flags.DEFINE_bool('force', False, 'Skip the pre-flight memory check (a lower bound on '
+                           'the bytes per device against the device memory; '
+                           'loopmoe_jax/train/preflight.py).')
 
 
 def main(argv):
   del argv
   initialize_distributed(_DISTRIBUTED)
   from loopmoe_jax.train.trainer import train
-  train(_CONFIG.value, _WORKDIR.value)
+  train(_CONFIG.value, _WORKDIR.value, force=_FORCE.value)
 
 
 if __name__ == '__main__':

@@ -189,3 +189,51 @@ def test_cli_errors_are_one_line_and_debug_shows_the_traceback(tmp_path):
       'error: model.top_k=99: exceeds model.prelude_experts=8')
   debug = _cli('--config.model.top_k=99', work, '--debug')
   assert debug.returncode == 1 and 'Traceback' in debug.stderr
+
+
+def test_preflight_refuses_a_step_that_cannot_fit_before_any_compile(tmp_path):
+  """--config.model.num_loops=100000 (the main job: 200,002 executed layers) used to compile
+  for minutes and die out of memory: the pre-flight check refuses it within seconds, naming
+  the key, and leaves no run behind (here a core of one layer)."""
+  cfg = tiny()
+  cfg.model.num_loops = 100000
+  work = str(tmp_path / 'deep')
+  t0 = time.time()
+  with pytest.raises(ValueError, match=r'model.num_loops=100000 \(100,001 executed layers\)'):
+    train(cfg, work)
+  assert time.time() - t0 < 30
+  assert not os.path.exists(os.path.join(work, 'checkpoints')) or not os.listdir(
+      os.path.join(work, 'checkpoints'))
+  assert not os.path.exists(os.path.join(work, 'metrics.jsonl'))
+
+
+def test_preflight_names_the_tokens_when_the_batch_drives_it():
+  """The same lower bound against a small budget: a long batch is named by its keys, the
+  estimate's terms add up, and a budget that holds it passes."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax import sharding  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.experiment import build  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.model import LoopedMoE  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.train import preflight, step as steps  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.train.optimizer import make_optimizer  # pylint: disable=import-outside-toplevel
+  cfg = tiny()
+  cfg.data.batch_size, cfg.data.seq_len = 64, 4096
+  exp = build(cfg)
+  mesh = sharding.make_mesh(exp.mesh, jax.devices()[:1])
+  tx, _ = make_optimizer(exp.train)
+  model = LoopedMoE(exp.model)
+  state_sh, _ = steps.shardings(mesh, model, tx, 16)
+  state = steps.abstract_state(model, tx, 16, state_sh)
+  est = preflight.estimate(exp, mesh, state)
+  # remat none: every executed layer (1 prelude + 1 core layer x 2 passes) keeps its input and
+  # norm (2 x 32), q, k, v, out (4 x 2 heads x 16) and top-2 routed rows (2 x (32 + 3 x 32))
+  # per token (a whole number of 128-row tiles already), float32; chunked attention
+  assert est['activations'] == 3 * 64 * 4096 * (64 + 128 + 256) * 4
+  need = est['params'] + est['optimizer'] + est['gradients'] + est['activations']
+  assert preflight.check_memory(exp, mesh, state, budget=need) == est
+  # one pass of the core would fit just below the need: the passes are named
+  with pytest.raises(ValueError, match=r'model.num_loops=2 \(3 executed layers\)'):
+    preflight.check_memory(exp, mesh, state, budget=need - 1)
+  # far below, fewer passes would not help: the tokens are named
+  with pytest.raises(ValueError, match=r'data.batch_size=64 x data.seq_len=4096'):
+    preflight.check_memory(exp, mesh, state, budget=need // 4)

@@ -28,7 +28,7 @@ from loopmoe_jax.expert_parallel import exchange_kind
 from loopmoe_jax.data import pipeline
 from loopmoe_jax.experiment import RUN_SETTINGS, build, config_diff
 from loopmoe_jax.model import LoopedMoE
-from loopmoe_jax.train import checkpoint, step as steps
+from loopmoe_jax.train import checkpoint, preflight, step as steps
 from loopmoe_jax.train.lock import WorkdirLock
 from loopmoe_jax.train.metrics import Writer
 from loopmoe_jax.train.optimizer import make_optimizer
@@ -69,13 +69,15 @@ def peak_flops(cfg_peak: float) -> float:
   return next((v for k, v in PEAK_FLOPS.items() if k in kind), 0.0)
 
 
-def train(cfg, workdir: str) -> dict:
+def train(cfg, workdir: str, force: bool = False) -> dict:
+  """Trains (or resumes) the run in `workdir`; `force` skips the pre-flight memory check
+  (train/preflight.py)."""
   exp = build(cfg)
   with WorkdirLock(workdir, owner=jax.process_index() == 0):
-    return _train(cfg, exp, workdir)
+    return _train(cfg, exp, workdir, force)
 
 
-def _train(cfg, exp, workdir: str) -> dict:
+def _train(cfg, exp, workdir: str, force: bool = False) -> dict:
   mc, tc, dc = exp.model, exp.train, exp.data
   model = LoopedMoE(mc)
   tx, schedule = make_optimizer(tc)
@@ -84,6 +86,8 @@ def _train(cfg, exp, workdir: str) -> dict:
   sharding.check_batch(dc.batch_size, tc.microbatches, mesh)
   state_sh, batch_sh = steps.shardings(mesh, model, tx, dc.seq_len, exp.mesh.zero_data)
   target = steps.abstract_state(model, tx, dc.seq_len, state_sh)
+  if not force:  # before anything is compiled
+    preflight.check_memory(exp, mesh, target)
   mngr = checkpoint.manager(os.path.join(workdir, 'checkpoints'), tc.keep, tc.async_save,
                             keep_every=tc.keep_every, keep_steps=tc.kept_steps)
   state, data_state, start = _initial_state(mngr, target, model, tx, exp, state_sh, workdir)
