@@ -4,7 +4,9 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import signal
 import sys
+import threading
 
 from absl import app
 from ml_collections import config_flags
@@ -22,6 +24,40 @@ def fail(message: str):
   """Exits with `error: message` on stderr (status 1)."""
   print(f'error: {message}', file=sys.stderr, flush=True)
   sys.exit(1)
+
+
+INTERRUPTED = 130  # the shell's status for a command stopped by SIGINT
+
+
+def interrupted():
+  """Exits with one line and status 130 (a Ctrl-C the training loop did not catch: during
+  imports, set-up or compilation; the loop itself saves and stops, trainer._StopFlag)."""
+  print('interrupted (SIGINT): stopped (a training run resumes from its last checkpoint)',
+        file=sys.stderr, flush=True)
+  os._exit(INTERRUPTED)  # pylint: disable=protected-access  (no interpreter teardown noise)
+
+
+def _interrupt_hook(previous):
+  def hook(exc_type, exc, tb):
+    if issubclass(exc_type, KeyboardInterrupt) and not debug():
+      interrupted()
+    previous(exc_type, exc, tb)
+  return hook
+
+
+def _on_sigint(signum, frame):
+  del signum, frame
+  if debug():
+    raise KeyboardInterrupt
+  interrupted()
+
+
+# A Ctrl-C before the training loop installs its own handler (trainer._StopFlag: save and stop)
+# exits at once with one line, while modules import (jax takes seconds; an import may swallow a
+# KeyboardInterrupt) and while the run is set up and compiled.
+sys.excepthook = _interrupt_hook(sys.excepthook)
+if threading.current_thread() is threading.main_thread():
+  signal.signal(signal.SIGINT, _on_sigint)
 
 
 def config_flag(default: str = DEFAULT_CONFIG):
@@ -151,6 +187,10 @@ def run(main):
     _drop_closed_loop_errors()
     try:
       return main(argv)
+    except KeyboardInterrupt:
+      if debug():
+        raise
+      interrupted()
     except Exception as e:  # pylint: disable=broad-except
       if debug():
         raise

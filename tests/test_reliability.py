@@ -237,3 +237,21 @@ def test_preflight_names_the_tokens_when_the_batch_drives_it():
   # far below, fewer passes would not help: the tokens are named
   with pytest.raises(ValueError, match=r'data.batch_size=64 x data.seq_len=4096'):
     preflight.check_memory(exp, mesh, state, budget=need // 4)
+
+
+@pytest.mark.parametrize('after_s', [1.0, 5.0])
+def test_ctrl_c_before_the_loop_is_one_line_and_status_130(tmp_path, after_s):
+  """SIGINT while the modules import (1 s) or while the run is set up (5 s): one line, exit
+  status 130, no traceback (it used to print 245 lines, or, during an import that swallowed
+  the KeyboardInterrupt, to train on)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  cmd = [sys.executable, 'scripts/train.py', f'--workdir={tmp_path / "run"}',
+         '--config=configs/default.py:smoke', '--config.train.sample_tokens=0']
+  proc = subprocess.Popen(cmd, cwd=root, env=dict(os.environ, JAX_PLATFORMS='cpu'),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  time.sleep(after_s)
+  if proc.poll() is None:
+    proc.send_signal(signal.SIGINT)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 130, (out, err)
+  assert 'Traceback' not in err and 'interrupted (SIGINT)' in err.strip().splitlines()[-1]
