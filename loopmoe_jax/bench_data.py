@@ -3,6 +3,11 @@
 data_over_step_throughput = tokens/s the pipeline delivers (iterating batches, nothing else)
 / tokens/s the jitted train step of the same config consumes (target >= 10: data is never the
 bottleneck). Also reports both rates and the default run's tokens/s.
+
+checkpoint_save_over_unchecked / checkpoint_restore_over_unchecked: seconds to save (written,
+synchronously) and restore a train state of `checkpoint_mib` float32 MiB with the checksums
+(train/checkpoint.py) over the same Orbax save / restore without them (median of 3; target
+<= 1.15).
 """
 from __future__ import annotations
 
@@ -10,13 +15,20 @@ import time
 
 import jax
 
-from loopmoe_jax.bench import register
+import os
+import tempfile
+
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from loopmoe_jax.bench import TARGETS, register
 from loopmoe_jax.cli import DEFAULT_CONFIG
 from loopmoe_jax.data import pipeline
 from loopmoe_jax.experiment import build, load_config
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax import sharding
-from loopmoe_jax.train import step as steps
+from loopmoe_jax.train import checkpoint, step as steps
 from loopmoe_jax.train.optimizer import make_optimizer
 
 
@@ -53,5 +65,48 @@ def bench_data(quick: bool = False):
     state, m = train_step(state, batch)
   jax.block_until_ready(m)
   step_tps = n_steps * tokens_per_batch / (time.perf_counter() - t)
-  return {'data_tokens_per_s': data_tps, 'step_tokens_per_s': step_tps,
-          'data_over_step_throughput': data_tps / step_tps}
+  res = {'data_tokens_per_s': data_tps, 'step_tokens_per_s': step_tps,
+         'data_over_step_throughput': data_tps / step_tps}
+  res.update(checkpoint_seconds(16 if quick else 256, 1 if quick else 3))
+  return res
+
+
+TARGETS.update({'checkpoint_save_over_unchecked': 1.15, 'checkpoint_restore_over_unchecked': 1.15})
+
+
+def checkpoint_seconds(mib: int, repeats: int) -> dict:
+  """Save and restore times of a train-state-like tree of `mib` float32 MiB, with and without
+  the checksums, timed alternately."""
+  rng = np.random.default_rng(0)
+  n = mib * 2**20 // 4 // 4
+  state = {'params': {f'w{i}': jnp.asarray(rng.standard_normal(n), jnp.float32)
+                      for i in range(4)}, 'step': jnp.int32(1)}
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          state)
+  times = {k: [] for k in ('save_checked', 'save_plain', 'restore_checked', 'restore_plain')}
+  with tempfile.TemporaryDirectory() as tmp:
+    for r in range(repeats):
+      for kind in ('checked', 'plain'):
+        mngr = checkpoint.manager(os.path.join(tmp, f'{kind}{r}'), async_save=False)
+        t = time.perf_counter()
+        if kind == 'checked':
+          checkpoint.save(mngr, 1, state, {}, '{}')
+        else:
+          mngr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                               data=ocp.args.JsonSave({}),
+                                               config=ocp.args.JsonSave({})))
+        mngr.wait_until_finished()
+        times[f'save_{kind}'].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        if kind == 'checked':
+          jax.block_until_ready(checkpoint.restore_latest(mngr, abstract)[1])
+        else:
+          jax.block_until_ready(mngr.restore(1, args=ocp.args.Composite(
+              state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore(),
+              config=ocp.args.JsonRestore()))['state'])
+        times[f'restore_{kind}'].append(time.perf_counter() - t)
+        mngr.close()
+  med = {k: float(np.median(v)) for k, v in times.items()}
+  return {'checkpoint_mib': mib, **{f'checkpoint_{k}_s': v for k, v in med.items()},
+          'checkpoint_save_over_unchecked': med['save_checked'] / med['save_plain'],
+          'checkpoint_restore_over_unchecked': med['restore_checked'] / med['restore_plain']}

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import jax
+import numpy as np
 import pytest
 
 from loopmoe_jax.data import pipeline, sources
@@ -255,3 +257,53 @@ def test_ctrl_c_before_the_loop_is_one_line_and_status_130(tmp_path, after_s):
   out, err = proc.communicate(timeout=120)
   assert proc.returncode == 130, (out, err)
   assert 'Traceback' not in err and 'interrupted (SIGINT)' in err.strip().splitlines()[-1]
+
+
+def test_silently_corrupted_state_is_detected_by_checksum(straight, tmp_path, capsys):
+  """4 KiB of the embedding zeroed in the newest step's state, in bytes that still decode:
+  Orbax restores it without complaint (wrong values); the checksums saved with the step
+  catch it, the
+  step is set aside naming the array and the file, and the run resumes from step 3 with the
+  same losses. Evaluation's reader skips the damaged step too."""
+  work = str(tmp_path / 'run')
+  shutil.copytree(straight, work)
+  # bytes that still decode but to other values: the step's state rewritten with rows 64..95
+  # of the embedding zeroed (4 KiB), its data-iterator state and checksums left as they were
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  state_dir = os.path.join(work, 'checkpoints', '6', 'state')
+  with ocp.StandardCheckpointer() as ckptr:
+    meta = ckptr.metadata(state_dir)
+    meta = getattr(meta, 'item_metadata', meta)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), meta)
+    state = ckptr.restore(state_dir, target)
+    state['params']['embed'] = state['params']['embed'].at[64:96].set(0.0)
+    ckptr.save(str(tmp_path / 'rewritten'), state)
+  shutil.rmtree(state_dir)
+  shutil.copytree(str(tmp_path / 'rewritten'), state_dir)
+  assert checkpoint.load_params(work)[2] == 3  # the params reader skips the damaged step
+  capsys.readouterr()
+  train(tiny(steps=6), work)
+  out = capsys.readouterr().out
+  state_dir = os.path.join(work, 'checkpoints', '6', 'state')
+  assert f'checkpoint step 6 is unreadable: {state_dir} (the checksum of' in out
+  assert 'resuming from step 3' in out
+  assert os.path.isdir(os.path.join(work, 'unreadable_checkpoints', '6'))
+  assert losses(work) == losses(straight)
+
+
+def test_checkpoint_without_checksums_restores_and_says_so_once(straight, tmp_path, capsys):
+  """A step written before checksums were recorded (its data-iterator state has none) still
+  restores; the trainer says once that it is unverified and goes on."""
+  work = str(tmp_path / 'run')
+  shutil.copytree(straight, work)
+  for step in (3, 6):
+    meta = os.path.join(work, 'checkpoints', str(step), 'data', 'metadata')
+    data = json.load(open(meta))
+    assert checkpoint.CHECKSUMS in data
+    data.pop(checkpoint.CHECKSUMS)
+    json.dump(data, open(meta, 'w'))
+  capsys.readouterr()
+  train(tiny(steps=7), work)
+  out = capsys.readouterr().out
+  assert out.count('has no checksums') == 1 and 'resuming from step 6' in out

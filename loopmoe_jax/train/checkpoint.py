@@ -15,6 +15,7 @@ import os
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -76,6 +77,48 @@ def save_error(e: BaseException, step: int, directory: str) -> CheckpointSaveErr
                              f'{free:.1f} MiB free there); earlier steps are kept')
 
 
+# Checksums: every array of the train state gets two 32-bit sums of its bits (plain and
+# position-weighted, wrapping: exact and order-free, so the same on any mesh and process
+# count), stored with the step's data-iterator state. Restore recomputes them; a mismatch sets
+# the step aside like any other damage (a few zeroed bytes inside a state file otherwise
+# restore as good values).
+CHECKSUMS = 'checksums'
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def _one_checksum(x):
+  size = np.dtype(x.dtype).itemsize
+  if x.dtype == jnp.bool_:
+    u = x.astype(jnp.uint32)
+  elif size == 8:  # two 32-bit words per element
+    u = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  else:
+    u = jax.lax.bitcast_convert_type(x, _UINT[size]).astype(jnp.uint32)
+  u = u.reshape(-1)
+  weights = jnp.arange(u.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
+  return jnp.stack([jnp.sum(u, dtype=jnp.uint32), jnp.sum(u * weights, dtype=jnp.uint32)])
+
+
+_checksums_jit = jax.jit(lambda tree: jax.tree.map(_one_checksum, tree))
+
+
+def checksums(tree) -> dict[str, list[int]]:
+  """{array path: [sum, weighted sum]} of a tree of (global) arrays."""
+  sums = jax.device_get(_checksums_jit(tree))
+  return {jax.tree_util.keystr(path): [int(v) for v in np.asarray(leaf)]
+          for path, leaf in jax.tree_util.tree_leaves_with_path(sums)}
+
+
+def checksum_mismatch(tree, stored: dict, prefix: str = '') -> str | None:
+  """The path of the first array of `tree` whose checksum differs from `stored` (keys as
+  `checksums` gives them, under `prefix`), or None."""
+  for path, value in checksums(tree).items():
+    want = stored.get(prefix + path)
+    if want is not None and list(want) != value:
+      return prefix + path
+  return None
+
+
 def save(mngr, step: int, state, data_state, config_json: str, force: bool = False):
   """Saves a step (asynchronously when the manager is). Not enough free space for the state
   (its bytes plus 1 MiB), a failed write, or an earlier asynchronous save that failed raise
@@ -88,9 +131,10 @@ def save(mngr, step: int, state, data_state, config_json: str, force: bool = Fal
     raise CheckpointSaveError(
         f'checkpoint step {step} not saved: {directory} has {free / 2**20:.1f} MiB free, the '
         f'step needs about {need / 2**20:.1f} MiB; earlier steps are kept')
+  data_state = dict(data_state or {}, **{CHECKSUMS: checksums(state)})
   try:
     saved = mngr.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state or {}),
+        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
         config=ocp.args.JsonSave(json.loads(config_json))), force=force)
   except Exception as e:  # pylint: disable=broad-except
     raise save_error(e, step, directory) from None
@@ -210,8 +254,36 @@ def restore_latest(mngr, abstract_state, step: int | None = None, skipped=None):
       if skipped is not None:
         skipped.append(s)
       continue
+    bad = _verify(out, s, str(mngr.directory))
+    if bad:
+      log.warning('checkpoint step %d in %s is unreadable (%s)', s, mngr.directory, bad)
+      print(f'WARNING: checkpoint step {s} is unreadable: {bad}; skipping it')
+      if skipped is not None:
+        skipped.append(s)
+      continue
     return s, out['state'], out['data'], out['config']
   return None
+
+
+_UNVERIFIED_SAID = set()
+
+
+def _verify(out, step: int, directory: str) -> str | None:
+  """'PATH (checksum of ARRAY differs)' when a restored state's checksums differ from those
+  saved with it; None when they agree, or when the step has none (written before checksums:
+  said once per directory)."""
+  stored = (out.get('data') or {}).get(CHECKSUMS)
+  if stored is None:
+    if directory not in _UNVERIFIED_SAID:
+      _UNVERIFIED_SAID.add(directory)
+      print(f'note: checkpoint step {step} in {directory} has no checksums (written before '
+            'they were recorded): restored unverified')
+    return None
+  bad = checksum_mismatch(out['state'], stored)
+  if bad is None:
+    return None
+  return (f'{os.path.join(directory, str(step), "state")} (the checksum of {bad} differs from '
+          'the one saved with it: the file is damaged)')
 
 
 def _params_reader(ckpt_dir: str):
@@ -257,9 +329,16 @@ def load_params(directory: str, step: int | None = None, mesh=None):
       params = mngr.restore(s, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
           {'params': target}, restore_args={'params': restore_args},
           partial_restore=True)))['state']['params']
+      data = mngr.restore(s, args=ocp.args.Composite(data=ocp.args.JsonRestore()))['data']
     except Exception as e:
       print(f'WARNING: checkpoint step {s} in {ckpt_dir} is unreadable ({type(e).__name__}); '
             'skipping it')
+      continue
+    stored = (data or {}).get(CHECKSUMS)
+    bad = None if stored is None else checksum_mismatch(params, stored, "['params']")
+    if bad:
+      print(f'WARNING: checkpoint step {s} in {ckpt_dir} is damaged (the checksum of {bad} '
+            'differs from the one saved with it); skipping it')
       continue
     return cfg, params, s, config
   raise ValueError(f'no readable checkpoint step in {ckpt_dir!r} (tried {steps})')
