@@ -307,3 +307,24 @@ def test_checkpoint_without_checksums_restores_and_says_so_once(straight, tmp_pa
   train(tiny(steps=7), work)
   out = capsys.readouterr().out
   assert out.count('has no checksums') == 1 and 'resuming from step 6' in out
+
+
+def test_truncated_state_file_is_one_line_not_thousands(straight, tmp_path):
+  """Half of the newest step's largest state file cut off: the resume says so in one line and
+  moves it aside; Orbax's abandoned reads no longer print a traceback each (7,611 lines)."""
+  work = str(tmp_path / 'run')
+  shutil.copytree(straight, work)
+  files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(work, 'checkpoints', '6',
+                                                                    'state')) for f in fs]
+  biggest = max(files, key=os.path.getsize)
+  os.truncate(biggest, os.path.getsize(biggest) // 2)
+  code = ('import sys; sys.path.insert(0, "tests"); from test_train import tiny; '
+          'from loopmoe_jax.train.trainer import train; '
+          f'train(tiny(steps=6), {work!r})')
+  out = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, JAX_PLATFORMS='cpu'), timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  text = out.stdout + out.stderr
+  assert 'Exception ignored' not in text and 'Traceback' not in text
+  assert sum('checkpoint step 6 is unreadable' in l for l in text.splitlines()) == 1
+  assert 'resuming from step 3' in text

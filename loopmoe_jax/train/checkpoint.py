@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,22 @@ import orbax.checkpoint as ocp
 from loopmoe_jax.config import ModelConfig
 
 log = logging.getLogger(__name__)
+
+
+def _quiet_abandoned_reads(previous):
+  """sys.unraisablehook that drops the errors of Orbax's abandoned array reads: restoring a
+  damaged step fails on its first bad array and leaves the other reads' coroutines to fail
+  unawaited, each printing a traceback with the whole TensorStore spec (thousands of lines).
+  The failed restore already names the step and path in one line; other errors pass."""
+  def hook(unraisable):
+    code = getattr(unraisable.object, 'cr_code', None)
+    if code is not None and f'{os.sep}orbax{os.sep}' in code.co_filename:
+      return
+    previous(unraisable)
+  return hook
+
+
+sys.unraisablehook = _quiet_abandoned_reads(sys.unraisablehook)
 
 
 def manager(directory: str, keep: int = 3, async_save: bool = True, read_only: bool = False,
@@ -248,15 +265,12 @@ def restore_latest(mngr, abstract_state, step: int | None = None, skipped=None):
         raise StateMismatch(f'checkpoint step {s} in {mngr.directory} is intact but its train '
                             f'state does not fit this run\'s ({type(e).__name__}: '
                             f'{str(e)[:300]})') from e
-      log.warning('checkpoint step %d in %s is unreadable (%s); trying the previous one',
-                  s, mngr.directory, bad)
       print(f'WARNING: checkpoint step {s} is unreadable: {bad}; skipping it')
       if skipped is not None:
         skipped.append(s)
       continue
     bad = _verify(out, s, str(mngr.directory))
     if bad:
-      log.warning('checkpoint step %d in %s is unreadable (%s)', s, mngr.directory, bad)
       print(f'WARNING: checkpoint step {s} is unreadable: {bad}; skipping it')
       if skipped is not None:
         skipped.append(s)
