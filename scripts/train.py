@@ -19,13 +19,16 @@ _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory (checkpoints, met
 _FORCE = flags.DEFINE_bool('force', False, 'Skip the pre-flight memory check (a lower bound on '
                            'the bytes per device against the device memory; '
                            'loopmoe_jax/train/preflight.py).')
+_START_OVER = flags.DEFINE_bool('start_over', False, 'When no checkpoint step of --workdir reads '
+                                'back, start the run over from step 0 (its steps and logs are '
+                                'moved to unreadable_checkpoints/); without it that is an error.')
 
 
 def main(argv):
   del argv
   initialize_distributed(_DISTRIBUTED)
   from loopmoe_jax.train.trainer import train
-  train(_CONFIG.value, _WORKDIR.value, force=_FORCE.value)
+  train(_CONFIG.value, _WORKDIR.value, force=_FORCE.value, start_over=_START_OVER.value)
 
 
 if __name__ == '__main__':

@@ -130,10 +130,18 @@ def test_corrupt_latest_step_is_skipped(tmp_path, capsys):
   for s in ('3', '6'):
     _garble(ckpt / s / 'state')
   metrics = open(tmp_path / 'r' / 'metrics.jsonl').read()
-  with pytest.raises(RuntimeError, match=r'every checkpoint step in .* is unreadable'):
+  with pytest.raises(RuntimeError, match=r'every checkpoint step in .* is unreadable \(step 6: '
+                     r'.*/6/state .*; step 3: .*/3/state .*--start_over'):
     train(tiny(steps=8), str(tmp_path / 'r'))
   assert open(tmp_path / 'r' / 'metrics.jsonl').read() == metrics
   assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [3, 6]
+  # starting over is the user's choice: everything of the old run is moved aside, not deleted
+  summary = train(tiny(steps=3), str(tmp_path / 'r'), start_over=True)
+  assert summary['steps'] == 3
+  aside = tmp_path / 'r' / 'unreadable_checkpoints'
+  assert (aside / 'metrics.jsonl').read_text() == metrics
+  assert (aside / '3').is_dir() and (aside / '6').is_dir()
+  assert [json.loads(l)['step'] for l in open(tmp_path / 'r' / 'metrics.jsonl')] == [1, 2, 3]
 
 
 def test_nan_loss_stops_and_keeps_the_good_checkpoint(tmp_path):

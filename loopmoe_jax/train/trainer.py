@@ -69,15 +69,16 @@ def peak_flops(cfg_peak: float) -> float:
   return next((v for k, v in PEAK_FLOPS.items() if k in kind), 0.0)
 
 
-def train(cfg, workdir: str, force: bool = False) -> dict:
+def train(cfg, workdir: str, force: bool = False, start_over: bool = False) -> dict:
   """Trains (or resumes) the run in `workdir`; `force` skips the pre-flight memory check
-  (train/preflight.py)."""
+  (train/preflight.py); `start_over` starts a run none of whose checkpoints reads back from
+  step 0, its steps and logs moved to unreadable_checkpoints/ (without it that is an error)."""
   exp = build(cfg)
   with WorkdirLock(workdir, owner=jax.process_index() == 0):
-    return _train(cfg, exp, workdir, force)
+    return _train(cfg, exp, workdir, force, start_over)
 
 
-def _train(cfg, exp, workdir: str, force: bool = False) -> dict:
+def _train(cfg, exp, workdir: str, force: bool = False, start_over: bool = False) -> dict:
   mc, tc, dc = exp.model, exp.train, exp.data
   model = LoopedMoE(mc)
   tx, schedule = make_optimizer(tc)
@@ -90,7 +91,8 @@ def _train(cfg, exp, workdir: str, force: bool = False) -> dict:
     preflight.check_memory(exp, mesh, target)
   mngr = checkpoint.manager(os.path.join(workdir, 'checkpoints'), tc.keep, tc.async_save,
                             keep_every=tc.keep_every, keep_steps=tc.kept_steps)
-  state, data_state, start = _initial_state(mngr, target, model, tx, exp, state_sh, workdir)
+  state, data_state, start = _initial_state(mngr, target, model, tx, exp, state_sh, workdir,
+                                            start_over)
   summary_path = os.path.join(workdir, 'summary.json')
   if start >= tc.steps and os.path.exists(summary_path):
     print(f'{workdir} already finished at step {start}', flush=True)
@@ -246,23 +248,38 @@ def _check_same_run(stored: dict, exp, where: str, mismatch: str | None = ''):
     print('resuming with changed settings: ' + '; '.join(notes), flush=True)
 
 
-def _initial_state(mngr, target, model, tx, exp, state_sh, workdir):
+def _initial_state(mngr, target, model, tx, exp, state_sh, workdir, start_over=False):
   tc, dc = exp.train, exp.data
   stored = checkpoint.stored_config(mngr)
   where = f'checkpoint step {stored[0]} in {mngr.directory}' if stored else ''
   if stored is not None:
     _check_same_run(stored[1], exp, where)
-  skipped = []
+  skipped, reasons = [], {}
   try:
-    restored = checkpoint.restore_latest(mngr, target, skipped=skipped)
+    restored = checkpoint.restore_latest(mngr, target, skipped=skipped, reasons=reasons)
   except checkpoint.StateMismatch as e:
     if stored:  # name the changed settings with it
       _check_same_run(stored[1], exp, where, str(e))
     raise
-  if restored is None and skipped:  # never start over on top of a run whose steps all fail
-    raise RuntimeError(f'every checkpoint step in {mngr.directory} is unreadable ({skipped}); '
-                       'nothing was changed. Restore them from a copy, or move them (and '
-                       'metrics.jsonl) aside to start this run over')
+  if restored is None and skipped and not start_over:  # never start over on top of a run
+    # whose steps all fail, unless asked to
+    why = '; '.join(f'step {s}: {reasons.get(s, "unreadable")}' for s in skipped)
+    raise RuntimeError(f'every checkpoint step in {mngr.directory} is unreadable ({why}); '
+                       'nothing was changed. Restore them from a copy, or start this run over '
+                       'with --start_over (the steps and logs are moved aside, not deleted)')
+  if restored is None and skipped:  # --start_over: everything of the old run moved aside
+    for path in checkpoint.set_aside(mngr, skipped, workdir):
+      print(f'moved the unreadable checkpoint to {path}', flush=True)
+    for name in ('metrics.jsonl', 'routing.jsonl', 'summary.json'):
+      old, new = os.path.join(workdir, name), os.path.join(workdir, 'unreadable_checkpoints', name)
+      n = 1
+      while os.path.exists(new):  # an earlier start-over's: kept too
+        new = os.path.join(workdir, 'unreadable_checkpoints', f'{name}.{n}')
+        n += 1
+      if os.path.exists(old):
+        os.rename(old, new)
+    print(f'starting {workdir} over (--start_over): its old logs are in '
+          f'{os.path.join(workdir, "unreadable_checkpoints")}', flush=True)
   if restored is not None and skipped:  # newer steps that do not read: set them aside
     if jax.process_count() > 1:
       raise RuntimeError(f'checkpoint steps {skipped} in {mngr.directory} are unreadable; '
