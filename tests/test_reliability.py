@@ -328,3 +328,28 @@ def test_truncated_state_file_is_one_line_not_thousands(straight, tmp_path):
   assert 'Exception ignored' not in text and 'Traceback' not in text
   assert sum('checkpoint step 6 is unreadable' in l for l in text.splitlines()) == 1
   assert 'resuming from step 3' in text
+
+
+def test_full_disk_while_logging_is_one_line_and_leaves_no_torn_line(straight, tmp_path,
+                                                                   monkeypatch):
+  """The disk fills while step 5's metrics row is written (half of it lands): the run stops
+  with one line naming metrics.jsonl, the file keeps whole lines only, the checkpoints are
+  intact, and the same command then resumes to the same losses."""
+  from loopmoe_jax.train import metrics as metrics_lib  # pylint: disable=import-outside-toplevel
+  work = str(tmp_path / 'run')
+  real_write = os.write
+
+  def write(fd, data):
+    if os.readlink(f'/proc/self/fd/{fd}').endswith('metrics.jsonl') and b'"step": 5,' in data:
+      return real_write(fd, data[:len(data) // 2])
+    return real_write(fd, data)
+  monkeypatch.setattr(metrics_lib.os, 'write', write)
+  with pytest.raises(OSError) as err:
+    train(tiny(steps=6), work)
+  message = str(err.value)
+  assert '\n' not in message and f'writing {os.path.join(work, "metrics.jsonl")} failed' in message
+  text = open(os.path.join(work, 'metrics.jsonl')).read()
+  assert text.endswith('\n') and [json.loads(l)['step'] for l in text.splitlines()] == [1, 2, 3, 4]
+  monkeypatch.setattr(metrics_lib.os, 'write', real_write)
+  train(tiny(steps=6), work)
+  assert losses(work) == losses(straight)

@@ -1,10 +1,33 @@
 """Metric writers: a progress line, JSONL and TensorBoard event files."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
 import time
+
+
+def append_lines(path: str, lines: list[str]):
+  """Appends whole lines to `path` in one write: a write cut short (a full disk) is undone, so
+  the file never ends in a partial line, and the error names the file."""
+  data = ''.join(line + '\n' for line in lines).encode()
+  fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+  try:
+    size = os.fstat(fd).st_size
+    try:
+      written = os.write(fd, data)
+      if written != len(data):
+        raise OSError(errno.ENOSPC, 'No space left on device (the write was cut short)')
+    except OSError as e:
+      try:
+        os.ftruncate(fd, size)  # the file as it was: no torn line
+      except OSError:
+        pass
+      raise OSError(e.errno, f'writing {path} failed: {e.strerror}; the checkpoints are '
+                    'intact: free space and rerun the same command to resume') from None
+  finally:
+    os.close(fd)
 
 
 class Writer:
@@ -18,7 +41,7 @@ class Writer:
       path = os.path.join(workdir, 'metrics.jsonl')
       for name in ('metrics.jsonl', 'routing.jsonl'):  # rows past the restored step go
         _drop_rows_after(os.path.join(workdir, name), resume_step)
-      self._jsonl = open(path, 'a')
+      self._jsonl = path
       if tensorboard:
         from tensorboardX import SummaryWriter
         self._tb = SummaryWriter(os.path.join(workdir, 'tb'))
@@ -27,8 +50,7 @@ class Writer:
     if not self.enabled:
       return
     row = {'step': step, **{prefix + k: float(v) for k, v in scalars.items()}}
-    self._jsonl.write(json.dumps(row) + '\n')
-    self._jsonl.flush()
+    append_lines(self._jsonl, [json.dumps(row)])
     if self._tb is not None:
       for k, v in row.items():
         if k != 'step':
@@ -51,8 +73,6 @@ class Writer:
     print('  '.join(parts), file=sys.stdout, flush=True)
 
   def close(self):
-    if self._jsonl:
-      self._jsonl.close()
     if self._tb is not None:
       self._tb.close()
 

@@ -30,6 +30,7 @@ from loopmoe_jax.experiment import RUN_SETTINGS, build, config_diff
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.train import checkpoint, preflight, step as steps
 from loopmoe_jax.train.lock import WorkdirLock
+from loopmoe_jax.train import metrics as metrics_lib
 from loopmoe_jax.train.metrics import Writer
 from loopmoe_jax.train.optimizer import make_optimizer
 
@@ -317,15 +318,16 @@ def _write_routing(workdir, step, stats, proc):
   if proc:
     return
   stats = jax.device_get(stats)
-  with open(os.path.join(workdir, 'routing.jsonl'), 'a') as f:
-    for seg, s in stats.items():
-      lb = np.asarray(s['load_balance'])
-      grid = lb.reshape(-1, lb.shape[-1]) if lb.ndim == 2 else lb.reshape(1, -1)
-      for p in range(grid.shape[0]):
-        for layer in range(grid.shape[1]):
-          idx = (p, layer) if lb.ndim == 2 else (layer,)
-          f.write(json.dumps({'step': step, 'segment': seg, 'pass': p, 'layer': layer,
-                              **{k: float(np.asarray(v)[idx]) for k, v in s.items()}}) + '\n')
+  lines = []
+  for seg, s in stats.items():
+    lb = np.asarray(s['load_balance'])
+    grid = lb.reshape(-1, lb.shape[-1]) if lb.ndim == 2 else lb.reshape(1, -1)
+    for p in range(grid.shape[0]):
+      for layer in range(grid.shape[1]):
+        idx = (p, layer) if lb.ndim == 2 else (layer,)
+        lines.append(json.dumps({'step': step, 'segment': seg, 'pass': p, 'layer': layer,
+                                 **{k: float(np.asarray(v)[idx]) for k, v in s.items()}}))
+  metrics_lib.append_lines(os.path.join(workdir, 'routing.jsonl'), lines)  # one step: one write
 
 
 def _exchange_text(mc, mesh) -> str:
