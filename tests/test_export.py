@@ -238,11 +238,19 @@ def test_non_empty_out_refused_and_failed_export_leaves_nothing(tmp_path):
   with pytest.raises(FileExistsError, match='not empty.*--overwrite'):
     with files.output_dir(str(out)):
       pass
+  # --overwrite replaces an earlier export only (recognised by its files), not 'keep'
+  with pytest.raises(FileExistsError, match='not an earlier export'):
+    with files.output_dir(str(out), overwrite=True):
+      pass
+  (out / 'keep').unlink()
+  for name in ('config.json', 'model.safetensors'):
+    (out / name).write_text('old')
   with pytest.raises(RuntimeError, match='boom'):
     with files.output_dir(str(out), overwrite=True) as tmp:
       open(os.path.join(tmp, 'half'), 'w').close()
       raise RuntimeError('boom')
-  assert os.listdir(tmp_path) == ['out'] and os.listdir(out) == ['keep']
+  assert os.listdir(tmp_path) == ['out']
+  assert sorted(os.listdir(out)) == ['config.json', 'model.safetensors']
   with files.output_dir(str(out), overwrite=True) as tmp:
     open(os.path.join(tmp, 'new'), 'w').close()
   assert os.listdir(out) == ['new']
@@ -253,6 +261,9 @@ def test_non_empty_out_refused_and_failed_export_leaves_nothing(tmp_path):
     with pytest.raises(FileExistsError, match='holds a training run.*choose another --out'):
       with files.output_dir(str(target), overwrite=True):
         pass
+  with pytest.raises(FileExistsError, match='lies inside the training run'):  # nor inside one
+    with files.output_dir(str(run / 'export' / 'hf')):
+      pass
   assert sorted(os.listdir(run)) == ['checkpoints', 'metrics.jsonl']
 
 

@@ -20,6 +20,20 @@ SHARD_BYTES = 2 << 30  # hub-style shards with an index past this size
 RUN_FILES = {'metrics.jsonl', 'summary.json', 'routing.jsonl'}
 
 
+def is_export(directory: str) -> bool:
+  """An earlier export: a directory of files only, with config.json and *.safetensors (both
+  formats write them), and only the files an export writes."""
+  names = os.listdir(directory)
+  if any(os.path.isdir(os.path.join(directory, n)) for n in names):
+    return False
+  known = lambda n: n.endswith(('.safetensors', '.json')) or n in EXPORT_EXTRA
+  return ('config.json' in names and any(n.endswith('.safetensors') for n in names) and
+          all(known(n) for n in names))
+
+
+EXPORT_EXTRA = ('README.md', 'tokenizer.model')
+
+
 @contextlib.contextmanager
 def output_dir(out: str, overwrite: bool = False):
   """Yields a fresh temporary directory beside `out`, renamed to `out` on success and
@@ -32,8 +46,20 @@ def output_dir(out: str, overwrite: bool = False):
     if 'checkpoints' in dirs or RUN_FILES & set(names):  # never replace a run directory
       raise FileExistsError(f'--out={out} holds a training run ({root}); --overwrite replaces '
                             'exports only: choose another --out')
-  if os.path.isdir(out) and os.listdir(out) and not overwrite:
-    raise FileExistsError(f'--out={out} exists and is not empty (pass --overwrite to replace it)')
+  above = os.path.dirname(out)
+  while above != os.path.dirname(above):  # nor write inside one
+    if os.path.isdir(os.path.join(above, 'checkpoints')) or any(
+        os.path.exists(os.path.join(above, n)) for n in RUN_FILES):
+      raise FileExistsError(f'--out={out} lies inside the training run {above}: choose an '
+                            '--out outside it')
+    above = os.path.dirname(above)
+  if os.path.isdir(out) and os.listdir(out):
+    if not overwrite:
+      raise FileExistsError(f'--out={out} exists and is not empty (pass --overwrite to replace '
+                            'it)')
+    if not is_export(out):
+      raise FileExistsError(f'--out={out} is not an earlier export (no *.safetensors and '
+                            'config.json, or other entries); --overwrite replaces exports only')
   parent = os.path.dirname(out)
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(dir=parent, prefix=f'.{os.path.basename(out)}.tmp-')
