@@ -180,6 +180,11 @@ def run(main):
   from absl import flags, logging as absl_logging
   flags.DEFINE_bool('debug', False, 'Show tracebacks of errors.')
 
+  try:  # a flag value of the wrong type: one line, not absl's "FATAL Flags parsing error"
+    flags.FLAGS(sys.argv)
+  except flags.Error as e:
+    fail(f'{e} (see --helpshort)')
+
   def quiet_main(argv):
     absl_logging.set_verbosity(absl_logging.WARNING)
     for logger in (absl_logging.get_absl_logger(), logging.getLogger('asyncio')):

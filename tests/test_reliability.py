@@ -353,3 +353,25 @@ def test_full_disk_while_logging_is_one_line_and_leaves_no_torn_line(straight, t
   monkeypatch.setattr(metrics_lib.os, 'write', real_write)
   train(tiny(steps=6), work)
   assert losses(work) == losses(straight)
+
+
+def test_workdir_flag_and_zarr_errors_are_one_line(tmp_path):
+  """A workdir that is empty or a file, a flag of the wrong type and a path that holds no zarr
+  array: one line each, naming the flag or path (with a fix), no raw errno or tensorstore spec."""
+  from loopmoe_jax.data import sources  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.train.trainer import check_workdir  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match='--workdir is empty'):
+    check_workdir('')
+  afile = tmp_path / 'afile'
+  afile.write_text('x')
+  with pytest.raises(ValueError, match=f'--workdir={afile} is a file'):
+    check_workdir(str(afile))
+  with pytest.raises(ValueError) as err:
+    sources.ZarrTokens(str(tmp_path))
+  text = str(err.value)
+  assert 'tensorstore_spec' not in text and len(text) < 300 and str(tmp_path) in text
+  out = subprocess.run([sys.executable, 'scripts/train.py', f'--workdir={tmp_path / "r"}',
+                        '--force=maybe'], cwd=ROOT, capture_output=True, text=True)
+  assert out.returncode == 1 and 'FATAL' not in out.stderr
+  last = out.stderr.strip().splitlines()[-1]
+  assert last.startswith('error: ') and '--force=maybe' in last

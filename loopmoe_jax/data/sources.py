@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from typing import Any
 
@@ -155,7 +156,10 @@ class ZarrTokens:
     try:
       self.arr = ts.open(zarr_spec(path_or_spec), read=True).result()
     except Exception as e:
-      raise ValueError(f'zarr token array {path_or_spec!r} cannot be opened: {e}') from e
+      # tensorstore appends the whole resolved spec in brackets: keep the message before it
+      why = re.sub(r'\s*\[tensorstore_spec=.*$', '', str(e), flags=re.S)
+      raise ValueError(f'zarr token array {path_or_spec!r} cannot be opened ({why}); write one '
+                       'with scripts/prepare_data.py --format=zarr') from e
     attrs = self.arr.spec(retain_context=False).to_json().get('metadata', {}).get('attributes', {})
     if 'vocab_size' not in attrs:
       raise ValueError(f'zarr token array {path_or_spec!r}: no vocab_size attribute')

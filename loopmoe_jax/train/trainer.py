@@ -75,8 +75,24 @@ def train(cfg, workdir: str, force: bool = False, start_over: bool = False) -> d
   (train/preflight.py); `start_over` starts a run none of whose checkpoints reads back from
   step 0, its steps and logs moved to unreadable_checkpoints/ (without it that is an error)."""
   exp = build(cfg)
+  check_workdir(workdir)
   with WorkdirLock(workdir, owner=jax.process_index() == 0):
     return _train(cfg, exp, workdir, force, start_over)
+
+
+def check_workdir(workdir: str):
+  """A ValueError naming --workdir and a fix when it cannot hold a run: empty, a file, or a
+  directory (or the nearest existing parent) this user cannot write."""
+  if not workdir or not workdir.strip():
+    raise ValueError('--workdir is empty: give the run directory, e.g. --workdir=/tmp/run')
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ValueError(f'--workdir={workdir} is a file, not a directory: choose another path')
+  existing = os.path.abspath(workdir)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise ValueError(f'--workdir={workdir}: {existing} is not writable by this user: choose '
+                     'another path or fix its permissions')
 
 
 def _train(cfg, exp, workdir: str, force: bool = False, start_over: bool = False) -> dict:
