@@ -154,25 +154,6 @@ class _QuietOrbax:
     return not (from_orbax and record.levelno >= logging.ERROR)
 
 
-def _drop_closed_loop_errors():
-  """Tensorstore writes that finish after Orbax gave up on a failed save call back into a
-  closed asyncio loop; each prints a traceback through sys.excepthook. Drop those."""
-  previous = sys.excepthook
-
-  def hook(kind, value, tb):
-    if kind is RuntimeError and str(value) == 'Event loop is closed':
-      return
-    previous(kind, value, tb)
-  sys.excepthook = hook
-  previous_unraisable = sys.unraisablehook
-
-  def unraisable(info):
-    if isinstance(info.exc_value, RuntimeError) and str(info.exc_value) == 'Event loop is closed':
-      return
-    previous_unraisable(info)
-  sys.unraisablehook = unraisable
-
-
 def run(main):
   """app.run with library INFO logs (Orbax, Grain) silenced, progress printed, and an error
   printed as one line `error: ...` (exit status 1); --debug or LOOPMOE_DEBUG=1 shows the
@@ -180,16 +161,10 @@ def run(main):
   from absl import flags, logging as absl_logging
   flags.DEFINE_bool('debug', False, 'Show tracebacks of errors.')
 
-  try:  # a flag value of the wrong type: one line, not absl's "FATAL Flags parsing error"
-    flags.FLAGS(sys.argv)
-  except flags.Error as e:
-    fail(f'{e} (see --helpshort)')
-
   def quiet_main(argv):
     absl_logging.set_verbosity(absl_logging.WARNING)
     for logger in (absl_logging.get_absl_logger(), logging.getLogger('asyncio')):
       logger.addFilter(_QuietOrbax())
-    _drop_closed_loop_errors()
     try:
       return main(argv)
     except KeyboardInterrupt:
@@ -201,4 +176,10 @@ def run(main):
         raise
       plain = isinstance(e, (ValueError, RuntimeError, OSError)) and str(e)
       fail(str(e) if plain else f'{type(e).__name__}: {e}')
-  app.run(quiet_main)
+  def parse(argv):  # a flag value of the wrong type: one line, not absl's "FATAL ..." two
+    try:
+      return flags.FLAGS(argv)
+    except flags.Error as e:
+      fail(f'{e} (see --helpshort)')
+
+  app.run(quiet_main, flags_parser=parse)

@@ -369,7 +369,7 @@ def test_workdir_flag_and_zarr_errors_are_one_line(tmp_path):
   with pytest.raises(ValueError) as err:
     sources.ZarrTokens(str(tmp_path))
   text = str(err.value)
-  assert 'tensorstore_spec' not in text and len(text) < 300 and str(tmp_path) in text
+  assert 'tensorstore_spec' not in text and '{' not in text and str(tmp_path) in text
   out = subprocess.run([sys.executable, 'scripts/train.py', f'--workdir={tmp_path / "r"}',
                         '--force=maybe'], cwd=ROOT, capture_output=True, text=True)
   assert out.returncode == 1 and 'FATAL' not in out.stderr

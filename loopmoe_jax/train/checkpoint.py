@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import sys
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -25,20 +26,48 @@ from loopmoe_jax.config import ModelConfig
 log = logging.getLogger(__name__)
 
 
+def _closed_loop(exc) -> bool:
+  return isinstance(exc, RuntimeError) and str(exc) == 'Event loop is closed'
+
+
 def _quiet_abandoned_reads(previous):
-  """sys.unraisablehook that drops the errors of Orbax's abandoned array reads: restoring a
-  damaged step fails on its first bad array and leaves the other reads' coroutines to fail
-  unawaited, each printing a traceback with the whole TensorStore spec (thousands of lines).
-  The failed restore already names the step and path in one line; other errors pass."""
+  """sys.unraisablehook that drops the errors of Orbax's abandoned work: restoring a damaged
+  step fails on its first bad array and leaves the other reads' coroutines to fail unawaited,
+  each printing a traceback with the whole TensorStore spec (thousands of lines), and
+  TensorStore callbacks that finish after Orbax gave up call into a closed asyncio loop. The
+  failed restore or save already names the step and path in one line; other errors pass."""
   def hook(unraisable):
     code = getattr(unraisable.object, 'cr_code', None)
     if code is not None and f'{os.sep}orbax{os.sep}' in code.co_filename:
+      return
+    if _closed_loop(unraisable.exc_value):
       return
     previous(unraisable)
   return hook
 
 
+def _quiet_closed_loop(previous):
+  """sys.excepthook dropping the closed-loop errors above (raised in callbacks' threads)."""
+  def hook(kind, value, tb):
+    if not _closed_loop(value):
+      previous(kind, value, tb)
+  return hook
+
+
+class _AbandonedOrbaxTasks(logging.Filter):
+  """asyncio's 'Task exception was never retrieved' for Orbax's abandoned reads (above)."""
+
+  def filter(self, record):
+    if record.levelno < logging.ERROR or 'never retrieved' not in record.getMessage():
+      return True
+    tb = record.exc_info[2] if record.exc_info else None
+    return not (tb and any(f'{os.sep}orbax{os.sep}' in frame.filename
+                           for frame in traceback.extract_tb(tb)))
+
+
 sys.unraisablehook = _quiet_abandoned_reads(sys.unraisablehook)
+sys.excepthook = _quiet_closed_loop(sys.excepthook)
+logging.getLogger('asyncio').addFilter(_AbandonedOrbaxTasks())
 
 
 def manager(directory: str, keep: int = 3, async_save: bool = True, read_only: bool = False,
