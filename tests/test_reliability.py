@@ -375,3 +375,20 @@ def test_workdir_flag_and_zarr_errors_are_one_line(tmp_path):
   assert out.returncode == 1 and 'FATAL' not in out.stderr
   last = out.stderr.strip().splitlines()[-1]
   assert last.startswith('error: ') and '--force=maybe' in last
+
+
+def test_data_is_checked_before_the_model_is_built(tmp_path, monkeypatch):
+  """A data file that does not exist, or a token file with a bad header, is reported before
+  any model is built (the README's promise; it came 67-101 s in, after model init)."""
+  from loopmoe_jax.train import trainer  # pylint: disable=import-outside-toplevel
+
+  def no_model(*a, **kw):
+    raise AssertionError('the model was built before the data was checked')
+  monkeypatch.setattr(trainer, 'LoopedMoE', no_model)
+  bad = tmp_path / 'bad.bin'
+  bad.write_bytes(b'not a token file at all')
+  for path, match in ((tmp_path / 'missing.bin', 'missing.bin'), (bad, 'bad.bin')):
+    cfg = tiny()
+    cfg.data.source, cfg.data.path = 'tokens', str(path)
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+      train(cfg, str(tmp_path / 'run'))

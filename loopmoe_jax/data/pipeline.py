@@ -168,6 +168,15 @@ def _stack(rows):
           'mask': np.stack([r[2] for r in rows]).astype(np.float32)}
 
 
+def check_data(cfg: DataConfig, model_vocab: int):
+  """Opens the train (and validation) source as the run will: a missing file, a bad header, a
+  source too short for one sequence or a vocabulary past the model's is a ValueError naming
+  it, before any model is built."""
+  Windows(cfg, 'train', model_vocab)
+  if cfg.source != 'synthetic' and open_source(cfg, 'validation') is not None:
+    Windows(cfg, 'validation', model_vocab)
+
+
 def train_iterator(cfg: DataConfig, model_vocab: int, max_steps: int, process_index: int = 0,
                    process_count: int = 1, state=None):
   """A Grain iterator over steps 0..max_steps-1 (its state: {'next_index': step})."""

@@ -76,6 +76,7 @@ def train(cfg, workdir: str, force: bool = False, start_over: bool = False) -> d
   step 0, its steps and logs moved to unreadable_checkpoints/ (without it that is an error)."""
   exp = build(cfg)
   check_workdir(workdir)
+  pipeline.check_data(exp.data, exp.model.vocab_size)  # before any model is built
   with WorkdirLock(workdir, owner=jax.process_index() == 0):
     return _train(cfg, exp, workdir, force, start_over)
 
