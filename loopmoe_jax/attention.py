@@ -9,7 +9,6 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-
 from jax.ad_checkpoint import checkpoint_name
 
 from loopmoe_jax.attention_impls import attend_with, resolve

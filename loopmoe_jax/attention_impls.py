@@ -83,6 +83,18 @@ def _blocks(k_BSGK, v_BSGK, k_pos_BS, block: int):
           split(_pad_to(k_pos_BS, 1, n * block, big)))
 
 
+def _grouped(x_BTHK, g: int):
+  """[B, T, H, K] -> [B, G, Q, T, K]: the H = G x Q query heads by KV group."""
+  b, t, h, kd = x_BTHK.shape
+  return jnp.moveaxis(x_BTHK.reshape(b, t, g, h // g, kd), 1, 3)
+
+
+def _ungrouped(x_BGQTK):
+  """The inverse of `_grouped`."""
+  b, g, q, t, kd = x_BGQTK.shape
+  return jnp.moveaxis(x_BGQTK, 3, 1).reshape(b, t, g * q, kd)
+
+
 def _scores(q_BGQTK, k_BsGK, q_pos_BT, k_pos_Bs, scale):
   """float32 scores of one key block [B, G, Q, T, s], -inf where the key is after the query."""
   s = jnp.einsum('bgqtk,bsgk->bgqts', q_BGQTK, k_BsGK,
@@ -95,7 +107,7 @@ def _chunked_fwd_impl(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block):
   b, t, h, kd = q_BTHK.shape
   g = k_BSGK.shape[2]
   scale = 1.0 / float(kd) ** 0.5
-  q = jnp.moveaxis(q_BTHK.reshape(b, t, g, h // g, kd), 1, 3)  # [B, G, Q, T, K]
+  q = _grouped(q_BTHK, g)
   kb, vb, pb = _blocks(k_BSGK, v_BSGK, k_pos_BS, block)
 
   def step(carry, blk):
@@ -116,7 +128,7 @@ def _chunked_fwd_impl(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block):
   (m, l, acc), _ = jax.lax.scan(step, init, (kb, vb, pb))
   out = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
   lse = m + jnp.log(jnp.maximum(l, 1e-30))
-  out_BTHK = jnp.moveaxis(out, 3, 1).reshape(b, t, h, kd).astype(q_BTHK.dtype)
+  out_BTHK = _ungrouped(out).astype(q_BTHK.dtype)
   return out_BTHK, lse
 
 
@@ -136,12 +148,11 @@ def _chunked_fwd(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block):
 
 def _chunked_bwd(block, res, d_out_BTHK):
   q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, out_BTHK, lse = res
-  b, t, h, kd = q_BTHK.shape
+  b, kd = q_BTHK.shape[0], q_BTHK.shape[3]
   s_len, g = k_BSGK.shape[1], k_BSGK.shape[2]
   scale = 1.0 / float(kd) ** 0.5
-  to5 = lambda x: jnp.moveaxis(x.reshape(b, t, g, h // g, kd), 1, 3)  # [B, G, Q, T, K]
-  q, d_out = to5(q_BTHK), to5(d_out_BTHK)
-  delta = jnp.sum(d_out.astype(jnp.float32) * to5(out_BTHK).astype(jnp.float32), axis=-1)
+  q, d_out = _grouped(q_BTHK, g), _grouped(d_out_BTHK, g)
+  delta = jnp.sum(d_out.astype(jnp.float32) * _grouped(out_BTHK, g).astype(jnp.float32), axis=-1)
   kb, vb, pb = _blocks(k_BSGK, v_BSGK, k_pos_BS, block)
 
   def step(dq, blk):
@@ -157,7 +168,7 @@ def _chunked_bwd(block, res, d_out_BTHK):
 
   dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(q.shape, jnp.float32), (kb, vb, pb))
   unblock = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, -1, g, kd)[:, :s_len]
-  dq_BTHK = jnp.moveaxis(dq, 3, 1).reshape(b, t, h, kd).astype(q_BTHK.dtype)
+  dq_BTHK = _ungrouped(dq).astype(q_BTHK.dtype)
   return (dq_BTHK, unblock(dk).astype(k_BSGK.dtype), unblock(dv).astype(v_BSGK.dtype),
           None, None)
 
@@ -174,7 +185,8 @@ ASSUMED_CUDNN_VERSION = 91000
 
 @contextlib.contextmanager
 def _assume_cudnn():
-  from jax._src.cudnn import fused_attention_stablehlo as fa  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from jax._src.cudnn import fused_attention_stablehlo as fa
   saved = fa.check_cudnn_version
   fa.check_cudnn_version = lambda: ASSUMED_CUDNN_VERSION
   try:
@@ -193,14 +205,13 @@ def _cudnn(q_BTHK, k_BSGK, v_BSGK):
 
 
 def _splash(q_BTHK, k_BSGK, v_BSGK):
-  from jax.experimental.pallas.ops.tpu.splash_attention import (  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from jax.experimental.pallas.ops.tpu.splash_attention import (
       splash_attention_kernel as splash, splash_attention_mask as masks)
   t, kd = q_BTHK.shape[1], q_BTHK.shape[3]
   padded = -(-t // SPLASH_MULTIPLE) * SPLASH_MULTIPLE  # padded keys follow every real query
   blk = max(d for d in (512, 256, 128) if padded % d == 0)
-  interpret = pallas_kernels.ops.DEFAULT_INTERPRET
-  if interpret is None:
-    interpret = pallas_kernels.ops.platform() == 'cpu'
+  interpret = bool(pallas_kernels.ops.resolve_interpret('splash', None))  # CPU: interpreted
   mask = masks.MultiHeadMask([masks.CausalMask((padded, padded))] * q_BTHK.shape[2])
   kernel = splash.make_splash_mha(
       mask, head_shards=1, q_seq_shards=1, interpret=interpret,

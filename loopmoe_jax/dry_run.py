@@ -149,6 +149,11 @@ def _group_size(line: str) -> int:
   return 2  # no groups written: every device
 
 
+def _definitions(lines) -> dict[str, str]:
+  """{value name: its result shape text} of one computation's lines."""
+  return {d.group(1): d.group(2) for d in map(_DEF.match, lines) if d}
+
+
 def collectives(hlo: str):
   """Every collective of an HLO module that moves data: dicts of kind, bytes per execution,
   executions per run of the entry, result shapes, op name, group size."""
@@ -156,11 +161,7 @@ def collectives(hlo: str):
   mult = _multiplicities(comps)
   out = []
   for name, lines in comps.items():
-    defs = {}
-    for line in lines:
-      d = _DEF.match(line)
-      if d:
-        defs[d.group(1)] = d.group(2)
+    defs = _definitions(lines)
     for line in lines:
       m = _OP.search(line)
       if not m or not mult[name]:
@@ -191,7 +192,8 @@ def collective_bytes(hlo_or_colls) -> dict[str, int]:
   return dict(out)
 
 
-_DOT = re.compile(r'^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(\S+?\[[\d,]*\])\S*\s+(dot|ragged-dot)\((.*?)\),(.*)$')
+_DOT = re.compile(r'^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(\S+?\[[\d,]*\])\S*\s+'
+                  r'(dot|ragged-dot)\((.*?)\),(.*)$')
 
 
 def dot_flops(hlo: str) -> int:
@@ -207,11 +209,7 @@ def dot_flops(hlo: str) -> int:
   for name, lines in comps.items():
     if not mult[name]:
       continue
-    defs = {}
-    for line in lines:
-      d = _DEF.match(line)
-      if d:
-        defs[d.group(1)] = d.group(2)
+    defs = _definitions(lines)
     for line in lines:
       m = _DOT.match(line)
       if not m:

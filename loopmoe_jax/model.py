@@ -202,15 +202,16 @@ class LoopedMoE(nn.Module):
                          f"'{ROUTER_BIAS}', or checkpoint.load_router_bias)")
       bias = self.variable(ROUTER_BIAS, 'bias', lambda: {
           seg: jnp.zeros(shape, jnp.float32) for seg, shape in bias_shapes(c).items()}).value
+    stack = remat(Stack, c)  # prelude and coda, rematerialised like the core's passes
     if c.prelude_layers:
-      x_BTD, per_visit['prelude'] = remat(Stack, c)(c, c.prelude_layers, c.prelude_experts, **seg_kw,
+      x_BTD, per_visit['prelude'] = stack(c, c.prelude_layers, c.prelude_experts, **seg_kw,
                                           name='prelude')(x_BTD, None, None, positions_BT,
                                                           bias.get('prelude'))
     if c.core_layers:
       x_BTD, per_visit['core'] = Core(c, **seg_kw, name='core')(x_BTD, positions_BT, num_loops,
                                                                 bias.get('core'))
     if c.coda_layers:
-      x_BTD, per_visit['coda'] = remat(Stack, c)(c, c.coda_layers, c.coda_experts, **seg_kw,
+      x_BTD, per_visit['coda'] = stack(c, c.coda_layers, c.coda_experts, **seg_kw,
                                        name='coda')(x_BTD, None, None, positions_BT,
                                                     bias.get('coda'))
     x_BTD = RMSNorm(c.norm_gain, c.norm_eps, c.param_dtype, name='final_norm')(x_BTD)

@@ -19,10 +19,16 @@ from loopmoe_jax.layers import DTYPES
 from loopmoe_jax.model import head_matrix, variables
 
 
+def token_nll_of_logits(logits_BTV, targets_BT):
+  """Per-token negative log-likelihood (float32): logsumexp(logits) - the target's logit."""
+  logits = logits_BTV.astype(jnp.float32)
+  target = jnp.take_along_axis(logits, targets_BT[..., None], axis=-1)[..., 0]
+  return jax.nn.logsumexp(logits, axis=-1) - target
+
+
 def lm_loss(logits_BTV, targets_BT, mask_BT=None):
   """Mean next-token negative log-likelihood (float32) over unmasked positions."""
-  logp = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
-  nll_BT = -jnp.take_along_axis(logp, targets_BT[..., None], axis=-1)[..., 0]
+  nll_BT = token_nll_of_logits(logits_BTV, targets_BT)
   if mask_BT is None:
     return jnp.mean(nll_BT)
   mask = mask_BT.astype(jnp.float32)
@@ -32,8 +38,7 @@ def lm_loss(logits_BTV, targets_BT, mask_BT=None):
 def _nll_sum(h_BTD, head_DV, targets_BT, mask_BT):
   """Summed NLL with the whole [B, T, V] float32 logits."""
   logits = jnp.dot(h_BTD, head_DV.astype(h_BTD.dtype), preferred_element_type=jnp.float32)
-  target = jnp.take_along_axis(logits, targets_BT[..., None], axis=-1)[..., 0]
-  return jnp.sum((jax.nn.logsumexp(logits, axis=-1) - target) * mask_BT)
+  return jnp.sum(token_nll_of_logits(logits, targets_BT) * mask_BT)
 
 
 def _vocab_chunks(vocab: int, chunk: int) -> tuple[int, int]:

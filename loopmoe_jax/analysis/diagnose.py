@@ -206,7 +206,8 @@ def summary_lines(r: dict) -> list[str]:
                f'tokens; records {t["records"]:.1f} s = first batch {t["records_first_batch"]:.1f} '
                f's with compile, then '
                + (f'{steady:.3f} s per 1,000 tokens)' if steady is not None else 'no more batches)')
-               + ''.join(f'; {name} {sec:.1f} s' for name, sec in t.get('after_masking', {}).items()))
+               + ''.join(f'; {name} {sec:.1f} s'
+                         for name, sec in t.get('after_masking', {}).items()))
   return lines
 
 

@@ -276,12 +276,13 @@ def set_aside(mngr, steps, workdir: str) -> list[str]:
   return moved
 
 
-def restore_latest(mngr, abstract_state, step: int | None = None, skipped=None, reasons=None):
+def restore_latest(mngr, abstract_state, step: int | None = None, skipped=None):
   """(step, state, data_state, config dict) of the newest readable step, or None if none.
 
   With `step`, only that step is tried. Unreadable steps are logged, skipped and, when
-  `skipped` is a list, appended to it (and their reasons put in the dict `reasons`). A step that restores as stored but not into
-  abstract_state (another optimizer, another model) raises StateMismatch."""
+  `skipped` is a dict, put in it with why ({step: reason}, newest first). A step that restores
+  as stored but not into abstract_state (another optimizer, another model) raises
+  StateMismatch."""
   steps = sorted(mngr.all_steps(), reverse=True) if step is None else [step]
   for s in steps:
     try:
@@ -294,21 +295,13 @@ def restore_latest(mngr, abstract_state, step: int | None = None, skipped=None, 
         raise StateMismatch(f'checkpoint step {s} in {mngr.directory} is intact but its train '
                             f'state does not fit this run\'s ({type(e).__name__}: '
                             f'{str(e)[:300]})') from e
-      print(f'WARNING: checkpoint step {s} is unreadable: {bad}; skipping it')
-      if skipped is not None:
-        skipped.append(s)
-      if reasons is not None:
-        reasons[s] = bad
-      continue
-    bad = _verify(out, s, str(mngr.directory))
-    if bad:
-      print(f'WARNING: checkpoint step {s} is unreadable: {bad}; skipping it')
-      if skipped is not None:
-        skipped.append(s)
-      if reasons is not None:
-        reasons[s] = bad
-      continue
-    return s, out['state'], out['data'], out['config']
+    else:
+      bad = _verify(out, s, str(mngr.directory))  # bytes that decode to other values
+    if bad is None:
+      return s, out['state'], out['data'], out['config']
+    print(f'WARNING: checkpoint step {s} is unreadable: {bad}; skipping it')
+    if skipped is not None:
+      skipped[s] = bad
   return None
 
 

@@ -21,6 +21,8 @@ import jax
 import numpy as np
 
 from loopmoe_jax import sharding
+from loopmoe_jax.attention_impls import resolve
+from loopmoe_jax.dispatch import resolve_backend
 
 
 def device_memory_bytes(device=None) -> int | None:
@@ -57,8 +59,6 @@ def layer_bytes(mc, tokens: int, seqs: int, seq_len: int, experts: int) -> int:
   [tokens x k, d + 3F] (the 'tiled' dispatch's rounded up to whole `dispatch_tile`s; a dense
   layer: [tokens, 3F]); with the 'xla' attention also its float32 probabilities
   [seqs, H, T, T]."""
-  from loopmoe_jax.attention_impls import resolve  # pylint: disable=import-outside-toplevel
-  from loopmoe_jax.dispatch import resolve_backend  # pylint: disable=import-outside-toplevel
   act = np.dtype(mc.dtype).itemsize
   width = 2 * mc.d_model + (2 * mc.num_heads + 2 * mc.kv_heads) * mc.head_size
   rows, ffn = 0, 3 * mc.expert_width

@@ -272,16 +272,16 @@ def _initial_state(mngr, target, model, tx, exp, state_sh, workdir, start_over=F
   where = f'checkpoint step {stored[0]} in {mngr.directory}' if stored else ''
   if stored is not None:
     _check_same_run(stored[1], exp, where)
-  skipped, reasons = [], {}
+  skipped = {}  # {step: why} of the steps that do not read back
   try:
-    restored = checkpoint.restore_latest(mngr, target, skipped=skipped, reasons=reasons)
+    restored = checkpoint.restore_latest(mngr, target, skipped=skipped)
   except checkpoint.StateMismatch as e:
     if stored:  # name the changed settings with it
       _check_same_run(stored[1], exp, where, str(e))
     raise
   if restored is None and skipped and not start_over:  # never start over on top of a run
     # whose steps all fail, unless asked to
-    why = '; '.join(f'step {s}: {reasons.get(s, "unreadable")}' for s in skipped)
+    why = '; '.join(f'step {s}: {reason}' for s, reason in skipped.items())
     raise RuntimeError(f'every checkpoint step in {mngr.directory} is unreadable ({why}); '
                        'nothing was changed. Restore them from a copy, or start this run over '
                        'with --start_over (the steps and logs are moved aside, not deleted)')
@@ -300,7 +300,7 @@ def _initial_state(mngr, target, model, tx, exp, state_sh, workdir, start_over=F
           f'{os.path.join(workdir, "unreadable_checkpoints")}', flush=True)
   if restored is not None and skipped:  # newer steps that do not read: set them aside
     if jax.process_count() > 1:
-      raise RuntimeError(f'checkpoint steps {skipped} in {mngr.directory} are unreadable; '
+      raise RuntimeError(f'checkpoint steps {list(skipped)} in {mngr.directory} are unreadable; '
                          'move them out of the directory and restart')
     for path in checkpoint.set_aside(mngr, skipped, workdir):
       print(f'moved the unreadable checkpoint to {path}', flush=True)
