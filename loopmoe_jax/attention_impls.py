@@ -3,13 +3,16 @@
 - `xla`: `attention.attend`, an einsum that materialises float32 scores [B, G, Q, T, S] and
   keeps them for the backward. The probes that read attention weights (the sink mass of
   analysis/probes.py) and decoding with a KV cache always use it.
-- `chunked`: causal attention in plain JAX over key blocks of `model.attention_block` with an
-  online softmax (flash attention's recurrence: a running max m, normaliser l and output
-  accumulator per query), and a custom VJP that recomputes each block's probabilities from
-  the saved log-sum-exp. Forward and backward hold O(T x block) scores per head, never
-  T x S. Runs on every platform; the CPU path and the fallback. The keys are cut into the
-  fewest blocks of at most `attention_block` (as even as can be; the last padded, its padded
-  keys masked out), so a sequence shorter than the block is one block.
+- `chunked`: causal attention in plain JAX over query blocks and key blocks of
+  `model.attention_block` with an online softmax (flash attention's recurrence: a running max
+  m, normaliser l and output accumulator per query), and a custom VJP that recomputes each
+  block pair's probabilities from the saved log-sum-exp. Forward and backward hold the scores
+  of one block pair [B, H, block, block] at a time (float32), never T x S or T x block. Runs
+  on every platform; the CPU path and the fallback. Queries and keys are cut into the fewest
+  blocks of at most `attention_block` (as even as can be; padded keys and queries masked
+  out), so a sequence shorter than the block is one block pair. Every block pair is computed,
+  the masked ones too (the loops have static trip counts, which the dry run's FLOP count
+  reads).
 - `cudnn`: `jax.nn.dot_product_attention(implementation='cudnn')`, cuDNN's fused flash
   attention: NVIDIA GPUs, bfloat16/float16 compute (`model.dtype`).
 - `splash`: JAX's Pallas TPU splash-attention kernel (causal mask, GQA); on CPU it only runs in
@@ -71,16 +74,36 @@ def _pad_to(x, axis: int, size: int, value=0):
   return jnp.pad(x, widths, constant_values=value)
 
 
+def _split(x, axis: int, block: int, value=0):
+  """`x` padded along `axis` to whole blocks of at most `block` and split there: [n, ...] with
+  the axis of length block' = ceil(len / n) (the fewest blocks, as even as can be: least
+  padding)."""
+  size = x.shape[axis]
+  n = -(-size // block)
+  block = -(-size // n)
+  x = _pad_to(x, axis, n * block, value)
+  return jnp.moveaxis(x.reshape(*x.shape[:axis], n, block, *x.shape[axis + 1:]), axis, 0)
+
+
+def _unsplit(x, axis: int, size: int):
+  """The inverse of `_split` (padding dropped)."""
+  x = jnp.moveaxis(x, 0, axis)
+  merged = x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2:])
+  return jax.lax.slice_in_dim(merged, 0, size, axis=axis)
+
+
 def _blocks(k_BSGK, v_BSGK, k_pos_BS, block: int):
-  """Keys, values and positions padded to whole blocks and split [n, B, block, ...]; padded
-  keys sit at the largest position, so no query attends to them."""
-  s = k_BSGK.shape[1]
-  n = -(-s // block)
-  block = -(-s // n)  # the fewest blocks of at most `block`, as even as can be: least padding
+  """Keys, values and positions in blocks [n, B, block, ...]; padded keys sit at the largest
+  position, so no query attends to them."""
   big = jnp.iinfo(k_pos_BS.dtype).max
-  split = lambda x: jnp.moveaxis(x.reshape(x.shape[0], n, block, *x.shape[2:]), 1, 0)
-  return (split(_pad_to(k_BSGK, 1, n * block)), split(_pad_to(v_BSGK, 1, n * block)),
-          split(_pad_to(k_pos_BS, 1, n * block, big)))
+  return (_split(k_BSGK, 1, block), _split(v_BSGK, 1, block), _split(k_pos_BS, 1, block, big))
+
+
+def _query_blocks(q_pos_BT, block: int, *xs_BGQT):
+  """Query positions and per-query arrays ([B, G, Q, T, ...]) in query blocks; padded queries
+  sit at the smallest position, so they attend to no key (their output is 0)."""
+  small = jnp.iinfo(q_pos_BT.dtype).min
+  return (_split(q_pos_BT, 1, block, small),) + tuple(_split(x, 3, block) for x in xs_BGQT)
 
 
 def _grouped(x_BTHK, g: int):
@@ -107,36 +130,46 @@ def _chunked_fwd_impl(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block):
   b, t, h, kd = q_BTHK.shape
   g = k_BSGK.shape[2]
   scale = 1.0 / float(kd) ** 0.5
-  q = _grouped(q_BTHK, g)
+  # The positions tied to q by a zero that XLA folds away. Under jax.checkpoint (remat) JAX
+  # computes whatever depends on non-differentiated inputs alone once in the forward and
+  # saves it for the backward: untied, the causal masks of every block pair (O(T^2) bytes per
+  # sequence and head group) would be saved; tied, they are recomputed with the scores.
+  zero = jax.lax.select(q_BTHK[0, 0, 0, 0] == 0, 0, 0).astype(q_pos_BT.dtype)
+  q_pos_BT, k_pos_BS = q_pos_BT + zero, k_pos_BS + zero
   kb, vb, pb = _blocks(k_BSGK, v_BSGK, k_pos_BS, block)
+  qpb, qb = _query_blocks(q_pos_BT, block, _grouped(q_BTHK, g))
 
-  def step(carry, blk):
-    m, l, acc = carry
-    k_blk, v_blk, pos_blk = blk
-    s = _scores(q, k_blk, q_pos_BT, pos_blk, scale)
-    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-    corr = jnp.exp(m - m_new)
-    p = jnp.exp(s - m_new[..., None])
-    l = l * corr + jnp.sum(p, axis=-1)
-    acc = acc * corr[..., None] + jnp.einsum('bgqts,bsgk->bgqtk', p.astype(v_blk.dtype), v_blk,
-                                             preferred_element_type=jnp.float32)
-    return (m_new, l, acc), None
+  def query_block(_, blk):
+    q, q_pos = blk
 
-  shape = (b, g, h // g, t)
-  init = (jnp.full(shape, jnp.finfo(jnp.float32).min), jnp.zeros(shape, jnp.float32),
-          jnp.zeros(shape + (kd,), jnp.float32))
-  (m, l, acc), _ = jax.lax.scan(step, init, (kb, vb, pb))
-  out = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
-  lse = m + jnp.log(jnp.maximum(l, 1e-30))
-  out_BTHK = _ungrouped(out).astype(q_BTHK.dtype)
-  return out_BTHK, lse
+    def key_block(carry, blk):
+      m, l, acc = carry
+      k_blk, v_blk, pos_blk = blk
+      s = _scores(q, k_blk, q_pos, pos_blk, scale)
+      m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+      corr = jnp.exp(m - m_new)
+      p = jnp.exp(s - m_new[..., None])
+      l = l * corr + jnp.sum(p, axis=-1)
+      acc = acc * corr[..., None] + jnp.einsum('bgqts,bsgk->bgqtk', p.astype(v_blk.dtype),
+                                               v_blk, preferred_element_type=jnp.float32)
+      return (m_new, l, acc), None
+
+    shape = q.shape[:-1]
+    init = (jnp.full(shape, jnp.finfo(jnp.float32).min), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(q.shape, jnp.float32))
+    (m, l, acc), _ = jax.lax.scan(key_block, init, (kb, vb, pb))
+    out = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
+    return None, (out.astype(q_BTHK.dtype), m + jnp.log(jnp.maximum(l, 1e-30)))
+
+  _, (out, lse) = jax.lax.scan(query_block, None, (qb, qpb))
+  return _ungrouped(_unsplit(out, 3, t)), _unsplit(lse, 3, t)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def chunked_attend(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block: int = 512):
   """Causal softmax attention as `attention.attend` (same arguments and result), computed
-  over key blocks of `block` with an online softmax; the backward recomputes each block's
-  probabilities from the saved log-sum-exp (memory O(T x block) per head)."""
+  over query and key blocks of `block` with an online softmax; the backward recomputes each
+  block pair's probabilities from the saved log-sum-exp (scores of one block pair live)."""
   return _chunked_fwd_impl(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block)[0]
 
 
@@ -147,30 +180,41 @@ def _chunked_fwd(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block):
 
 
 def _chunked_bwd(block, res, d_out_BTHK):
+  """Flash attention's backward: per key block (outer loop, its dk and dv accumulated over
+  the query blocks), per query block (inner loop) the probabilities recomputed from the saved
+  log-sum-exp; dq accumulated across key blocks."""
   q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, out_BTHK, lse = res
-  b, kd = q_BTHK.shape[0], q_BTHK.shape[3]
-  s_len, g = k_BSGK.shape[1], k_BSGK.shape[2]
+  kd, s_len, g = q_BTHK.shape[3], k_BSGK.shape[1], k_BSGK.shape[2]
   scale = 1.0 / float(kd) ** 0.5
   q, d_out = _grouped(q_BTHK, g), _grouped(d_out_BTHK, g)
   delta = jnp.sum(d_out.astype(jnp.float32) * _grouped(out_BTHK, g).astype(jnp.float32), axis=-1)
   kb, vb, pb = _blocks(k_BSGK, v_BSGK, k_pos_BS, block)
+  qpb, qb, dob, lseb, deltab = _query_blocks(q_pos_BT, block, q, d_out, lse, delta)
 
-  def step(dq, blk):
+  def key_block(dq, blk):
     k_blk, v_blk, pos_blk = blk
-    p = jnp.exp(_scores(q, k_blk, q_pos_BT, pos_blk, scale) - lse[..., None])
-    dv = jnp.einsum('bgqts,bgqtk->bsgk', p.astype(d_out.dtype), d_out,
-                    preferred_element_type=jnp.float32)
-    dp = jnp.einsum('bgqtk,bsgk->bgqts', d_out, v_blk, preferred_element_type=jnp.float32)
-    ds = (p * (dp - delta[..., None]) * scale).astype(q.dtype)
-    dq = dq + jnp.einsum('bgqts,bsgk->bgqtk', ds, k_blk, preferred_element_type=jnp.float32)
-    dk = jnp.einsum('bgqts,bgqtk->bsgk', ds, q, preferred_element_type=jnp.float32)
-    return dq, (dk, dv)
 
-  dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(q.shape, jnp.float32), (kb, vb, pb))
-  unblock = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, -1, g, kd)[:, :s_len]
-  dq_BTHK = _ungrouped(dq).astype(q_BTHK.dtype)
-  return (dq_BTHK, unblock(dk).astype(k_BSGK.dtype), unblock(dv).astype(v_BSGK.dtype),
-          None, None)
+    def query_block(carry, blk):
+      dk, dv = carry
+      q_i, do_i, lse_i, delta_i, q_pos = blk
+      p = jnp.exp(_scores(q_i, k_blk, q_pos, pos_blk, scale) - lse_i[..., None])
+      dv = dv + jnp.einsum('bgqts,bgqtk->bsgk', p.astype(do_i.dtype), do_i,
+                           preferred_element_type=jnp.float32)
+      dp = jnp.einsum('bgqtk,bsgk->bgqts', do_i, v_blk, preferred_element_type=jnp.float32)
+      ds = (p * (dp - delta_i[..., None]) * scale).astype(q_i.dtype)
+      dk = dk + jnp.einsum('bgqts,bgqtk->bsgk', ds, q_i, preferred_element_type=jnp.float32)
+      return (dk, dv), jnp.einsum('bgqts,bsgk->bgqtk', ds, k_blk,
+                                  preferred_element_type=jnp.float32)
+
+    zeros = jnp.zeros(k_blk.shape, jnp.float32)
+    (dk, dv), dq_parts = jax.lax.scan(query_block, (zeros, zeros),
+                                      (qb, dob, lseb, deltab, qpb))
+    return dq + dq_parts, (dk, dv)
+
+  dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(qb.shape, jnp.float32), (kb, vb, pb))
+  dq_BTHK = _ungrouped(_unsplit(dq, 3, q_BTHK.shape[1])).astype(q_BTHK.dtype)
+  return (dq_BTHK, _unsplit(dk, 1, s_len).astype(k_BSGK.dtype),
+          _unsplit(dv, 1, s_len).astype(v_BSGK.dtype), None, None)
 
 
 chunked_attend.defvjp(_chunked_fwd, _chunked_bwd)
