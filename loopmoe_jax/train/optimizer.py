@@ -1,6 +1,8 @@
 """AdamW with global-norm clipping and warmup-stable-decay or cosine schedules."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -46,7 +48,20 @@ def decay_mask(params):
   return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
+# the TrainConfig fields that decide the optimizer and its schedule
+OPTIMIZER_FIELDS = ('lr', 'schedule', 'warmup', 'decay_fraction', 'decay_shape',
+                    'final_lr_fraction', 'b1', 'b2', 'eps', 'weight_decay', 'clip')
+
+
 def make_optimizer(cfg: TrainConfig):
+  """(tx, schedule). Equal settings give the same two objects (so the programs built on them,
+  train/step.py, are built once per process)."""
+  return _optimizer(tuple(getattr(cfg, f) for f in OPTIMIZER_FIELDS), cfg.total_steps)
+
+
+@functools.lru_cache(maxsize=16)
+def _optimizer(settings, total_steps: int):
+  cfg = TrainConfig(**dict(zip(OPTIMIZER_FIELDS, settings)), steps=total_steps)
   schedule = make_schedule(cfg)
   adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                       weight_decay=cfg.weight_decay, mask=decay_mask)

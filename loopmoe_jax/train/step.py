@@ -7,8 +7,16 @@ table: the batch is split over the mesh's batch axes, parameters and optimizer m
 `fsdp`, `expert` and `tensor` as their logical axes say. Every step runs under
 `jax.set_mesh(mesh)` so the model's activation constraints and the expert-parallel
 `shard_map` see the mesh.
+
+Programs are built once per process: the state's shardings, its abstract shapes, the init and
+the train, eval and routing steps are kept (a small LRU) under the model, the optimizer objects
+(train/optimizer.py returns the same ones for equal settings), the mesh and the shapes, so a
+second run of the same configuration in one process (a resume, a sweep point, a test) neither
+traces nor compiles again.
 """
 from __future__ import annotations
+
+import functools
 
 import flax.linen as nn
 import jax
@@ -47,33 +55,62 @@ def boxed_params(model, seq_len: int = 8):
   return jax.eval_shape(lambda: model.lazy_init(init_key(0), _tokens(seq_len))['params'])
 
 
+_programs = functools.lru_cache(maxsize=32)
+
+
+def _key(tree):
+  """A pytree (of shardings) as a hashable key."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple(leaves)
+
+
+def _tree(key):
+  treedef, leaves = key
+  return jax.tree.unflatten(treedef, leaves)
+
+
 def shardings(mesh, model, tx, seq_len: int, zero_data: bool = False):
   """(state shardings, batch sharding) on `mesh`, from the params' logical axis names
   (`zero_data`: mesh.zero_data)."""
+  state_key, batch_sh = _shardings(mesh, model, tx, seq_len, zero_data)
+  return _tree(state_key), batch_sh
+
+
+@_programs
+def _shardings(mesh, model, tx, seq_len: int, zero_data: bool):
   boxed = boxed_params(model, seq_len)
   state_sh = sharding.state_shardings(mesh, boxed, tx, zero_data)
   segments = bias_shapes(model.cfg)
   if segments:  # small: replicated
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     state_sh[ROUTER_BIAS] = {'bias': {seg: rep for seg in segments}}
-  return state_sh, sharding.batch_sharding(mesh)
+  return _key(state_sh), sharding.batch_sharding(mesh)
 
 
 def abstract_state(model, tx, seq_len: int, state_sh=None):
   """ShapeDtypeStructs of the state (with `state_sh`, carrying those shardings)."""
-  shapes = jax.eval_shape(lambda: init_state(model, tx, init_key(0), seq_len))
+  shapes = _tree(_shapes(model, tx, seq_len))
   if state_sh is None:
     return shapes
   return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                       shapes, state_sh)
 
 
+@_programs
+def _shapes(model, tx, seq_len: int):
+  return _key(jax.eval_shape(lambda: init_state(model, tx, init_key(0), seq_len)))
+
+
 def create_state(model, tx, seed: int, seq_len: int, state_sh):
   """The initial state, created directly in its sharded layout (never whole on one device)."""
   mesh = jax.tree.leaves(state_sh)[0].mesh
-  init = jax.jit(lambda rng: init_state(model, tx, rng, seq_len), out_shardings=state_sh)
   with jax.set_mesh(mesh):
-    return init(init_key(seed))
+    return _init(model, tx, seq_len, _key(state_sh))(init_key(seed))
+
+
+@_programs
+def _init(model, tx, seq_len: int, state_key):
+  return jax.jit(lambda rng: init_state(model, tx, rng, seq_len), out_shardings=_tree(state_key))
 
 
 class OnMesh:
@@ -148,6 +185,15 @@ def make_train_step(model, tx, schedule, lb_coef: float, z_coef: float, state_sh
   """With a router bias in the state: the bias routes the step, then moves by `bias_rate`
   against the step's loads; the metrics gain 'max_vio_<segment>' (mean over the segment's
   visits of the per-visit MaxVio)."""
+  return _train_step(model, tx, schedule, lb_coef, z_coef, _key(state_sh), batch_sh,
+                     microbatches, bias_rate)
+
+
+@_programs
+def _train_step(model, tx, schedule, lb_coef, z_coef, state_key, batch_sh, microbatches,
+                bias_rate):
+  state_sh = _tree(state_key)
+
   def step(state, batch):
     bias = state.get(ROUTER_BIAS)
     metrics, grads = loss_and_grads(state['params'], model, batch, lb_coef, z_coef,
@@ -166,6 +212,7 @@ def make_train_step(model, tx, schedule, lb_coef: float, z_coef: float, state_sh
                         donate_argnums=0), batch_sh.mesh)
 
 
+@_programs
 def make_eval_step(model, num_loops=None, mesh=None):
   """Sum of token NLL and token count of a batch (so batches of any mask average exactly)."""
   def step(params, batch, router_bias=None):
@@ -174,6 +221,7 @@ def make_eval_step(model, num_loops=None, mesh=None):
   return OnMesh(jax.jit(step), mesh) if mesh is not None else jax.jit(step)
 
 
+@_programs
 def make_routing_step(model, mesh=None):
   """Per segment, pass and layer: load-balance loss, z-loss, MaxVio and dropped assignments
   of a batch."""
