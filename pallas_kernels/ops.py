@@ -63,6 +63,14 @@ DEFAULT_INTERPRET: bool | None = None
 DEFAULT_PLATFORM: str | None = None
 
 
+def trace_context() -> tuple:
+  """Everything here that changes what a program traces to (the defaults above and the tile
+  table): part of the key of any traced program kept for reuse (loopmoe_jax/train/step.py)."""
+  tiles = tuple((fam, op, tuple(sorted(cfg.items())))
+                for fam, ops_ in sorted(TILES.items()) for op, cfg in sorted(ops_.items()))
+  return DEFAULT_TARGET, DEFAULT_INTERPRET, DEFAULT_PLATFORM, tiles
+
+
 def platform() -> str:
   """The platform programs are built for: 'cpu', 'gpu' or 'tpu' (jax.default_backend(), or
   the one `lowering_for` names)."""

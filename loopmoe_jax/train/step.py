@@ -28,6 +28,7 @@ from loopmoe_jax import sharding
 from loopmoe_jax.moe import max_vio
 from loopmoe_jax.model import ROUTER_BIAS, bias_shapes, update_router_bias, variables
 from loopmoe_jax.objective import loss_fn, token_nll
+from pallas_kernels import ops
 
 
 def init_key(seed: int):
@@ -55,7 +56,16 @@ def boxed_params(model, seq_len: int = 8):
   return jax.eval_shape(lambda: model.lazy_init(init_key(0), _tokens(seq_len))['params'])
 
 
-_programs = functools.lru_cache(maxsize=32)
+def _programs(fn):
+  """Keeps `fn`'s results (an LRU of 32) under its arguments and the kernel settings in force
+  when it is called (pallas_kernels.ops.trace_context: a program traced for another platform,
+  or with other tiles, is another program)."""
+  kept = functools.lru_cache(maxsize=32)(lambda context, *args, **kw: fn(*args, **kw))
+
+  @functools.wraps(fn)
+  def wrapper(*args, **kw):
+    return kept(ops.trace_context(), *args, **kw)
+  return wrapper
 
 
 def _key(tree):
