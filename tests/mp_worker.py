@@ -1,5 +1,7 @@
-"""One process of a two-process CPU training run (used by test_multiprocess.py): 2 CPU devices
-per process, the mesh given as 'axis=size,...' spanning both processes. Prints what it fed."""
+"""One process of two-process CPU training runs (used by test_multiprocess.py): 2 CPU devices
+per process; one run per argument 'axis=size,...[:sample]' (a mesh spanning both processes;
+`sample`: the default train.sample_tokens), in WORK/<i>, one after another in the same two
+processes. Prints what each run fed."""
 import json
 import os
 import sys
@@ -7,8 +9,7 @@ import sys
 import jax
 import numpy as np
 
-pid, port, work, mesh = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-sample = len(sys.argv) > 5 and sys.argv[5] == 'sample'  # the default train.sample_tokens
+pid, port, work, specs = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
 jax.config.update('jax_num_cpu_devices', 2)
 jax.config.update('jax_platforms', 'cpu')
 jax.distributed.initialize(coordinator_address=f'127.0.0.1:{port}', num_processes=2,
@@ -29,13 +30,17 @@ def recording_put_batch(batch, batch_sh):
 
 
 steps.put_batch = recording_put_batch
-cfg = tiny(steps=4)
-if sample:
-  from loopmoe_jax.train.config import TrainConfig  # noqa: E402
-  cfg.train.sample_tokens = TrainConfig().sample_tokens
-for axis_size in mesh.split(','):  # e.g. data=1,expert=4
-  axis, size = axis_size.split('=')
-  cfg.mesh[axis] = int(size)
-summary = train(cfg, work)
-print('RESULT', json.dumps({'process': jax.process_index(), 'devices': jax.device_count(),
-                            'fed': fed, **summary}), flush=True)
+for i, spec in enumerate(specs):
+  mesh, _, sample = spec.partition(':')
+  fed.clear()
+  cfg = tiny(steps=4)
+  if sample:
+    from loopmoe_jax.train.config import TrainConfig  # noqa: E402
+    cfg.train.sample_tokens = TrainConfig().sample_tokens
+  for axis_size in mesh.split(','):  # e.g. data=1,expert=4
+    axis, size = axis_size.split('=')
+    cfg.mesh[axis] = int(size)
+  summary = train(cfg, os.path.join(work, str(i)))
+  print('RESULT', json.dumps({'run': i, 'process': jax.process_index(),
+                              'devices': jax.device_count(), 'fed': fed, **summary}),
+        flush=True)
