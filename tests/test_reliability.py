@@ -392,3 +392,22 @@ def test_data_is_checked_before_the_model_is_built(tmp_path, monkeypatch):
     cfg.data.source, cfg.data.path = 'tokens', str(path)
     with pytest.raises((ValueError, FileNotFoundError), match=match):
       train(cfg, str(tmp_path / 'run'))
+
+
+def test_checksums_equal_numpy_on_any_sharding_without_gathering():
+  """The two sums against numpy's (wrapping uint32) on an array split along its second axis:
+  the same on one device and on 8, and the sharded program gathers nothing. Recorded
+  checksums of which none names an array of the tree are a mismatch, not a pass."""
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  x = jax.numpy.asarray(np.random.default_rng(0).standard_normal((16, 64)), jax.numpy.float32)
+  u = np.asarray(x).view(np.uint32).reshape(-1).astype(np.uint64)
+  w = (np.arange(u.size, dtype=np.uint64) * 2654435761 + 1) % 2**32
+  want = [int(u.sum() % 2**32), int((u * w).sum() % 2**32)]
+  mesh = jax.make_mesh((8,), ('x',), devices=jax.devices()[:8])
+  split = jax.device_put(x, NamedSharding(mesh, P(None, 'x')))
+  assert checkpoint.checksums({'a': x}) == checkpoint.checksums({'a': split}) == {"['a']": want}
+  hlo = checkpoint._checksums_jit.lower({'a': split}).compile().as_text()  # pylint: disable=protected-access
+  assert 'all-gather' not in hlo
+  assert checkpoint.checksum_mismatch({'a': x}, {"['a']": want}) is None
+  assert checkpoint.checksum_mismatch({'a': x}, {"['a']": [want[0], want[1] ^ 1]}) == "['a']"
+  assert checkpoint.checksum_mismatch({'a': x}, {"['b']": want}) is not None

@@ -140,8 +140,13 @@ def _one_checksum(x):
     u = jax.lax.bitcast_convert_type(x, jnp.uint32)
   else:
     u = jax.lax.bitcast_convert_type(x, _UINT[size]).astype(jnp.uint32)
-  u = u.reshape(-1)
-  weights = jnp.arange(u.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
+  # each element's flat (row-major) index, built per axis: a reshape to 1-D would gather an
+  # array sharded along a later axis onto every device
+  index, stride = jnp.zeros(u.shape, jnp.uint32), 1
+  for axis in reversed(range(u.ndim)):
+    index = index + jax.lax.broadcasted_iota(jnp.uint32, u.shape, axis) * jnp.uint32(stride)
+    stride = stride * u.shape[axis] % (1 << 32)
+  weights = index * jnp.uint32(2654435761) + jnp.uint32(1)
   return jnp.stack([jnp.sum(u, dtype=jnp.uint32), jnp.sum(u * weights, dtype=jnp.uint32)])
 
 
@@ -157,11 +162,16 @@ def checksums(tree) -> dict[str, list[int]]:
 
 def checksum_mismatch(tree, stored: dict, prefix: str = '') -> str | None:
   """The path of the first array of `tree` whose checksum differs from `stored` (keys as
-  `checksums` gives them, under `prefix`), or None."""
+  `checksums` gives them, under `prefix`), or None. Checksums recorded but none of them for
+  an array of `tree` is a mismatch too (the layout changed: nothing would be verified)."""
+  matched = False
   for path, value in checksums(tree).items():
     want = stored.get(prefix + path)
     if want is not None and list(want) != value:
       return prefix + path
+    matched = matched or want is not None
+  if stored and not matched:
+    return f'every array ({len(stored)} recorded, none under {prefix or "the state"!r})'
   return None
 
 
