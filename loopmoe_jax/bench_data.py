@@ -23,7 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from loopmoe_jax.bench import TARGETS, register
-from loopmoe_jax.cli import DEFAULT_CONFIG
+from loopmoe_jax import DEFAULT_CONFIG
 from loopmoe_jax.data import pipeline
 from loopmoe_jax.experiment import build, load_config
 from loopmoe_jax.model import LoopedMoE

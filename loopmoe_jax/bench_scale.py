@@ -29,7 +29,7 @@ import numpy as np
 
 from loopmoe_jax import expert_parallel, sharding
 from loopmoe_jax.bench import TARGETS, register, time_interleaved
-from loopmoe_jax.cli import DEFAULT_CONFIG
+from loopmoe_jax import DEFAULT_CONFIG
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.dry_run import collective_bytes
 from loopmoe_jax.experiment import load_config

@@ -11,8 +11,7 @@ import threading
 from absl import app
 from ml_collections import config_flags
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                              'configs', 'default.py')
+from loopmoe_jax import DEFAULT_CONFIG
 
 
 def debug() -> bool:
