@@ -48,15 +48,15 @@ def _vocab_chunks(vocab: int, chunk: int) -> tuple[int, int]:
   return -(-vocab // n), n
 
 
-def _chunk_logits(h_BTD, head_DV, i, cols: int):
-  """float32 logits of vocabulary chunk i [B, T, cols] (-inf past the vocabulary) and the
-  chunk's first column."""
-  vocab = head_DV.shape[1]
+def _chunk_logits(h_BTD, padded_DV, vocab: int, i, cols: int):
+  """float32 logits of vocabulary chunk i [B, T, cols] (-inf past the vocabulary), the chunk's
+  first column and its head columns, from the head padded to whole chunks (padded once,
+  outside the loop over chunks)."""
   start = i * cols
-  w = jax.lax.dynamic_slice_in_dim(_pad_cols(head_DV, cols), start, cols, axis=1)
+  w = jax.lax.dynamic_slice_in_dim(padded_DV, start, cols, axis=1)
   logits = jnp.dot(h_BTD, w.astype(h_BTD.dtype), preferred_element_type=jnp.float32)
   valid = start + jnp.arange(cols) < vocab
-  return jnp.where(valid, logits, -jnp.inf), start
+  return jnp.where(valid, logits, -jnp.inf), start, w
 
 
 def _pad_cols(head_DV, cols: int):
@@ -75,10 +75,11 @@ def chunked_nll_sum(h_BTD, head_DV, targets_BT, mask_BT, chunk: int):
 
 def _chunked_fwd(h_BTD, head_DV, targets_BT, mask_BT, chunk):
   cols, n = _vocab_chunks(head_DV.shape[1], chunk)
+  padded_DV = _pad_cols(head_DV, cols)
 
   def step(carry, i):
     m, l, tgt = carry
-    logits, start = _chunk_logits(h_BTD, head_DV, i, cols)
+    logits, start, _ = _chunk_logits(h_BTD, padded_DV, head_DV.shape[1], i, cols)
     m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
     l = l * jnp.exp(m - m_new) + jnp.sum(jnp.exp(logits - m_new[..., None]), axis=-1)
     here = (targets_BT >= start) & (targets_BT < start + cols)
@@ -98,13 +99,13 @@ def _chunked_bwd(chunk, res, g):
   h_BTD, head_DV, targets_BT, mask, lse = res
   cols, n = _vocab_chunks(head_DV.shape[1], chunk)
   coef_BT = g * mask
+  padded_DV = _pad_cols(head_DV, cols)
 
   def step(carry, i):
     dh, dw = carry
-    logits, start = _chunk_logits(h_BTD, head_DV, i, cols)
+    logits, start, w = _chunk_logits(h_BTD, padded_DV, head_DV.shape[1], i, cols)
     onehot = (targets_BT[..., None] - start) == jnp.arange(cols)
     d = ((jnp.exp(logits - lse[..., None]) - onehot) * coef_BT[..., None]).astype(h_BTD.dtype)
-    w = jax.lax.dynamic_slice_in_dim(_pad_cols(head_DV, cols), start, cols, axis=1)
     dh = dh + jnp.einsum('btv,dv->btd', d, w.astype(d.dtype), preferred_element_type=jnp.float32)
     dw_chunk = jnp.einsum('btd,btv->dv', h_BTD, d, preferred_element_type=jnp.float32)
     return (dh, jax.lax.dynamic_update_slice_in_dim(dw, dw_chunk.astype(dw.dtype), start, 1)), None
@@ -140,8 +141,7 @@ def token_nll(params, model, batch, num_loops: int | None = None, router_bias=No
                               num_loops=num_loops, return_hidden=True)
   # in the parameters' dtype: the chunked loss casts chunk by chunk, and its head gradient
   # stays in that dtype
-  head_DV = head_matrix(c, params['params'] if 'params' in params else params,
-                        DTYPES[c.param_dtype])
+  head_DV = head_matrix(c, variables(params)['params'], DTYPES[c.param_dtype])
   # gathered whole over its width (a parameter gather): the hidden states stay where they are
   head_DV = sharding.constrain(head_DV, (None, 'vocab'))
   total, count = head_nll(h_BTD, head_DV, batch['targets'], batch.get('mask'),

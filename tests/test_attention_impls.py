@@ -105,7 +105,7 @@ def test_attention_impl_errors_name_the_key_and_platform():
     model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
 
 
-@pytest.mark.parametrize('chunk', [5, 8, 40])
+@pytest.mark.parametrize('chunk', [5, 8, 23, 40])  # 40 > V: the whole-logits path
 def test_chunked_loss_equals_the_plain_loss_and_gradient(chunk):
   rng = np.random.default_rng(3)
   b, t, d, v = 2, 16, 8, 24
