@@ -41,14 +41,17 @@ _save = jax.checkpoint_policies.save_only_these_names
 # layer (prelude, core passes, coda) is rematerialised per layer stack (one core pass), and
 # the head and LM loss with it (objective.py). Named checkpoints: 'attn_qkv' (q, k, v after
 # RoPE), 'attention' (the attention output, and chunked attention's log-sum-exp), 'router' (router
-# logits), 'expert_out' (the combined expert output), 'exchange' (the rows each expert-parallel
-# all-to-all delivers). Measured memory and recompute per policy: README, scripts/dry_run.py.
+# logits), 'expert_out' (the combined expert output: named, but no backward reads it, so no
+# policy keeps it; the expert FFN's intermediates are recomputed), 'exchange' (the rows each
+# expert-parallel all-to-all delivers). Measured memory and recompute per policy: README, scripts/dry_run.py.
 REMAT = {
     'full': None,                      # keep each stack's input only
     'dots': jax.checkpoint_policies.checkpoint_dots,
     'dots_no_batch': jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
     'pass_input': _save('exchange'),   # each pass's input, and what the exchange delivered
-    'attention': _save('exchange', 'attn_qkv', 'attention'),  # no attention recompute
+    # chunked attention: no attention forward recomputed (its output and log-sum-exp are
+    # kept); xla, cudnn and splash keep q, k, v and the output but rerun their forward
+    'attention': _save('exchange', 'attn_qkv', 'attention'),
     'named': _save('exchange', 'attn_qkv', 'attention', 'router', 'expert_out'),
 }
 

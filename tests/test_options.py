@@ -1,4 +1,6 @@
 """Loop options that must not change the function: remat policies, compute dtype."""
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -67,3 +69,23 @@ def test_bfloat16_compute_keeps_float32_params_and_tracks_float32():
   assert abs(float(l16) - float(l32)) < 0.05 * float(l32)
   g = _grads(cfg16, params)
   assert all(x.dtype == jnp.float32 and np.isfinite(x).all() for x in jax.tree.leaves(g))
+
+
+@pytest.mark.parametrize('policy,names', [
+    ('full', set()), ('pass_input', set()),  # one device: no exchange to keep
+    ('attention', {'attn_qkv', 'attention'}),
+    # 'expert_out' is named too, but no backward reads the expert output: nothing to keep
+    ('named', {'attn_qkv', 'attention', 'router'})])
+def test_each_policy_saves_exactly_its_named_checkpoints(policy, names, capsys):
+  """What the backward keeps under each policy (jax.ad_checkpoint.print_saved_residuals, with
+  chunked attention and the chunked loss): exactly the checkpoint names the policy lists;
+  with 'attention' the attention output and its log-sum-exp (so chunked attention's forward
+  is not recomputed)."""
+  cfg = CFG.replace(remat=policy, attention_impl='chunked', attention_block=5, loss_chunk=5)
+  model, batch = LoopedMoE(cfg), _batch()
+  jax.ad_checkpoint.print_saved_residuals(lambda p: loss_fn(p, model, batch)[0], _init(CFG))
+  saved = capsys.readouterr().out
+  assert set(re.findall(r"named '(\w+)'", saved)) == names, saved
+  if 'attention' in names:  # the output [B, T, H, K] and the log-sum-exp [B, G, Q, T]
+    shapes = set(re.findall(r"(\S+) named 'attention'", saved))
+    assert len(shapes) == 2, shapes
