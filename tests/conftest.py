@@ -31,22 +31,23 @@ jax.config.update('jax_platforms', 'cpu')
 # test command (and CI) runs them all.
 SLOW = {
     'test_attention_impls': ('test_chunked_equals_xla_outputs_and_gradients',),
-    'test_benchmark': ('test_compile_seconds_times_real_compiles', 'test_model_benchmark_quick'),
+    'test_benchmark': ('test_compile_seconds_times_real_compiles', 'test_model_benchmark_quick', 'test_kernels_moe_layer_checks_pallas_and_times_every_stage'),
     'test_config': ('test_accounting_equals_init_for_every_config_variant', 'test_accounting_equals_init_for_extra_combos', 'test_flops_and_active_params_brute_force', 'test_kv_per_token_equals_real_cache'),
     'test_diagnostics': ('test_diagnose_end_to_end_on_a_trained_workdir',),
-    'test_kernels': ('test_gmm_forward_and_vjp_match_numpy_and_ragged_dot', 'test_gmm_groups_stay_isolated_from_non_finite_rows', 'test_mgpu_ws_splits_tiles_between_warpgroups_or_falls_back'),
-    'test_model': ('test_decode_matches_full_forward', 'test_forward_matches_reference'),
+    'test_kernels': ('test_gmm_forward_and_vjp_match_numpy_and_ragged_dot', 'test_gmm_groups_stay_isolated_from_non_finite_rows', 'test_mgpu_ws_splits_tiles_between_warpgroups_or_falls_back', 'test_model_trained_with_pallas_matches_reference'),
+    'test_model': ('test_decode_matches_full_forward', 'test_forward_matches_reference', 'test_scan_equals_unroll', 'test_causality_by_gradients', 'test_decode_with_more_loops_on_tied_model', 'test_generate_greedy_matches_full_forward_loop', 'test_decode_past_the_cache_length_is_an_error', 'test_scale_by_trained_or_executed_passes'),
     'test_moe': ('test_load_balance_loss_collapse_costs_more_than_uniform', 'test_load_balance_loss_matches_numpy'),
     'test_multiprocess': ('test_two_processes_match_one',),
-    'test_options': ('test_remat_gives_the_same_loss_and_gradients',),
-    'test_permute_kernels': ('test_permute_combine_and_vjps_match_numpy',),
-    'test_probes': ('test_probing_off_leaves_logits_bit_identical',),
-    'test_reliability': ('test_damaged_part_of_the_newest_step_is_set_aside', 'test_failed_background_save_names_its_step', 'test_full_disk_while_logging_is_one_line_and_leaves_no_torn_line', 'test_injected_full_disk_stops_with_one_line', 'test_silently_corrupted_state_is_detected_by_checksum', 'test_too_little_free_space_is_refused_before_writing', 'test_truncated_state_file_is_one_line_not_thousands'),
+    'test_options': ('test_remat_gives_the_same_loss_and_gradients', 'test_bfloat16_compute_keeps_float32_params_and_tracks_float32'),
+    'test_permute_kernels': ('test_permute_combine_and_vjps_match_numpy', 'test_combine_of_permute_is_weight_sum'),
+    'test_probes': ('test_probing_off_leaves_logits_bit_identical', 'test_ce_gain_by_domain_against_direct_nll'),
+    'test_reliability': ('test_damaged_part_of_the_newest_step_is_set_aside', 'test_failed_background_save_names_its_step', 'test_full_disk_while_logging_is_one_line_and_leaves_no_torn_line', 'test_injected_full_disk_stops_with_one_line', 'test_silently_corrupted_state_is_detected_by_checksum', 'test_too_little_free_space_is_refused_before_writing', 'test_truncated_state_file_is_one_line_not_thousands', 'test_second_trainer_on_a_workdir_is_refused_and_a_dead_holder_is_stale', 'test_checkpoint_without_checksums_restores_and_says_so_once', 'test_divergence_before_any_checkpoint_says_so'),
     'test_reproduce': ('test_loop_laws_report_ranks_the_generating_form',),
-    'test_router': ('test_resume_gives_the_same_biases_and_losses_and_another_layout_is_refused', 'test_train_step_updates_from_its_own_loads_outside_the_optimizer', 'test_uniform_bias_changes_nothing_and_the_bias_gets_no_gradient'),
+    'test_router': ('test_resume_gives_the_same_biases_and_losses_and_another_layout_is_refused', 'test_train_step_updates_from_its_own_loads_outside_the_optimizer', 'test_uniform_bias_changes_nothing_and_the_bias_gets_no_gradient', 'test_every_dispatch_and_expert_parallel_agree_with_the_bias', 'test_config_errors_name_the_key_and_the_fix'),
     'test_scaling_laws': ('test_loop_form_recovers_truth_and_ranks_first',),
     'test_scaling_sweep': ('test_sweep_with_the_trainer_skips_and_resumes',),
     'test_sharding': ('test_checkpoint_saved_on_one_mesh_resumes_on_another', 'test_dry_run_reads_bytes_and_exchanges_from_the_program', 'test_expert_parallel_program_exchanges_tokens_not_experts', 'test_gradient_reductions_do_not_grow_with_the_passes_and_no_activation_is_gathered', 'test_local_routing_equals_one_device_on_a_skewed_batch', 'test_microbatches_give_the_same_update', 'test_sharded_training_equals_one_device'),
+    'test_smelt_analysis': ('test_report_recovers_known_coefficients_within_bootstrap_intervals',),
     'test_train': ('test_continuation_with_longer_schedule', 'test_corrupt_latest_step_is_skipped', 'test_evaluate_and_sample_from_a_workdir', 'test_kept_steps_survive_keep', 'test_nan_loss_stops_and_keeps_the_good_checkpoint', 'test_non_finite_update_is_never_saved', 'test_resume_from_an_earlier_checkpoint_drops_the_lost_rows', 'test_resume_is_bitwise_identical', 'test_resume_with_another_model_is_an_error_and_loses_nothing', 'test_sigterm_saves_a_restorable_checkpoint', 'test_unreadable_newest_step_is_set_aside_and_written_again'),
 }
 
@@ -56,5 +57,7 @@ def pytest_collection_modifyitems(config, items):
   import pytest  # pylint: disable=import-outside-toplevel
   for item in items:
     module = item.module.__name__.rsplit('.', 1)[-1] if item.module else ''
+    missing = [n for n in SLOW.get(module, ()) if not hasattr(item.module, n)]
+    assert not missing, f'tests/conftest.py SLOW names tests {module} lacks: {missing}'
     if getattr(item, 'originalname', item.name) in SLOW.get(module, ()):
       item.add_marker(pytest.mark.slow)

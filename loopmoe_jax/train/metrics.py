@@ -24,8 +24,10 @@ def append_lines(path: str, lines: list[str]):
         os.ftruncate(fd, size)  # the file as it was: no torn line
       except OSError:
         pass
+      fix = ('free space' if e.errno in (errno.ENOSPC, errno.EDQUOT) else
+             'make it writable')
       raise OSError(e.errno, f'writing {path} failed: {e.strerror}; the checkpoints are '
-                    'intact: free space and rerun the same command to resume') from None
+                    f'intact: {fix} and rerun the same command to resume') from None
   finally:
     os.close(fd)
 

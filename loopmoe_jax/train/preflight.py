@@ -119,4 +119,5 @@ def check_memory(exp, mesh, state, budget: int | None = None) -> dict:
       f'pre-flight memory check: a train step needs at least {gib(need)} per device '
       f'(parameters {gib(est["params"])}, optimizer {gib(est["optimizer"])}, gradients '
       f'{gib(est["gradients"])}, activations >= {gib(est["activations"])}) but a device has '
-      f'{gib(budget)}; it is driven by {key} (or pass --force to skip this check)')
+      f'{gib(budget)}; it is driven by {key} (or pass --force to scripts/train.py to skip '
+      'this check)')
