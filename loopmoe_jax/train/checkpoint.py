@@ -268,20 +268,31 @@ def unreadable_part(mngr, step: int) -> str | None:
   return None
 
 
-def set_aside(mngr, steps, workdir: str) -> list[str]:
-  """Moves the given (unreadable) step directories to workdir/unreadable_checkpoints/, so a
-  resumed run can save those steps again and nothing is deleted; returns the new paths."""
+def _free_name(folder: str, name: str) -> str:
+  """folder/name, or folder/name.1, .2, ... if taken (an earlier set-aside's: kept too)."""
+  dst, n = os.path.join(folder, name), 1
+  while os.path.exists(dst):
+    dst, n = os.path.join(folder, f'{name}.{n}'), n + 1
+  return dst
+
+
+def set_aside(mngr, steps, workdir: str, files=()) -> list[str]:
+  """Moves the given (unreadable) step directories, and those of the workdir's `files` that
+  exist, to workdir/unreadable_checkpoints/, so a resumed run can save those steps again and
+  nothing is deleted; returns the steps' new paths. One process only: with several, every
+  process would move the same files."""
+  if jax.process_count() > 1:
+    raise RuntimeError(f'checkpoint steps {list(steps)} in {mngr.directory} are unreadable; '
+                       'move them out of the directory and restart')
+  aside = os.path.join(workdir, 'unreadable_checkpoints')
+  os.makedirs(aside, exist_ok=True)
   moved = []
   for s in steps:
-    src = os.path.join(str(mngr.directory), str(s))
-    dst = os.path.join(workdir, 'unreadable_checkpoints', str(s))
-    n = 1
-    while os.path.exists(dst):
-      dst = os.path.join(workdir, 'unreadable_checkpoints', f'{s}.{n}')
-      n += 1
-    os.makedirs(os.path.dirname(dst), exist_ok=True)
-    os.rename(src, dst)
-    moved.append(dst)
+    moved.append(_free_name(aside, str(s)))
+    os.rename(os.path.join(str(mngr.directory), str(s)), moved[-1])
+  for name in files:
+    if os.path.exists(os.path.join(workdir, name)):
+      os.rename(os.path.join(workdir, name), _free_name(aside, name))
   mngr.reload()
   return moved
 

@@ -285,25 +285,14 @@ def _initial_state(mngr, target, model, tx, exp, state_sh, workdir, start_over=F
     raise RuntimeError(f'every checkpoint step in {mngr.directory} is unreadable ({why}); '
                        'nothing was changed. Restore them from a copy, or start this run over '
                        'with --start_over (the steps and logs are moved aside, not deleted)')
-  if restored is None and skipped:  # --start_over: everything of the old run moved aside
-    for path in checkpoint.set_aside(mngr, skipped, workdir):
+  if skipped:  # newer steps that do not read (with --start_over and nothing readable: the
+    # old run's logs too) are set aside
+    logs = ('metrics.jsonl', 'routing.jsonl', 'summary.json') if restored is None else ()
+    for path in checkpoint.set_aside(mngr, skipped, workdir, logs):
       print(f'moved the unreadable checkpoint to {path}', flush=True)
-    for name in ('metrics.jsonl', 'routing.jsonl', 'summary.json'):
-      old, new = os.path.join(workdir, name), os.path.join(workdir, 'unreadable_checkpoints', name)
-      n = 1
-      while os.path.exists(new):  # an earlier start-over's: kept too
-        new = os.path.join(workdir, 'unreadable_checkpoints', f'{name}.{n}')
-        n += 1
-      if os.path.exists(old):
-        os.rename(old, new)
-    print(f'starting {workdir} over (--start_over): its old logs are in '
-          f'{os.path.join(workdir, "unreadable_checkpoints")}', flush=True)
-  if restored is not None and skipped:  # newer steps that do not read: set them aside
-    if jax.process_count() > 1:
-      raise RuntimeError(f'checkpoint steps {list(skipped)} in {mngr.directory} are unreadable; '
-                         'move them out of the directory and restart')
-    for path in checkpoint.set_aside(mngr, skipped, workdir):
-      print(f'moved the unreadable checkpoint to {path}', flush=True)
+    if restored is None:
+      print(f'starting {workdir} over (--start_over): its old logs are in '
+            f'{os.path.join(workdir, "unreadable_checkpoints")}', flush=True)
   if restored is None and tc.init_from:
     src = checkpoint.manager(os.path.join(tc.init_from, 'checkpoints'), read_only=True,
                              async_save=False)
