@@ -68,7 +68,8 @@ def loss_temp(batch: int, seq: int, width: int, vocab: int, chunk: int) -> int:
                      _sd((batch, seq), jnp.int32))
 
 
-def remat_rows(quick: bool, batch: int = 2, seq: int | None = None) -> dict[str, dict]:
+def remat_rows(quick: bool, batch: int = 2, seq: int | None = None,
+               flops: bool = True) -> dict[str, dict]:
   """dry_run.memory_and_flops per remat policy on Foil-2 at `batch` x 4,096 (quick: smoke
   widths, x 256), one device, chunked attention, the chunked loss."""
   arg = 'foil2,smoke' if quick else 'foil2'
@@ -78,7 +79,7 @@ def remat_rows(quick: bool, batch: int = 2, seq: int | None = None) -> dict[str,
   cfg.model.attention_block = 128 if quick else 512
   cfg.model.loss_chunk = 256 if quick else 1024
   cfg.mesh.data = 1
-  return dry_run.remat_policies(cfg, REMAT_POLICIES, jax.devices()[:1])
+  return dry_run.remat_policies(cfg, REMAT_POLICIES, jax.devices()[:1], flops)
 
 
 @register('memory')
@@ -102,7 +103,7 @@ def bench_memory(quick: bool = False) -> dict[str, Any]:
   rows = remat_rows(quick)
   # the temporaries that do not grow with the tokens (weight-sized: gradients, the core's
   # gradient accumulator, compute-dtype weight copies, the optimizer update), read at 1 x 128
-  fixed = {p: r['temp_bytes_per_device'] for p, r in remat_rows(quick, 1, 128).items()}
+  fixed = {p: r['temp_bytes_per_device'] for p, r in remat_rows(quick, 1, 128, flops=False).items()}
   none = rows['none']
   act_none = none['temp_bytes_per_device'] - fixed['none']
   for p, r in rows.items():

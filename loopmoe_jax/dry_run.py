@@ -419,22 +419,24 @@ def param_groups(params) -> dict[str, int]:
   return dict(sorted(out.items()))
 
 
-def memory_and_flops(cfg_dict, devices=None) -> dict:
+def memory_and_flops(cfg_dict, devices=None, flops: bool = True) -> dict:
   """{'temp_bytes_per_device', 'flops_per_step_per_device', 'analytic_flops_per_step_per_device',
   'flops_over_analytic'}: temporaries of the train step compiled for this CPU (mesh over
-  `devices`), FLOPs by `step_flops`."""
+  `devices`), FLOPs by `step_flops` (not with `flops=False`: the temporaries alone)."""
   step, (state, batch), mesh, exp = train_step_program(cfg_dict, devices)
   compiled = step.lower(state, batch).compile()
   mem = compiled.memory_analysis()
-  flops, analytic_f = step_flops(cfg_dict), analytic_flops(exp, mesh)
-  return {'temp_bytes_per_device': int(getattr(mem, 'temp_size_in_bytes', 0)) if mem else None,
-          'flops_per_step_per_device': flops, 'analytic_flops_per_step_per_device': analytic_f,
-          'flops_over_analytic': round(flops / analytic_f, 4)}
+  out = {'temp_bytes_per_device': int(getattr(mem, 'temp_size_in_bytes', 0)) if mem else None}
+  if flops:
+    n, analytic_f = step_flops(cfg_dict), analytic_flops(exp, mesh)
+    out.update(flops_per_step_per_device=n, analytic_flops_per_step_per_device=analytic_f,
+               flops_over_analytic=round(n / analytic_f, 4))
+  return out
 
 
-def remat_policies(cfg_dict, policies, devices=None) -> dict[str, dict]:
+def remat_policies(cfg_dict, policies, devices=None, flops: bool = True) -> dict[str, dict]:
   """`memory_and_flops` per model.remat policy (one CPU compile each)."""
-  return {p: memory_and_flops(_with_model(cfg_dict, remat=p), devices) for p in policies}
+  return {p: memory_and_flops(_with_model(cfg_dict, remat=p), devices, flops) for p in policies}
 
 
 def dry_run(cfg_dict, platform: str = 'cpu') -> dict:
