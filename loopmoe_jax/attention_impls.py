@@ -43,15 +43,27 @@ SIXTEEN_BIT = ('bfloat16', 'float16')
 SPLASH_MULTIPLE = 128  # splash's block sizes are multiples of the 128-lane layout
 
 
-def resolve(impl: str, dtype: str, platform: str | None = None) -> str:
+# cuDNN's fused attention as jax calls it: head sizes that are multiples of 8, at most 128
+CUDNN_HEAD_MULTIPLE, CUDNN_MAX_HEAD = 8, 128
+
+
+def _cudnn_head_ok(head_size: int | None) -> bool:
+  return head_size is None or (head_size % CUDNN_HEAD_MULTIPLE == 0 and
+                               head_size <= CUDNN_MAX_HEAD)
+
+
+def resolve(impl: str, dtype: str, platform: str | None = None,
+            head_size: int | None = None) -> str:
   """The implementation `impl` ('auto' or a name) runs as on `platform` (default: the one
-  programs are built for, `pallas_kernels.ops.platform()`); one the platform cannot run is a
-  ValueError naming model.attention_impl and the platform."""
+  programs are built for, `pallas_kernels.ops.platform()`) for heads of `head_size`; one the
+  platform or the head size cannot run is a ValueError naming the key, and `auto` never picks
+  it (a head size cuDNN does not take: chunked)."""
   platform = platform or pallas_kernels.ops.platform()
   if impl == 'auto':
     if platform == 'tpu':
       return 'splash'
-    return 'cudnn' if platform == 'gpu' and dtype in SIXTEEN_BIT else 'chunked'
+    cudnn = platform == 'gpu' and dtype in SIXTEEN_BIT and _cudnn_head_ok(head_size)
+    return 'cudnn' if cudnn else 'chunked'
   if impl not in RUNS_ON:
     raise ValueError(f'model.attention_impl={impl!r}: must be one of {IMPLS}')
   if platform not in RUNS_ON[impl]:
@@ -60,6 +72,10 @@ def resolve(impl: str, dtype: str, platform: str | None = None) -> str:
   if impl == 'cudnn' and dtype not in SIXTEEN_BIT:
     raise ValueError(f"model.attention_impl='cudnn' needs a 16-bit model.dtype (got {dtype!r}); "
                      "set model.dtype='bfloat16' or use chunked")
+  if impl == 'cudnn' and not _cudnn_head_ok(head_size):
+    raise ValueError(f"model.attention_impl='cudnn' needs heads of a multiple of "
+                     f'{CUDNN_HEAD_MULTIPLE} up to {CUDNN_MAX_HEAD} (model.head_dim: '
+                     f'{head_size}); use auto or chunked')
   return impl
 
 

@@ -137,7 +137,7 @@ def _train(cfg, exp, workdir: str, force: bool = False, start_over: bool = False
           f"{dc.seq_len}; steps {start} -> {tc.steps} on {n_dev} device(s)"
           f"{_mesh_text(mesh)}; dispatch {mc.dispatch} -> {resolve_backend(mc.dispatch)}"
           f"{_exchange_text(mc, mesh)}; attention {mc.attention_impl} -> "
-          f"{attention_impls.resolve(mc.attention_impl, mc.dtype)}", flush=True)
+          f"{attention_impls.resolve(mc.attention_impl, mc.dtype, None, mc.head_size)}", flush=True)
 
   pending, val_loss, val_step = None, None, None
   t_log, tok_log, t0 = time.time(), 0, time.time()
