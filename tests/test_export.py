@@ -320,3 +320,12 @@ def test_verify_without_torch_fails_before_writing(tmp_path, monkeypatch):
   with pytest.raises(ImportError, match='--verify of hf-mixtral needs torch'):
     export_workdir(str(tmp_path / 'run'), str(out), 'hf-mixtral', verify=True)
   assert not out.exists()
+
+
+def test_out_is_checked_before_the_checkpoint_is_read(tmp_path):
+  """A refused --out is the error even when the checkpoint could not be read (nothing is
+  read first): here the run has no readable step at all."""
+  run = tmp_path / 'run'
+  (run / 'checkpoints').mkdir(parents=True)
+  with pytest.raises(FileExistsError, match='lies inside the training run'):
+    files.export_workdir(str(run), str(run / 'export'), 'safetensors')

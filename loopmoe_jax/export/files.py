@@ -34,11 +34,11 @@ def is_export(directory: str) -> bool:
 EXPORT_EXTRA = ('README.md', 'tokenizer.model')
 
 
-@contextlib.contextmanager
-def output_dir(out: str, overwrite: bool = False):
-  """Yields a fresh temporary directory beside `out`, renamed to `out` on success and
-  removed on failure. An existing non-empty `out` is refused unless `overwrite`, and a `out`
-  that holds a training run (checkpoints/ or its logs, at any depth) always."""
+def check_out(out: str, overwrite: bool = False) -> str:
+  """`out` as an absolute path, if an export may be written there: an existing non-empty
+  `out` is refused unless `overwrite` and it is an earlier export, and an `out` that holds a
+  training run (checkpoints/ or its logs, at any depth) or lies inside one always. Cheap:
+  export_workdir calls it before reading the checkpoint."""
   out = os.path.abspath(out)
   if os.path.exists(out) and not os.path.isdir(out):
     raise FileExistsError(f'--out={out} exists and is not a directory')
@@ -60,6 +60,14 @@ def output_dir(out: str, overwrite: bool = False):
     if not is_export(out):
       raise FileExistsError(f'--out={out} is not an earlier export (no *.safetensors and '
                             'config.json, or other entries); --overwrite replaces exports only')
+  return out
+
+
+@contextlib.contextmanager
+def output_dir(out: str, overwrite: bool = False):
+  """Yields a fresh temporary directory beside `out`, renamed to `out` on success and
+  removed on failure; `out` as `check_out` allows."""
+  out = check_out(out, overwrite)
   parent = os.path.dirname(out)
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(dir=parent, prefix=f'.{os.path.basename(out)}.tmp-')
@@ -136,6 +144,7 @@ def export_workdir(workdir: str, out: str, fmt: str, step: int | None = None,
     raise ValueError(f'--format={fmt!r}: one of {FORMATS}')
   if verify and fmt == 'hf-mixtral':
     _verify_packages()  # before anything is written
+  check_out(out, overwrite)  # before the checkpoint is read
   cfg, params, s, config = checkpoint.load_params(workdir, step)
   if fmt == 'hf-mixtral':
     mixtral.check_exportable(cfg)
