@@ -1,7 +1,6 @@
 """Evaluation and sampling from a checkpoint directory, without the trainer."""
 from __future__ import annotations
 
-import os
 import sys
 
 import jax
@@ -12,6 +11,7 @@ from loopmoe_jax.data import pipeline
 from loopmoe_jax.decode import cache_bytes, generate
 from loopmoe_jax.model import LoopedMoE, check_loops
 from loopmoe_jax.train import checkpoint, step as steps
+from loopmoe_jax.train.preflight import device_memory_bytes
 
 
 def evaluate_checkpoint(workdir: str, num_loops=(None,), step: int | None = None,
@@ -38,19 +38,11 @@ def evaluate_checkpoint(workdir: str, num_loops=(None,), step: int | None = None
   return out
 
 
-def memory_bytes() -> int:
-  """Memory of the first device (its allocator's limit), else half this host's RAM."""
-  stats = jax.devices()[0].memory_stats() or {}
-  if 'bytes_limit' in stats:
-    return int(stats['bytes_limit'])
-  return os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') // 2
-
-
 def _check_length(cfg, prompt_len: int, tokens: int, train_len: int, num_loops) -> None:
   """Refuses a KV cache that cannot fit in memory; warns past the trained context."""
   total = prompt_len + tokens
-  need, have = cache_bytes(cfg, 1, total, num_loops), memory_bytes()
-  if need > have:
+  need, have = cache_bytes(cfg, 1, total, num_loops), device_memory_bytes(sharing=1)
+  if have is not None and need > have:
     raise ValueError(f'--tokens={tokens}: a KV cache of {total} tokens takes {need / 2**30:.1f} '
                      f'GiB, more than the {have / 2**30:.1f} GiB available')
   if total > train_len:

@@ -25,8 +25,9 @@ from loopmoe_jax.attention_impls import resolve
 from loopmoe_jax.dispatch import resolve_backend
 
 
-def device_memory_bytes(device=None) -> int | None:
-  """Bytes one device can hold (None when unknown)."""
+def device_memory_bytes(device=None, sharing: int | None = None) -> int | None:
+  """Bytes one device can hold (None when unknown): its allocator's limit; on CPU the host's
+  available memory over the `sharing` devices that use it (default: every local device)."""
   device = device or jax.local_devices()[0]
   try:
     stats = device.memory_stats()
@@ -49,7 +50,7 @@ def device_memory_bytes(device=None) -> int | None:
       available = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
     except (ValueError, OSError, AttributeError):
       return None
-  return available // max(1, len(jax.local_devices()))
+  return available // max(1, sharing or len(jax.local_devices()))
 
 
 def layer_bytes(mc, tokens: int, seqs: int, seq_len: int, experts: int) -> int:
@@ -95,9 +96,11 @@ def estimate(exp, mesh, state) -> dict:
 
 def check_memory(exp, mesh, state, budget: int | None = None) -> dict:
   """Raises a ValueError naming the key that drives the need when the lower bound exceeds
-  `budget` (default: `device_memory_bytes()`); returns the estimate."""
+  `budget` (default: `device_memory_bytes()` shared by the mesh's devices); returns the
+  estimate."""
   est = estimate(exp, mesh, state)
-  budget = budget if budget is not None else device_memory_bytes()
+  if budget is None:  # on CPU the host's memory serves the mesh's devices only
+    budget = device_memory_bytes(sharing=min(mesh.size, len(jax.local_devices())))
   need = est['params'] + est['optimizer'] + est['gradients'] + est['activations']
   if budget is None or need <= budget:
     return est
