@@ -1,6 +1,7 @@
 """AdamW with global-norm clipping and warmup-stable-decay or cosine schedules."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -48,20 +49,25 @@ def decay_mask(params):
   return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-# the TrainConfig fields that decide the optimizer and its schedule
-OPTIMIZER_FIELDS = ('lr', 'schedule', 'warmup', 'decay_fraction', 'decay_shape',
-                    'final_lr_fraction', 'b1', 'b2', 'eps', 'weight_decay', 'clip')
+# TrainConfig fields that touch neither the optimizer nor its schedule. Every other field (one
+# added later too) is part of the key under which equal settings share one optimizer.
+NOT_OPTIMIZER = ('seed', 'lb_coef', 'z_coef', 'bias_rate', 'log_every', 'eval_every',
+                 'save_every', 'keep', 'keep_every', 'keep_steps', 'async_save', 'routing_every',
+                 'final_window', 'peak_flops', 'sample_tokens', 'sample_prompt', 'init_from',
+                 'init_step', 'microbatches')
 
 
 def make_optimizer(cfg: TrainConfig):
   """(tx, schedule). Equal settings give the same two objects (so the programs built on them,
   train/step.py, are built once per process)."""
-  return _optimizer(tuple(getattr(cfg, f) for f in OPTIMIZER_FIELDS), cfg.total_steps)
+  defaults = TrainConfig()
+  return _optimizer(dataclasses.replace(
+      cfg, steps=cfg.total_steps, schedule_steps=0,
+      **{f: getattr(defaults, f) for f in NOT_OPTIMIZER}))
 
 
 @functools.lru_cache(maxsize=16)
-def _optimizer(settings, total_steps: int):
-  cfg = TrainConfig(**dict(zip(OPTIMIZER_FIELDS, settings)), steps=total_steps)
+def _optimizer(cfg: TrainConfig):
   schedule = make_schedule(cfg)
   adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                       weight_decay=cfg.weight_decay, mask=decay_mask)
