@@ -271,8 +271,10 @@ def bias_step_seconds(quick: bool, repeats: int) -> dict[str, float]:
   from loopmoe_jax.train.optimizer import make_optimizer  # pylint: disable=import-outside-toplevel
   exp = build(load_config('configs/default.py' + (':smoke' if quick else '')))
   tc, dc, mc = exp.train, exp.data, exp.model
-  if quick:  # a smoke run: the main job's structure at the quick sizes
-    mc = mc.replace(d_model=32, num_heads=2, num_kv_heads=1, expert_width=32)
+  if quick:  # a smoke run: the main job's structure at the quick sizes, less its coda, with
+    # the dispatch that traces fastest (its figures are not comparable anyway)
+    mc = mc.replace(d_model=32, num_heads=2, num_kv_heads=1, expert_width=32, coda_layers=0,
+                    dispatch='xla')
     dc = dataclasses.replace(dc, batch_size=2, seq_len=32)
   mesh = sharding.make_mesh(devices=jax.devices()[:1])
   tx, schedule = make_optimizer(tc)

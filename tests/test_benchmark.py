@@ -3,6 +3,8 @@ No timing thresholds: those belong to the benchmark's own PASS/FAIL lines."""
 import json
 import math
 
+import jax
+
 from loopmoe_jax import bench
 
 REQUIRED = ('compile_s_L1', 'compile_s_L16', 'compile_ratio_L16_over_L1', 'step_s_scan',
@@ -11,10 +13,35 @@ REQUIRED = ('compile_s_L1', 'compile_s_L16', 'compile_ratio_L16_over_L1', 'step_
             'moe_E64_over_E8', 'step_s_plain', 'step_s_bias', 'bias_step_over_plain')
 
 
-def test_model_benchmark_quick(tmp_path, capsys):
+def test_model_benchmark_quick(tmp_path, capsys, monkeypatch):
+  """Also: the compile times it reports are real compiles with the persistent compilation
+  cache on (this test session's conftest turns it on): none of them is answered from the
+  cache, where compiling one of its timed steps again is."""
   assert 'model' in bench.SUBCOMMANDS
+  hits, timed = [], []
+  def listener(event, **_):
+    if event == '/jax/compilation_cache/cache_hits':
+      hits.append(event)
+  def counted(*args, **kw):
+    before = len(hits)
+    out = compile_seconds(*args, **kw)
+    timed.append(len(hits) - before)
+    return out
+  compile_seconds = bench.compile_seconds
+  monkeypatch.setattr(bench, 'compile_seconds', counted)
   path = tmp_path / 'model.json'
-  res = bench.run('model', quick=True, json_path=str(path))
+  jax.monitoring.register_event_listener(listener)
+  try:
+    res = bench.run('model', quick=True, json_path=str(path))
+    # the control: the loop-vs-unrolled section's 'scan' step (quick sizes), compiled again
+    looped = bench._cfg(True, prelude_layers=0, coda_layers=0, core_layers=1, core_experts=8,  # pylint: disable=protected-access
+                        num_loops=2, tie_attention=True, loop_impl='scan')
+    before = len(hits)
+    bench.step_seconds({'scan': looped}, bench._batch(looped, 2, 32), 1, bench.FAST_COMPILE)  # pylint: disable=protected-access
+    again = len(hits) - before
+  finally:
+    jax.monitoring.unregister_event_listener(listener)
+  assert timed == [0] and again >= 1
   for key in REQUIRED:
     assert key in res, key
     assert isinstance(res[key], float) and math.isfinite(res[key]) and res[key] > 0, (key, res[key])
@@ -38,30 +65,3 @@ def test_kernels_moe_layer_checks_pallas_and_times_every_stage():
   assert res['cpu_moe_pallas_err'] < 1e-2  # bf16 operands, float32 sums
   assert set(res['cpu_moe_stage_share']) == {'route', 'permute', 'gate_up', 'down', 'combine'}
   assert all(v > 0 for v in res['cpu_moe_stage_share'].values())
-
-
-def test_compile_seconds_times_real_compiles():
-  """The compile times the `model` benchmark reports are real compiles even with the
-  persistent compilation cache on (this test session's conftest turns it on): none of them is
-  answered from a cache, where compiling the same step twice is."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from loopmoe_jax.config import ModelConfig  # pylint: disable=import-outside-toplevel
-  hits = []
-  def listener(event, **_):
-    if event == '/jax/compilation_cache/cache_hits':
-      hits.append(event)
-  cfg = ModelConfig(vocab_size=64, d_model=32, num_heads=2, expert_width=32, core_layers=1,
-                    coda_layers=0)
-  batch = bench._batch(cfg, 2, 8)  # pylint: disable=protected-access
-  model, params = bench._abstract_params(cfg, batch)  # pylint: disable=protected-access
-  jax.monitoring.register_event_listener(listener)
-  try:
-    bench.compile_seconds({'a': cfg}, batch, repeats=2)
-    timed_hits = len(hits)
-    step = bench.make_train_step(model)  # the same program twice: the second is a cache hit
-    for _ in range(2):
-      jax.jit(lambda p, b: step(p, b)).lower(params, batch).compile()  # pylint: disable=unnecessary-lambda
-  finally:
-    jax.monitoring.unregister_event_listener(listener)
-  assert timed_hits == 0
-  assert len(hits) >= 1
