@@ -18,6 +18,13 @@ from loopmoe_jax.model import LoopedMoE, variables
 
 def cache_shapes(cfg: ModelConfig, batch: int, max_len: int, num_loops: int | None = None):
   """The cache's leaves as ShapeDtypeStructs (nothing allocated)."""
+  return jax.tree.map(lambda s: s, _cache_shapes(cfg, batch, max_len, num_loops))
+
+
+@functools.lru_cache(maxsize=64)
+def _cache_shapes(cfg: ModelConfig, batch: int, max_len: int, num_loops: int | None):
+  """Traces the model once per (config, shape): a generate call asks for the cache's bytes
+  and then the cache itself."""
   model = LoopedMoE(cfg, decode=True)
   dummy = jax.ShapeDtypeStruct((batch, max_len), jnp.int32)
   shapes = jax.eval_shape(lambda t: model.init(jax.random.key(0), t, num_loops=num_loops), dummy)

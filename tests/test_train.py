@@ -192,7 +192,8 @@ def test_sigterm_saves_a_restorable_checkpoint(tmp_path):
   cmd = [sys.executable, 'scripts/train.py', f'--workdir={work}', '--config=configs/default.py:smoke',
          '--config.train.steps=100000', '--config.train.log_every=1',
          '--config.train.save_every=100000', '--config.train.sample_tokens=0',
-         '--config.train.eval_every=2', '--config.data.batch_size=4', '--config.data.seq_len=32']
+         '--config.train.eval_every=2', '--config.data.batch_size=4', '--config.data.seq_len=32',
+         '--config.model.dispatch=xla']
   proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
   metrics = os.path.join(work, 'metrics.jsonl')
