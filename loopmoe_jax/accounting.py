@@ -87,7 +87,7 @@ def param_count(params) -> int:
 def init_param_count(c: ModelConfig) -> int:
   """Counts the real model's parameters via jax.eval_shape of init (no memory used)."""
   import jax.numpy as jnp
-  from loopmoe_jax.model import LoopedMoE
+  from loopmoe_jax.model import LoopedMoE, for_init
   tokens = jax.ShapeDtypeStruct((1, 4), jnp.int32)
-  shapes = jax.eval_shape(lambda t: LoopedMoE(c).init(jax.random.key(0), t), tokens)
+  shapes = jax.eval_shape(lambda t: for_init(LoopedMoE(c)).init(jax.random.key(0), t), tokens)
   return param_count(shapes['params'])

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from loopmoe_jax.config import ModelConfig
-from loopmoe_jax.model import LoopedMoE, variables
+from loopmoe_jax.model import LoopedMoE, for_init, variables
 
 
 def cache_shapes(cfg: ModelConfig, batch: int, max_len: int, num_loops: int | None = None):
@@ -25,7 +25,7 @@ def cache_shapes(cfg: ModelConfig, batch: int, max_len: int, num_loops: int | No
 def _cache_shapes(cfg: ModelConfig, batch: int, max_len: int, num_loops: int | None):
   """Traces the model once per (config, shape): a generate call asks for the cache's bytes
   and then the cache itself."""
-  model = LoopedMoE(cfg, decode=True)
+  model = for_init(LoopedMoE(cfg, decode=True))
   dummy = jax.ShapeDtypeStruct((batch, max_len), jnp.int32)
   shapes = jax.eval_shape(lambda t: model.init(jax.random.key(0), t, num_loops=num_loops), dummy)
   return shapes['cache']

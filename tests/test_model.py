@@ -17,7 +17,7 @@ import pytest
 from loopmoe_jax import accounting
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.decode import decode_step, generate, init_cache
-from loopmoe_jax.model import LoopedMoE
+from loopmoe_jax.model import LoopedMoE, for_init
 
 import reference
 
@@ -466,3 +466,19 @@ def test_every_parameter_dimension_has_a_logical_axis(fields):
       return param(self, 'w', (2, 3), ('embed', 'expert'), nn.initializers.zeros, jnp.float32)
   with pytest.raises(ValueError, match=r"w: axis names \['expert'\]"):
     Bad().init(jax.random.key(0))
+
+
+@pytest.mark.parametrize('dispatch,impl', [('tiled', 'chunked'), ('reference', 'xla')])
+def test_init_is_the_same_under_every_dispatch_and_attention(dispatch, impl):
+  """for_init (what the trainer, the accounting, decode and export initialise with) gives the
+  params, router bias and cache that the model's own settings give, bit for bit."""
+  cfg = make_cfg(dispatch=dispatch, attention_impl=impl, router_bias='per_pass',
+                 num_kv_heads=2, attention_block=4)
+  toks = tokens(cfg)
+  for model in (LoopedMoE(cfg), LoopedMoE(cfg, decode=True)):
+    want = jax.jit(model.init)(jax.random.key(3), toks)
+    got = jax.jit(for_init(model).init)(jax.random.key(3), toks)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    assert {'params', 'router_bias'} <= set(want) and ('cache' in want) == model.decode
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

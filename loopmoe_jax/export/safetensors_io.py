@@ -90,8 +90,8 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, jax.ShapeDtypeStruct]:
   """Dotted name -> shape/dtype of the params the config's model builds (no init run)."""
   import flax.linen as nn
   import jax.numpy as jnp
-  from loopmoe_jax.model import LoopedMoE
-  shapes = jax.eval_shape(lambda: LoopedMoE(cfg).init(jax.random.key(0),
+  from loopmoe_jax.model import LoopedMoE, for_init
+  shapes = jax.eval_shape(lambda: for_init(LoopedMoE(cfg)).init(jax.random.key(0),
                                                       jnp.zeros((1, 4), jnp.int32)))
   leaves = jax.tree_util.tree_leaves_with_path(nn.unbox(shapes['params']))
   return {'.'.join(str(k.key) for k in path): leaf for path, leaf in leaves}

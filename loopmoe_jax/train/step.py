@@ -26,7 +26,8 @@ import optax
 
 from loopmoe_jax import sharding
 from loopmoe_jax.moe import max_vio
-from loopmoe_jax.model import ROUTER_BIAS, bias_shapes, update_router_bias, variables
+from loopmoe_jax.model import (ROUTER_BIAS, bias_shapes, for_init, update_router_bias,
+                               variables)
 from loopmoe_jax.objective import loss_fn, token_nll
 from pallas_kernels import ops
 
@@ -43,7 +44,7 @@ def _tokens(seq_len: int):
 def init_state(model, tx, rng, seq_len: int):
   """Unboxed params (the logical axis names live in `shardings`). `lazy_init` skips the
   forward computation that the params do not depend on."""
-  init = model.lazy_init(rng, _tokens(seq_len))
+  init = for_init(model).lazy_init(rng, _tokens(seq_len))
   params = nn.unbox(init['params'])
   state = {'params': params, 'opt_state': tx.init(params), 'step': jnp.zeros((), jnp.int32)}
   if ROUTER_BIAS in init:
@@ -53,7 +54,8 @@ def init_state(model, tx, rng, seq_len: int):
 
 def boxed_params(model, seq_len: int = 8):
   """The params' shapes with their logical axis names (nothing is computed)."""
-  return jax.eval_shape(lambda: model.lazy_init(init_key(0), _tokens(seq_len))['params'])
+  init = for_init(model).lazy_init
+  return jax.eval_shape(lambda: init(init_key(0), _tokens(seq_len))['params'])
 
 
 def _programs(fn):
