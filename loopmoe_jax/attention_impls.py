@@ -142,7 +142,14 @@ def _scores(q_BGQTK, k_BsGK, q_pos_BT, k_pos_Bs, scale):
   return jnp.where(mask, s, -jnp.inf)
 
 
-def _chunked_fwd_impl(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block):
+def _masked(q_pos_BT, k_pos_Bs):
+  """True when every key of the block comes after every query of the block, in every row:
+  the pair's probabilities are all 0, and `skip` leaves it out (a causal run skips about half
+  the block pairs; positions, not indices, decide)."""
+  return jnp.max(q_pos_BT) < jnp.min(k_pos_Bs)
+
+
+def _chunked_fwd_impl(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block, skip):
   b, t, h, kd = q_BTHK.shape
   g = k_BSGK.shape[2]
   scale = 1.0 / float(kd) ** 0.5
@@ -159,16 +166,22 @@ def _chunked_fwd_impl(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block):
     q, q_pos = blk
 
     def key_block(carry, blk):
-      m, l, acc = carry
       k_blk, v_blk, pos_blk = blk
-      s = _scores(q, k_blk, q_pos, pos_blk, scale)
-      m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-      corr = jnp.exp(m - m_new)
-      p = jnp.exp(s - m_new[..., None])
-      l = l * corr + jnp.sum(p, axis=-1)
-      acc = acc * corr[..., None] + jnp.einsum('bgqts,bsgk->bgqtk', p.astype(v_blk.dtype),
-                                               v_blk, preferred_element_type=jnp.float32)
-      return (m_new, l, acc), None
+
+      def update(carry):
+        m, l, acc = carry
+        s = _scores(q, k_blk, q_pos, pos_blk, scale)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        corr = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[..., None])
+        l = l * corr + jnp.sum(p, axis=-1)
+        acc = acc * corr[..., None] + jnp.einsum('bgqts,bsgk->bgqtk', p.astype(v_blk.dtype),
+                                                 v_blk, preferred_element_type=jnp.float32)
+        return m_new, l, acc
+
+      if not skip:
+        return update(carry), None
+      return jax.lax.cond(_masked(q_pos, pos_blk), lambda c: c, update, carry), None
 
     shape = q.shape[:-1]
     init = (jnp.full(shape, jnp.finfo(jnp.float32).min), jnp.zeros(shape, jnp.float32),
@@ -181,21 +194,25 @@ def _chunked_fwd_impl(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block):
   return _ungrouped(_unsplit(out, 3, t)), _unsplit(lse, 3, t)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def chunked_attend(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block: int = 512):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def chunked_attend(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block: int = 512,
+                   skip: bool = True):
   """Causal softmax attention as `attention.attend` (same arguments and result), computed
   over query and key blocks of `block` with an online softmax; the backward recomputes each
-  block pair's probabilities from the saved log-sum-exp (scores of one block pair live)."""
-  return _chunked_fwd_impl(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block)[0]
+  block pair's probabilities from the saved log-sum-exp (scores of one block pair live).
+  `skip`: block pairs whose keys all follow their queries are not computed (a conditional per
+  pair; the forward and the backward); False computes every pair (benchmark.py memory's
+  reference for the time it saves)."""
+  return _chunked_fwd_impl(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block, skip)[0]
 
 
-def _chunked_fwd(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block):
-  out, lse = _chunked_fwd_impl(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block)
+def _chunked_fwd(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block, skip):
+  out, lse = _chunked_fwd_impl(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block, skip)
   out, lse = checkpoint_name(out, 'attention'), checkpoint_name(lse, 'attention')
   return out, (q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, out, lse)
 
 
-def _chunked_bwd(block, res, d_out_BTHK):
+def _chunked_bwd(block, skip, res, d_out_BTHK):
   """Flash attention's backward: per key block (outer loop, its dk and dv accumulated over
   the query blocks), per query block (inner loop) the probabilities recomputed from the saved
   log-sum-exp; dq accumulated across key blocks."""
@@ -211,16 +228,23 @@ def _chunked_bwd(block, res, d_out_BTHK):
     k_blk, v_blk, pos_blk = blk
 
     def query_block(carry, blk):
-      dk, dv = carry
       q_i, do_i, lse_i, delta_i, q_pos = blk
-      p = jnp.exp(_scores(q_i, k_blk, q_pos, pos_blk, scale) - lse_i[..., None])
-      dv = dv + jnp.einsum('bgqts,bgqtk->bsgk', p.astype(do_i.dtype), do_i,
-                           preferred_element_type=jnp.float32)
-      dp = jnp.einsum('bgqtk,bsgk->bgqts', do_i, v_blk, preferred_element_type=jnp.float32)
-      ds = (p * (dp - delta_i[..., None]) * scale).astype(q_i.dtype)
-      dk = dk + jnp.einsum('bgqts,bgqtk->bsgk', ds, q_i, preferred_element_type=jnp.float32)
-      return (dk, dv), jnp.einsum('bgqts,bsgk->bgqtk', ds, k_blk,
-                                  preferred_element_type=jnp.float32)
+
+      def update(carry):
+        dk, dv = carry
+        p = jnp.exp(_scores(q_i, k_blk, q_pos, pos_blk, scale) - lse_i[..., None])
+        dv = dv + jnp.einsum('bgqts,bgqtk->bsgk', p.astype(do_i.dtype), do_i,
+                             preferred_element_type=jnp.float32)
+        dp = jnp.einsum('bgqtk,bsgk->bgqts', do_i, v_blk, preferred_element_type=jnp.float32)
+        ds = (p * (dp - delta_i[..., None]) * scale).astype(q_i.dtype)
+        dk = dk + jnp.einsum('bgqts,bgqtk->bsgk', ds, q_i, preferred_element_type=jnp.float32)
+        return (dk, dv), jnp.einsum('bgqts,bsgk->bgqtk', ds, k_blk,
+                                    preferred_element_type=jnp.float32)
+
+      if not skip:
+        return update(carry)
+      nothing = lambda c: (c, jnp.zeros(q_i.shape, jnp.float32))
+      return jax.lax.cond(_masked(q_pos, pos_blk), nothing, update, carry)
 
     zeros = jnp.zeros(k_blk.shape, jnp.float32)
     (dk, dv), dq_parts = jax.lax.scan(query_block, (zeros, zeros),

@@ -6,6 +6,9 @@ Nothing is run: shapes are abstract, so full sizes compile on a laptop.
 - attn_temp_T4096_over_T1024: one attention layer's forward+backward (q, k, v -> output, the
   gradients of q, k and v; Foil's 16 heads of 64, bfloat16) at 1 x 4,096 tokens over 4 x 1,024
   (the same tokens per batch), `chunked` (model.attention_block 512); `_xla` the einsum's.
+- attn_skip_over_all: seconds of that attention's forward+backward at 1 x 4,096 with the
+  block pairs whose keys all follow their queries skipped (the default) over computing them
+  (informative; about half the pairs of a causal sequence).
 - loss_temp_over_logits: the LM loss's forward+backward on the final hidden states (head matmul,
   log-softmax, target log-probability; gradients of the hidden states and the head) at Foil's
   2 x 4,096 tokens, width 1,024, vocabulary 49,152, over the bytes of the float32 logits
@@ -35,7 +38,8 @@ import jax.numpy as jnp
 from loopmoe_jax import dry_run
 from loopmoe_jax.attention import attend
 from loopmoe_jax.attention_impls import chunked_attend
-from loopmoe_jax.bench import FAST_COMPILE, TARGETS, _batch, register, step_seconds
+from loopmoe_jax.bench import (FAST_COMPILE, TARGETS, _batch, register, step_seconds,
+                               time_interleaved)
 from loopmoe_jax.config import REMAT_POLICIES
 from loopmoe_jax.experiment import build, load_config
 from loopmoe_jax.objective import head_nll
@@ -59,6 +63,22 @@ def attention_temp(impl: str, batch: int, seq: int, heads: int, head_dim: int,
   loss = lambda q, k, v: jnp.sum(att(q, k, v).astype(jnp.float32))
   x = _sd((batch, seq, heads, head_dim), jnp.bfloat16)
   return _temp_bytes(jax.grad(loss, argnums=(0, 1, 2)), x, x, x)
+
+
+def attention_seconds(seq: int, heads: int, head_dim: int, block: int,
+                      repeats: int) -> dict[bool, float]:
+  """Median seconds of chunked attention's forward+backward on one sequence (bfloat16) with
+  the fully masked block pairs skipped (True) and computed (False), timed interleaved."""
+  pos = jnp.arange(seq, dtype=jnp.int32)[None]
+  keys = jax.random.split(jax.random.key(0), 3)
+  q, k, v = (jax.random.normal(key, (1, seq, heads, head_dim), jnp.bfloat16) for key in keys)
+  thunks = {}
+  for skip in (True, False):
+    loss = lambda q, k, v, skip=skip: jnp.sum(
+        chunked_attend(q, k, v, pos, pos, block, skip).astype(jnp.float32))
+    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
+    thunks[skip] = lambda fn=fn: fn(q, k, v)
+  return time_interleaved(thunks, repeats)
 
 
 def loss_temp(batch: int, seq: int, width: int, vocab: int, chunk: int) -> int:
@@ -93,6 +113,10 @@ def bench_memory(quick: bool = False) -> dict[str, Any]:
     suffix = '' if impl == 'chunked' else '_xla'
     res[f'attn_temp_bytes_long{suffix}'], res[f'attn_temp_bytes_short{suffix}'] = t_long, t_short
     res[f'attn_temp_T4096_over_T1024{suffix}'] = t_long / t_short
+
+  secs = attention_seconds(long, heads, head_dim, 128 if quick else 512, 3)
+  res['attn_s_skip'], res['attn_s_all'] = secs[True], secs[False]
+  res['attn_skip_over_all'] = secs[True] / secs[False]
 
   b, t, d, v = (2, 512, 64, 4096) if quick else (2, 4096, 1024, 49152)
   logits = b * t * v * 4

@@ -45,6 +45,28 @@ def test_chunked_equals_xla_outputs_and_gradients(t, block):
     assert _rel(a, b) < 1e-5
 
 
+def test_chunked_skips_the_block_pairs_no_query_sees():
+  """Block pairs whose keys all follow their queries are not computed, forward or backward:
+  with NaN keys and values from position 32 on, the first two query blocks of 16 and their
+  query gradients equal the attention of the first 32 tokens alone, finite (computing those
+  pairs, as skip=False does, multiplies 0 by NaN)."""
+  q, k, v, pos, w = _qkv(2, 64, 4, 2, 8, seed=3)
+  k, v = k.at[:, 32:].set(jnp.nan), v.at[:, 32:].set(jnp.nan)
+  first = lambda x: x[:, :32]
+  p32 = first(pos)
+  ref = lambda q: jnp.sum(attend(q, first(k), first(v), p32, p32) * first(w))
+  want_out = attend(first(q), first(k), first(v), p32, p32)
+  want_dq = jax.grad(ref)(first(q))
+  for skip in (True, False):
+    loss = lambda q, skip=skip: jnp.sum(first(chunked_attend(q, k, v, pos, pos, 16, skip))
+                                        * first(w))
+    out, dq = first(chunked_attend(q, k, v, pos, pos, 16, skip)), first(jax.grad(loss)(q))
+    finite = np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(dq)).all()
+    assert finite == skip
+    if skip:
+      assert _rel(out, want_out) < 1e-5 and _rel(dq, want_dq) < 1e-5
+
+
 def test_chunked_follows_positions_not_indices():
   """The mask is by position: a query at position p sees exactly keys at positions <= p, so
   reversing the keys' order (positions with them) changes nothing."""
