@@ -15,7 +15,7 @@ jax.config.update('jax_platforms', 'cpu')
 jax.distributed.initialize(coordinator_address=f'127.0.0.1:{port}', num_processes=2,
                            process_id=pid)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_train import tiny  # noqa: E402
+from helpers import tiny  # noqa: E402
 from loopmoe_jax.train import step as steps  # noqa: E402
 from loopmoe_jax.train.trainer import train  # noqa: E402
 

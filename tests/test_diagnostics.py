@@ -226,7 +226,7 @@ def test_diagnose_end_to_end_on_a_trained_workdir(tmp_path):
   from loopmoe_jax.analysis.diagnose import diagnose, summary_lines
   from loopmoe_jax.train import checkpoint
   from loopmoe_jax.train.trainer import train
-  from test_train import tiny
+  from helpers import tiny
   work, out = str(tmp_path / 'run'), str(tmp_path / 'diag')
   cfg = tiny(steps=2, save_every=2, eval_every=2, routing_every=2, bias_rate=0.01)
   cfg.model.router_bias = 'shared'

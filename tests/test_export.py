@@ -18,7 +18,7 @@ from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.export import files, mixtral, safetensors_io
 from loopmoe_jax.model import LoopedMoE
 
-from test_model import make_params
+from helpers import make_params
 
 try:
   import torch
@@ -215,7 +215,7 @@ def test_export_of_a_trained_workdir_verifies_in_both_formats(tmp_path):
   the logits equal to ours (float32, on validation tokens) and the same greedy tokens; a step
   that does not exist is an error listing the steps there, and leaves no directory."""
   from loopmoe_jax.train.trainer import train
-  from test_train import tiny
+  from helpers import tiny
   work = str(tmp_path / 'run')
   train(tiny(steps=2, save_every=1, eval_every=2, routing_every=2), work)
   for fmt in files.FORMATS:

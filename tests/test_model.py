@@ -20,62 +20,9 @@ from loopmoe_jax.decode import decode_step, generate, init_cache
 from loopmoe_jax.model import LoopedMoE, for_init
 
 import reference
+from helpers import B, BASE, T, apply_fn, make_cfg, make_params, param_shapes, tokens
 
 TOL = dict(rtol=1e-4, atol=1e-4)
-B, T = 2, 6
-
-BASE = dict(vocab_size=37, d_model=16, num_heads=4, expert_width=8, top_k=2,
-            prelude_layers=1, prelude_experts=4, core_layers=2, core_experts=4, num_loops=3,
-            coda_layers=1, coda_experts=4, dispatch_tile=8)
-
-
-def make_cfg(**kw) -> ModelConfig:
-  return ModelConfig(**{**BASE, **kw})
-
-
-def tokens(cfg, seed=1, batch=B, length=T):
-  return jax.random.randint(jax.random.key(seed), (batch, length), 0, cfg.vocab_size)
-
-
-def param_shapes(cfg):
-  shapes = jax.eval_shape(lambda: LoopedMoE(cfg).init(jax.random.key(0),
-                                                      jnp.zeros((1, 4), jnp.int32)))
-  return nn.unbox(shapes['params'])
-
-
-def _fan_in(name, shape):
-  if name in ('q', 'k', 'v'):
-    return shape[-3]
-  if name == 'o':
-    return shape[-3] * shape[-2]
-  return shape[-2]
-
-
-@functools.lru_cache(maxsize=None)
-def make_params(cfg: ModelConfig, seed: int = 0):
-  """Random params with the model's tree, drawn with numpy (no XLA compile of the init)."""
-  rng = np.random.default_rng(seed)
-
-  def draw(path, s):
-    name = path[-1].key
-    if name == 'scale':
-      x = 1.0 + 0.3 * rng.standard_normal(s.shape)
-    elif name == 'embed':
-      x = rng.standard_normal(s.shape)
-    else:
-      x = rng.standard_normal(s.shape) / np.sqrt(_fan_in(name, s.shape))
-    return jnp.asarray(x, s.dtype)
-
-  return jax.tree_util.tree_map_with_path(draw, param_shapes(cfg))
-
-
-@functools.lru_cache(maxsize=None)
-def apply_fn(cfg: ModelConfig, num_loops=None, routing=False):
-  model = LoopedMoE(cfg)
-  return jax.jit(lambda p, t: model.apply({'params': p}, t, num_loops=num_loops,
-                                          return_routing=routing))
-
-
 def assert_close(actual, desired, **tol):
   np.testing.assert_allclose(np.asarray(actual), np.asarray(desired), **(tol or TOL))
 

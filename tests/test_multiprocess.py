@@ -16,7 +16,7 @@ from loopmoe_jax.data import pipeline
 from loopmoe_jax.experiment import build
 from loopmoe_jax.train import checkpoint
 from loopmoe_jax.train.trainer import train
-from test_train import losses, tiny
+from helpers import losses, tiny
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -18,7 +18,7 @@ from loopmoe_jax.analysis import evals, probes
 from loopmoe_jax.data import synthetic
 
 import reference
-from test_model import apply_fn, make_cfg, make_params, tokens
+from helpers import apply_fn, make_cfg, make_params, tokens
 
 CFG = make_cfg(residual_scale='inverse_loops', num_kv_heads=2)
 B, T = 2, 7

@@ -19,7 +19,7 @@ from loopmoe_jax.train import checkpoint
 from loopmoe_jax.train.evaluation import evaluate_checkpoint, sample_text
 from loopmoe_jax.train.lock import WorkdirLock, WorkdirLocked
 from loopmoe_jax.train.trainer import TrainingDiverged, train
-from test_train import losses, tiny
+from helpers import losses, tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -354,7 +354,7 @@ def test_truncated_state_file_is_one_line_not_thousands(straight, tmp_path):
                                                                     'state')) for f in fs]
   biggest = max(files, key=os.path.getsize)
   os.truncate(biggest, os.path.getsize(biggest) // 2)
-  code = ('import sys; sys.path.insert(0, "tests"); from test_train import tiny; '
+  code = ('import sys; sys.path.insert(0, "tests"); from helpers import tiny; '
           'from loopmoe_jax.train.trainer import train; '
           f'train(tiny(steps=6), {work!r})')
   out = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True,

@@ -14,7 +14,6 @@ model.router_bias, train.bias_rate), against numpy references and invariants.
 """
 import os
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,7 +22,7 @@ import pytest
 from loopmoe_jax import sharding
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.model import LoopedMoE, bias_shapes, update_router_bias, variables
-from loopmoe_jax.moe import MoE, route, route_for
+from loopmoe_jax.moe import MoE, route_for
 from loopmoe_jax.sharding import MeshConfig
 from loopmoe_jax.train import checkpoint, step as steps
 from loopmoe_jax.train.config import TrainConfig
@@ -236,7 +235,7 @@ def test_resume_gives_the_same_biases_and_losses_and_another_layout_is_refused(t
   step 6 has the uninterrupted run's losses and biases, bit for bit; evaluation from the
   checkpoint uses the bias (its val loss is the logged one); resuming with another bias layout
   is an error naming model.router_bias."""
-  from test_train import losses, tiny  # pylint: disable=import-outside-toplevel
+  from helpers import losses, tiny  # pylint: disable=import-outside-toplevel
   from loopmoe_jax.train.evaluation import evaluate_checkpoint
   from loopmoe_jax.train.trainer import train
 

@@ -322,7 +322,7 @@ def _on(cfg, mesh_cfg):
 
 
 def test_checkpoint_saved_on_one_mesh_resumes_on_another(tmp_path):
-  from test_train import losses, tiny
+  from helpers import losses, tiny
   from loopmoe_jax.experiment import build
   from loopmoe_jax.train import checkpoint
   from loopmoe_jax.train.trainer import train

@@ -10,32 +10,14 @@ import time
 import numpy as np
 import pytest
 
-from loopmoe_jax.experiment import build, experiment_config
-from loopmoe_jax.config import model_config_dict
+from loopmoe_jax.experiment import build
 from loopmoe_jax.train import checkpoint
 from loopmoe_jax.train.config import TrainConfig
 from loopmoe_jax.train.optimizer import wsd_schedule
 from loopmoe_jax.train.trainer import TrainingDiverged, train
+from helpers import losses, tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def tiny(dispatch='xla', **train_kw):
-  """The trainer tests' run. `dispatch` 'xla' (ragged_dot) by default: its train step traces
-  in half the time of the CPU default ('tiled', covered here by the bitwise-resume test and by
-  test_dispatch against the reference), and what these tests check does not depend on it."""
-  model = model_config_dict(vocab_size=256, d_model=32, num_heads=2, expert_width=32,
-                            prelude_layers=1, prelude_experts=4, core_layers=1, core_experts=4,
-                            num_loops=2, coda_layers=0, dispatch=dispatch)
-  kw = dict(steps=6, warmup=2, log_every=1, save_every=3, eval_every=3, routing_every=3,
-            sample_tokens=0, async_save=False, final_window=3)
-  kw.update(train_kw)
-  return experiment_config(model, train=kw, data=dict(seq_len=16, batch_size=8, val_batches=1))
-
-
-def losses(workdir):
-  rows = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
-  return {r['step']: r['loss'] for r in rows}
 
 
 def test_wsd_matches_formula():

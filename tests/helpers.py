@@ -1,0 +1,90 @@
+"""Helpers the test files share: the trainer tests' tiny run (`tiny`, `losses`) and the model
+tests' tiny config with numpy-drawn params (`make_cfg`, `make_params`, `tokens`, `apply_fn`)."""
+import functools
+import json
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from loopmoe_jax.config import ModelConfig, model_config_dict
+from loopmoe_jax.experiment import experiment_config
+from loopmoe_jax.model import LoopedMoE
+
+
+# The trainer's tiny run ---------------------------------------------------------------------
+
+def tiny(dispatch='xla', **train_kw):
+  """The trainer tests' run. `dispatch` 'xla' (ragged_dot) by default: its train step traces
+  in half the time of the CPU default ('tiled', covered here by the bitwise-resume test and by
+  test_dispatch against the reference), and what these tests check does not depend on it."""
+  model = model_config_dict(vocab_size=256, d_model=32, num_heads=2, expert_width=32,
+                            prelude_layers=1, prelude_experts=4, core_layers=1, core_experts=4,
+                            num_loops=2, coda_layers=0, dispatch=dispatch)
+  kw = dict(steps=6, warmup=2, log_every=1, save_every=3, eval_every=3, routing_every=3,
+            sample_tokens=0, async_save=False, final_window=3)
+  kw.update(train_kw)
+  return experiment_config(model, train=kw, data=dict(seq_len=16, batch_size=8, val_batches=1))
+
+
+def losses(workdir):
+  rows = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
+  return {r['step']: r['loss'] for r in rows}
+
+
+# The model tests' tiny config ---------------------------------------------------------------
+
+B, T = 2, 6
+
+BASE = dict(vocab_size=37, d_model=16, num_heads=4, expert_width=8, top_k=2,
+            prelude_layers=1, prelude_experts=4, core_layers=2, core_experts=4, num_loops=3,
+            coda_layers=1, coda_experts=4, dispatch_tile=8)
+
+
+def make_cfg(**kw) -> ModelConfig:
+  return ModelConfig(**{**BASE, **kw})
+
+
+def tokens(cfg, seed=1, batch=B, length=T):
+  return jax.random.randint(jax.random.key(seed), (batch, length), 0, cfg.vocab_size)
+
+
+def param_shapes(cfg):
+  shapes = jax.eval_shape(lambda: LoopedMoE(cfg).init(jax.random.key(0),
+                                                      jnp.zeros((1, 4), jnp.int32)))
+  return nn.unbox(shapes['params'])
+
+
+def _fan_in(name, shape):
+  if name in ('q', 'k', 'v'):
+    return shape[-3]
+  if name == 'o':
+    return shape[-3] * shape[-2]
+  return shape[-2]
+
+
+@functools.lru_cache(maxsize=None)
+def make_params(cfg: ModelConfig, seed: int = 0):
+  """Random params with the model's tree, drawn with numpy (no XLA compile of the init)."""
+  rng = np.random.default_rng(seed)
+
+  def draw(path, s):
+    name = path[-1].key
+    if name == 'scale':
+      x = 1.0 + 0.3 * rng.standard_normal(s.shape)
+    elif name == 'embed':
+      x = rng.standard_normal(s.shape)
+    else:
+      x = rng.standard_normal(s.shape) / np.sqrt(_fan_in(name, s.shape))
+    return jnp.asarray(x, s.dtype)
+
+  return jax.tree_util.tree_map_with_path(draw, param_shapes(cfg))
+
+
+@functools.lru_cache(maxsize=None)
+def apply_fn(cfg: ModelConfig, num_loops=None, routing=False):
+  model = LoopedMoE(cfg)
+  return jax.jit(lambda p, t: model.apply({'params': p}, t, num_loops=num_loops,
+                                          return_routing=routing))
