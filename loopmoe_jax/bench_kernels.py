@@ -29,8 +29,6 @@ import numpy as np
 import pallas_kernels
 from loopmoe_jax import bench, dispatch, moe
 
-bench.TARGETS.update({'cpu_tiled_E64_over_E8': 1.3, 'cpu_tiled_over_dense': 1.3})
-
 
 def group_sizes(num_rows: int, num_groups: int, seed: int = 0):
   """Ragged sizes summing to num_rows, like a routed batch (multinomial, mild imbalance)."""
@@ -112,12 +110,6 @@ VARIANTS = {
     },
 }
 CHECK_TOL = 2e-2  # bf16 inputs, float32 sums: relative to the reference's largest magnitude
-bench.TARGETS.update({  # time ratios (lower is better)
-    'gpu_pallas_over_dense_fwd_E64': 1.25,      # >= 0.8 of dense bf16 TFLOP/s
-    'gpu_pallas_over_dense_fwd_bwd_E64': 1.25,
-    'gpu_pallas_over_xla_fwd_E64': 0.5,         # >= 2x ragged_dot
-    'gpu_moe_layer_over_dense_swiglu': 1.3,
-})
 
 
 def _safe(res, key, fn):

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from loopmoe_jax import expert_parallel, sharding
-from loopmoe_jax.bench import TARGETS, register, time_interleaved
+from loopmoe_jax.bench import register, time_interleaved
 from loopmoe_jax import DEFAULT_CONFIG
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.dry_run import collective_bytes
@@ -39,8 +39,6 @@ from loopmoe_jax.train import step as steps
 from loopmoe_jax.train.config import TrainConfig
 from loopmoe_jax.train.optimizer import make_optimizer
 
-TARGETS.update({'a2a_bytes_over_analytic': 1.1, 'fsdp8_param_bytes_over_replicated': 0.14,
-                'grad_reduce_bytes_over_one_reduction': 1.05})
 _TENSOR = re.compile(r'tensor<([\dx]+)x(f32|bf16|f16)>')
 
 
