@@ -304,20 +304,6 @@ def bias_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
   return out
 
 
-def update_router_bias(collection, loads, rate: float):
-  """DeepSeek-V3's aux-loss-free update of the 'router_bias' collection: each expert's bias
-  moves by `rate` * sign(mean load - its load), from `loads` ({segment: expert loads}, [D, E],
-  the core's [L, D, E], summed over passes for a shared bias). No gradient."""
-  out = {}
-  for seg, b in collection['bias'].items():
-    load = jax.lax.stop_gradient(loads[seg])
-    if load.ndim > b.ndim:  # a bias shared by every pass: the loads of all passes
-      load = jnp.sum(load, axis=0)
-    mean = jnp.mean(load, axis=-1, keepdims=True)
-    out[seg] = b + rate * jnp.sign(mean - load)
-  return {'bias': out}
-
-
 def residual_scale(c: ModelConfig, num_loops: int) -> float:
   """SMELT's 1/r on every write inside the core (`model.residual_scale='inverse_loops'`), with
   r the trained pass count or, with `model.scale_passes='executed'`, the count this forward

@@ -21,10 +21,11 @@ import pytest
 
 from loopmoe_jax import sharding
 from loopmoe_jax.config import ModelConfig
-from loopmoe_jax.model import LoopedMoE, bias_shapes, update_router_bias, variables
+from loopmoe_jax.model import LoopedMoE, bias_shapes, variables
 from loopmoe_jax.moe import MoE, route_for
 from loopmoe_jax.sharding import MeshConfig
 from loopmoe_jax.train import checkpoint, step as steps
+from loopmoe_jax.train.step import update_router_bias
 from loopmoe_jax.train.config import TrainConfig
 from loopmoe_jax.train.optimizer import make_optimizer
 

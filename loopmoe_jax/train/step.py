@@ -26,8 +26,7 @@ import optax
 
 from loopmoe_jax import sharding
 from loopmoe_jax.moe import max_vio
-from loopmoe_jax.model import (ROUTER_BIAS, bias_shapes, for_init, update_router_bias,
-                               variables)
+from loopmoe_jax.model import ROUTER_BIAS, bias_shapes, for_init, variables
 from loopmoe_jax.objective import loss_fn, token_nll
 from pallas_kernels import ops
 
@@ -56,6 +55,20 @@ def boxed_params(model, seq_len: int = 8):
   """The params' shapes with their logical axis names (nothing is computed)."""
   init = for_init(model).lazy_init
   return jax.eval_shape(lambda: init(init_key(0), _tokens(seq_len))['params'])
+
+
+def update_router_bias(collection, loads, rate: float):
+  """DeepSeek-V3's aux-loss-free update of the 'router_bias' collection: each expert's bias
+  moves by `rate` * sign(mean load - its load), from `loads` ({segment: expert loads}, [D, E],
+  the core's [L, D, E], summed over passes for a shared bias). No gradient."""
+  out = {}
+  for seg, b in collection['bias'].items():
+    load = jax.lax.stop_gradient(loads[seg])
+    if load.ndim > b.ndim:  # a bias shared by every pass: the loads of all passes
+      load = jnp.sum(load, axis=0)
+    mean = jnp.mean(load, axis=-1, keepdims=True)
+    out[seg] = b + rate * jnp.sign(mean - load)
+  return {'bias': out}
 
 
 def _programs(fn):
