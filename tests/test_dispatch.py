@@ -393,3 +393,16 @@ def test_dispatch_rejects_unknown_backend():
   p = {'gate': jnp.zeros((2, 4, 3)), 'up': jnp.zeros((2, 4, 3)), 'down': jnp.zeros((2, 3, 4))}
   with pytest.raises(ValueError, match='dispatch'):
     dispatch(x, jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1)), p, 'magic')
+
+
+def test_gmm_tiled_keeps_no_float32_copy_of_its_rows():
+  """bfloat16 operands: the compiled grouped matmul keeps no float32 array of every output
+  row (each tile is written in bfloat16 as soon as its matmul ends): its temporaries are 0.58
+  of a float32 [M, N] here, where keeping one made them 1.05. An expert-parallel step's
+  largest buffers were such copies, over the worst-case receive rows."""
+  m, k, n, g = 4096, 16, 512, 4
+  lhs = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+  rhs = jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16)
+  sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
+  fwd = jax.jit(lambda l, r, s: gmm_tiled(l, r, s, 128)).lower(lhs, rhs, sizes).compile()
+  assert fwd.memory_analysis().temp_size_in_bytes < 0.8 * m * n * 4
