@@ -6,8 +6,8 @@ Byte-level vocabulary, width 128, a prelude and a coda of one MoE layer and a co
 layers, every MoE layer 8 experts (top-2, so a Mixtral export can hold it), the core looped 3
 times with tied attention; 1.81M parameters (1.22M active per token).
 Expect the validation loss to fall from ~2.5 nats at step 100 to ~1.8 at step 400 (a fresh
-run here: 2.53, 2.19, 1.96, 1.80; final-window train loss 1.488; 178 s wall on this 2-core
-machine, including compiles, 5,010 tokens/s; earlier sessions measured 91 s), then a text sample
+run here: 2.53, 2.19, 1.96, 1.80; final-window train loss 1.488; 143 s wall on this 2-core
+machine, including compiles, 6,134 tokens/s; earlier sessions measured 91 s), then a text sample
 that looks like Python.
 """
 from loopmoe_jax.config import model_config_dict, parse_arg
