@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from loopmoe_jax.config import ModelConfig
-from loopmoe_jax.model import LoopedMoE
+from loopmoe_jax.model import LoopedMoE, for_init
 from loopmoe_jax.moe import MoE
 from loopmoe_jax.objective import loss_fn
 
@@ -125,7 +125,8 @@ def _batch(cfg: ModelConfig, batch: int, seq: int, seed: int = 0):
 
 def _abstract_params(cfg: ModelConfig, batch):
   model = LoopedMoE(cfg)
-  shapes = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), batch['inputs'])))
+  shapes = jax.eval_shape(lambda: nn.unbox(for_init(model).init(jax.random.key(0),
+                                                                batch['inputs'])))
   return model, shapes['params']
 
 
@@ -134,7 +135,7 @@ def init_params(module: nn.Module, x, cache: dict | None = None):
   dispatch (params depend on neither) and compiled without LLVM optimisation (it runs once;
   the RNG kernels otherwise take seconds to optimise). Modules whose param trees have the same
   shapes share one init through `cache` (e.g. loop_impl 'scan' and 'unroll', two backends)."""
-  fast = module.clone(cfg=module.cfg.replace(dispatch='xla'))
+  fast = for_init(module)
   init = lambda key, x: nn.unbox(fast.init(key, x))['params']
   key, x = jax.random.key(0), x[:1, :1]
   sig = str(jax.tree.map(lambda a: (a.shape, a.dtype), jax.eval_shape(init, key, x)))

@@ -268,9 +268,10 @@ def _extras(per_visit, return_routing):
   return extras
 
 
-def for_init(model: 'LoopedMoE') -> 'LoopedMoE':
-  """`model` with the settings that are cheapest to trace and change no parameter (dispatch
-  'xla', attention 'xla'): init traces the forward to find the params, and the CPU default
+def for_init(model: nn.Module) -> nn.Module:
+  """`model` (a LoopedMoE, or any module holding a ModelConfig `cfg`, such as an MoE layer)
+  with the settings that are cheapest to trace and change no parameter (dispatch 'xla',
+  attention 'xla'): init traces the forward to find the params, and the CPU default
   dispatch ('tiled') or a Pallas kernel traces in about twice the time. Names, shapes, init
   values and the router-bias and cache collections are the same
   (tests/test_model.py::test_init_is_the_same_under_every_dispatch_and_attention)."""
