@@ -24,6 +24,7 @@ CORE_COLLECTIVES = ('once', 'per_pass')
 DTYPES = ('float32', 'bfloat16', 'float16')
 DISPATCHES = ('reference', 'tiled', 'xla', 'pallas', 'auto')
 EXCHANGES = ('auto', 'padded', 'ragged')
+OVERFLOWS = ('drop', 'replay')
 ROUTER_SCORES = ('softmax', 'sigmoid')
 ROUTER_BIASES = ('none', 'shared', 'per_pass')
 
@@ -56,6 +57,9 @@ class ModelConfig:
   exchange_buffer_factor: float = 0.0  # 0: exchange buffers for the dropless worst case; b >= 1:
                                  # rows one device sends another capped at b x the balanced
                                  # share (expert_parallel.slot_rows), the rest dropped, counted
+  exchange_overflow: str = 'drop'  # with exchange_buffer_factor: 'drop' (count them) or 'replay'
+                                 # (a train step that dropped a row reruns with dropless
+                                 # buffers and remat 'full'; train/step.py)
   # Layout: prelude -> core x num_loops -> coda. experts == 0 means a dense SwiGLU layer.
   prelude_layers: int = 1
   prelude_experts: int = 4
@@ -165,7 +169,7 @@ def _validate(c: ModelConfig):
     _err('core_layers', c.core_layers, 'the model has no layers')
   choices = dict(residual_scale=RESIDUAL_SCALES, injection=INJECTIONS, remat=REMAT_POLICIES,
                  loop_impl=LOOP_IMPLS, dtype=DTYPES, param_dtype=DTYPES, dispatch=DISPATCHES,
-                 expert_exchange=EXCHANGES, scale_passes=SCALE_PASSES,
+                 expert_exchange=EXCHANGES, exchange_overflow=OVERFLOWS, scale_passes=SCALE_PASSES,
                  router_score=ROUTER_SCORES, router_bias=ROUTER_BIASES,
                  core_collectives=CORE_COLLECTIVES, attention_impl=ATTENTION_IMPLS)
   for name, allowed in choices.items():
@@ -177,6 +181,10 @@ def _validate(c: ModelConfig):
   if isinstance(b, bool) or not isinstance(b, (int, float)) or not (b == 0 or 1 <= b < float('inf')):
     _err('exchange_buffer_factor', b, 'must be 0 (worst-case buffers, dropless) or a number >= 1 '
          '(the balanced share times it; 1.25 is a common choice)')
+  if c.exchange_overflow == 'replay' and not (b and not c.capacity_factor):
+    _err('exchange_overflow', c.exchange_overflow, 'replays the rows that bounded exchange '
+         'buffers dropped: it needs model.exchange_buffer_factor >= 1 (now '
+         f'{b}) and model.capacity_factor=0 (now {c.capacity_factor})')
   if c.injection != 'none' and not c.core_layers:
     _err('injection', c.injection, 'needs a looped core (model.core_layers >= 1)')
   if c.router_bias != 'none' and not any(experts for _, _, experts, _ in c.segments):

@@ -72,6 +72,8 @@ class Writer:
       parts.append(f"maxvio {key[len('max_vio_'):]} {m[key]:.2f}")
     if m.get('dropped'):
       parts.append(f"dropped {m['dropped']:,.0f}")
+    if m.get('replayed'):
+      parts.append(f"replayed {m['replayed']:,.0f}")
     print('  '.join(parts), file=sys.stdout, flush=True)
 
   def close(self):

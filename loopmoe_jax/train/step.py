@@ -177,6 +177,47 @@ def split_microbatches(batch, microbatches: int):
   return jax.tree.map(one, batch)
 
 
+def replays(cfg) -> bool:
+  """Whether a train step under the current mesh replays an overflowing exchange
+  (model.exchange_overflow='replay' with expert parallelism)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return (cfg.exchange_overflow == 'replay' and not mesh.empty
+          and mesh.shape.get('expert', 1) > 1)
+
+
+def dropless(model):
+  """`model` with the dropless worst-case exchange buffers and remat 'full': the replay of a
+  step whose bounded buffers dropped a row (the same parameters and, with no row dropped, the
+  same results as the bounded program; 'full' keeps its activations within the bounded
+  program's memory)."""
+  return model.clone(cfg=model.cfg.replace(exchange_buffer_factor=0.0, exchange_overflow='drop',
+                                          remat='full'))
+
+
+def with_replay(value_and_grad, model):
+  """`value_and_grad(params, model, batch)` that, when `replays(model.cfg)`, reruns a batch
+  whose bounded exchange buffers (model.exchange_buffer_factor) dropped a row with
+  `dropless(model)`, inside the same program (a `lax.cond` on the step's global drop count:
+  every device takes the same branch). The step's memory is the larger of the two programs',
+  not the dropless worst case without remat; a replayed batch costs one more forward and
+  backward. metrics['replayed'] counts the replayed (micro)batches; 'dropped' is then 0."""
+  if not replays(model.cfg):
+    return value_and_grad
+  fallback = dropless(model)
+
+  def fn(params, _, batch):
+    (loss, metrics), grads = value_and_grad(params, model, batch)
+    overflow = metrics['dropped'] > 0
+
+    def replay(_):
+      (loss2, metrics2), grads2 = value_and_grad(params, fallback, batch)
+      return (loss2, dict(metrics2, replayed=jnp.float32(1))), grads2
+
+    kept = (loss, dict(metrics, replayed=jnp.float32(0))), grads
+    return jax.lax.cond(overflow, replay, lambda x: x, kept)
+  return fn
+
+
 def loss_and_grads(params, model, batch, lb_coef, z_coef, microbatches: int = 1,
                    router_bias=None):
   """(metrics, grads) of the objective; with `microbatches` > 1 the mean over equal
@@ -184,8 +225,9 @@ def loss_and_grads(params, model, batch, lb_coef, z_coef, microbatches: int = 1,
   so equal microbatches give the whole batch's values; the load-balance loss is a product of
   batch means, computed per microbatch as a device holding that batch would. The expert
   loads ('load', with `router_bias`) are the whole batch's (summed)."""
-  grad_fn = jax.value_and_grad(
+  value_and_grad = jax.value_and_grad(
       lambda p, m, b: loss_fn(p, m, b, lb_coef, z_coef, router_bias=router_bias), has_aux=True)
+  grad_fn = with_replay(value_and_grad, model)
   if microbatches == 1:
     (_, metrics), grads = grad_fn(params, model, batch)
     return metrics, grads
@@ -201,8 +243,9 @@ def loss_and_grads(params, model, batch, lb_coef, z_coef, microbatches: int = 1,
           jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
   (metrics, grads), _ = jax.lax.scan(body, acc0, mbs)
   grads = jax.tree.map(lambda g, p: (g / microbatches).astype(p.dtype), grads, params)
-  metrics = {k: v if k in ('dropped', 'load') else v / microbatches for k, v in metrics.items()}
-  return metrics, grads  # dropped and load: the step's totals
+  metrics = {k: v if k in ('dropped', 'load', 'replayed') else v / microbatches
+             for k, v in metrics.items()}
+  return metrics, grads  # dropped, load and replayed: the step's totals
 
 
 def make_train_step(model, tx, schedule, lb_coef: float, z_coef: float, state_sh, batch_sh,
@@ -239,7 +282,11 @@ def _train_step(model, tx, schedule, lb_coef, z_coef, state_key, batch_sh, micro
 
 @_programs
 def make_eval_step(model, num_loops=None, mesh=None):
-  """Sum of token NLL and token count of a batch (so batches of any mask average exactly)."""
+  """Sum of token NLL and token count of a batch (so batches of any mask average exactly).
+  With model.exchange_overflow='replay' the forward uses the dropless exchange buffers (a
+  forward keeps no layer's buffers for a backward)."""
+  if model.cfg.exchange_overflow == 'replay':
+    model = model.clone(cfg=model.cfg.replace(exchange_buffer_factor=0.0, exchange_overflow='drop'))
   def step(params, batch, router_bias=None):
     total, count, _ = token_nll(params, model, batch, num_loops, router_bias)
     return total, count

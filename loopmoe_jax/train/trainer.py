@@ -147,10 +147,16 @@ def _train(cfg, exp, workdir: str, force: bool = False, start_over: bool = False
     return ('no checkpoint has been written yet' if last_saved is None else
             f'the last good checkpoint (step {last_saved}) is kept')
 
+  replayed = 0.0  # steps replayed with dropless buffers since this process started the run
+
   def finish(pending):
     """Fetches a step's metrics (one step late) and stops on a non-finite loss."""
+    nonlocal replayed
     s, m = pending
     m = {k: float(v) for k, v in jax.device_get(m).items()}
+    if 'replayed' in m:  # model.exchange_overflow='replay': logged as the count so far
+      replayed += m['replayed']
+      m['replayed'] = replayed
     watched = {k: m[k] for k in ('loss', 'objective', 'grad_norm') if k in m}
     if not all(map(math.isfinite, watched.values())):
       raise TrainingDiverged(
@@ -221,7 +227,8 @@ def _train(cfg, exp, workdir: str, force: bool = False, start_over: bool = False
              'val_loss': val_loss, 'val_step': val_step,  # the step val_loss was measured at
              'tokens_per_s': (final - start) * dc.batch_size * dc.seq_len /
              wall, 'wall_s': wall, 'params_total': acct['params_total'],
-             'params_active': acct['params_active'], 'stopped_by': stop.signal}
+             'params_active': acct['params_active'], 'stopped_by': stop.signal,
+             'replayed': replayed}
   if proc == 0:
     with open(summary_path, 'w') as f:
       json.dump(summary, f, indent=1)
