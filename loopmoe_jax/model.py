@@ -284,7 +284,7 @@ ROUTER_BIAS = 'router_bias'
 
 def variables(params, **collections) -> dict:
   """apply's variables: a param tree, or variables that already hold 'params' (a model with a
-  router bias, {'params': ..., 'router_bias': ...}, as checkpoint.load_variables returns it;
+  router bias, {'params': ..., 'router_bias': ...}, as run.Loaded.variables gives it;
   a param tree's top keys are module names), joined by the other collections given and not
   None (`router_bias=`, analysis/masking's `routing_mask=`)."""
   out = dict(params) if 'params' in params else {'params': params}

@@ -216,11 +216,11 @@ def test_not_applicable_names_what_a_model_lacks():
   assert not_applicable(CFG) == {}
 
 
-def test_diagnose_end_to_end_on_a_trained_workdir(tmp_path):
+def test_diagnose_end_to_end_on_a_trained_workdir(tmp_path, monkeypatch):
   """A tiny run trained for 2 steps with a router bias: diagnose writes the JSON (figures
   consistent with the definitions), both heatmaps and the recurrence plot, with the probes
-  and recurrence of the same checkpoint (the trained bias routes every analysis: without it
-  the model refuses to run); a probe set past the split, a negative option, and a workdir
+  and recurrence of the same checkpoint, read once (the trained bias routes every analysis:
+  without it the model refuses to run); a probe set past the split, a negative option, and a workdir
   without checkpoints are errors naming the problem."""
   from loopmoe_jax.analysis import probe_set as ps
   from loopmoe_jax.analysis.diagnose import diagnose, summary_lines
@@ -231,8 +231,13 @@ def test_diagnose_end_to_end_on_a_trained_workdir(tmp_path):
   cfg = tiny(steps=2, save_every=2, eval_every=2, routing_every=2, bias_rate=0.01)
   cfg.model.router_bias = 'shared'
   trained = train(cfg, work)
+  reads = []  # every checkpoint read (train/run.py: diagnose reads it once for all analyses)
+  real_load = checkpoint.load_params
+  monkeypatch.setattr(checkpoint, 'load_params', lambda *a, **k: reads.append(a) or real_load(*a, **k))
   r = diagnose(work, out, tokens=40, mask_draws=2, log=lambda *_: None, probes=32,
-               recurrence=3)
+               recurrence=3, evals=2)
+  monkeypatch.undo()
+  assert len(reads) == 1, reads
   assert r['probe_set']['tokens'] == 48  # 3 windows of 16
   assert os.path.getsize(os.path.join(out, 'recurrence.png')) > 1000
   # the trainer's own validation loss at its trained pass count, through the stored bias
@@ -262,7 +267,7 @@ def test_diagnose_end_to_end_on_a_trained_workdir(tmp_path):
   assert len(r['masking']) == 1 and len(r['masking'][0]['random']) == 2
   time_line = next(l for l in summary_lines(r) if l.startswith('time:'))
   # the analyses that ran are timed by name; evals did not run and are not named
-  assert '; probes ' in time_line and '; recurrence ' in time_line and 'evals' not in time_line
+  assert all(f'; {name} ' in time_line for name in ('probes', 'evals', 'recurrence'))
   with pytest.raises(ValueError, match='validation split'):
     diagnose(work, out, tokens=10**9)
   with pytest.raises(FileNotFoundError, match='no checkpoint'):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -256,8 +257,8 @@ def test_non_finite_update_is_never_saved(tmp_path):
 
 def test_evaluate_and_sample_from_a_workdir(tmp_path, monkeypatch):
   """Without the trainer: the checkpoint's validation loss equals the one the run logged at
-  its last step; greedy sampling continues the prompt and is deterministic; bad arguments
-  name the flag."""
+  its last step; greedy sampling continues the prompt and is deterministic; the run layer
+  (train/run.py) reads the same things once; bad arguments name the flag."""
   from loopmoe_jax.train.evaluation import evaluate_checkpoint, sample_text
   work = str(tmp_path / 'e')
   summary = train(tiny(steps=3), work)
@@ -273,6 +274,23 @@ def test_evaluate_and_sample_from_a_workdir(tmp_path, monkeypatch):
   monkeypatch.undo()
   text = sample_text(work, 'def ', 6, 0.0, 0)
   assert text.startswith('def ') and text == sample_text(work, 'def ', 6, 0.0, 1)
+  # the run layer: one read gives the built experiment, the params the checkpoint reader
+  # gives, and the run's own files; a loaded run answers for its own step only
+  from loopmoe_jax.experiment import build
+  from loopmoe_jax.train import checkpoint
+  from loopmoe_jax.train.run import RunDir, as_loaded
+  run_dir = RunDir(work)
+  run = run_dir.load()
+  _, params, step, config = checkpoint.load_params(work)
+  assert run.step == step == 3 and run.exp == build(tiny(steps=3)) and run.config == config
+  for got, want in zip(jax.tree.leaves(run.variables), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(got, want)
+  assert [r['step'] for r in run_dir.metrics()][-1] == 3
+  assert run_dir.summary()['val_loss'] == summary['val_loss']
+  assert as_loaded(run) is run and as_loaded(run, 3) is run
+  assert sample_text(run, 'def ', 6, 0.0, 0) == text
+  with pytest.raises(ValueError, match='step 2 asked of a loaded step 3'):
+    as_loaded(run, 2)
   with pytest.raises(ValueError, match='--tokens=0'):
     sample_text(work, 'def ', 0, 0.0, 0)
   with pytest.raises(ValueError, match='--prompt is empty'):

@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from loopmoe_jax.analysis import diagnostics, heatmaps, masking, probe_set
-from loopmoe_jax.train import checkpoint
+from loopmoe_jax.train.run import RunDir
 
 
 def _plain(x):
@@ -80,7 +80,8 @@ def diagnose(workdir: str, out_dir: str, tokens: int, step: int | None = None,
     if value < 0 or (name == 'tokens' and value == 0):
       raise ValueError(f'--{name}={value}: must be {"> 0" if name == "tokens" else ">= 0"}')
   t0 = time.perf_counter()
-  cfg, params, s, config = checkpoint.load_variables(workdir, step)
+  run = RunDir(workdir).load(step)  # read once: the evals and recurrence below reuse it
+  cfg, params, s, config = run.model_cfg, run.variables, run.step, run.config
   if cfg.core_experts and mask_top > cfg.core_experts - cfg.top_k:
     raise ValueError(f'--mask_top={mask_top}: must be <= model.core_experts - model.top_k = '
                      f'{cfg.core_experts - cfg.top_k} (a token needs top_k unmasked experts)')
@@ -148,12 +149,12 @@ def diagnose(workdir: str, out_dir: str, tokens: int, step: int | None = None,
   if evals:
     t = time.perf_counter()
     from loopmoe_jax.analysis import evals as ev  # pylint: disable=import-outside-toplevel
-    report['evals'] = ev.reasoning_evals(workdir, s, examples=evals)
+    report['evals'] = ev.reasoning_evals(run, examples=evals)
     ran['evals'] = time.perf_counter() - t
   if recurrence:
     t = time.perf_counter()
     from loopmoe_jax.analysis import evals as ev  # pylint: disable=import-outside-toplevel
-    report['recurrence'] = ev.recurrence(workdir, recurrence, s)
+    report['recurrence'] = ev.recurrence(run, recurrence)
     figures.append(ev.plot_recurrence(report['recurrence'],
                                       os.path.join(out_dir, 'recurrence.png')))
     ran['recurrence'] = time.perf_counter() - t

@@ -126,14 +126,15 @@ def _check_bytes(config: dict, workdir: str):
                      f'{spec!r}')
 
 
-def reasoning_evals(workdir: str, step: int | None = None, num_loops: int | None = None,
+def reasoning_evals(workdir, step: int | None = None, num_loops: int | None = None,
                     shots: Sequence[int] = SHOTS, examples: int = 64,
                     context: int | None = None) -> dict:
   """Dyck-k accuracy by shots and zero-shot parity / addition / induction accuracy of a
   checkpoint; `context` defaults to the run's data.seq_len (longer prompts are refused)."""
-  from loopmoe_jax.train import checkpoint
-  cfg, params, s, config = checkpoint.load_variables(workdir, step)
-  _check_bytes(config, workdir)
+  from loopmoe_jax.train.run import as_loaded
+  run = as_loaded(workdir, step)
+  cfg, params, s, config = run.model_cfg, run.variables, run.step, run.config
+  _check_bytes(config, run.workdir)
   context = context or config['data']['seq_len']
   predict = model_predictor(cfg, params, num_loops)
   tasks = {}
@@ -147,16 +148,17 @@ def reasoning_evals(workdir: str, step: int | None = None, num_loops: int | None
           'dyck': dyck_accuracy(predict, shots, examples, context), 'tasks': tasks}
 
 
-def recurrence(workdir: str, max_loops: int, step: int | None = None, examples: int = 64,
+def recurrence(workdir, max_loops: int, step: int | None = None, examples: int = 64,
                tasks: Sequence[str] = ('dyck',) + TASKS) -> dict:
   """Test-time recurrence: validation loss (train/evaluation.evaluate_checkpoint) and
   zero-shot task accuracy of one checkpoint at passes 1..max_loops."""
-  from loopmoe_jax.train import checkpoint
   from loopmoe_jax.train.evaluation import evaluate_checkpoint
+  from loopmoe_jax.train.run import as_loaded
   loops = list(range(1, max_loops + 1))
-  ev = evaluate_checkpoint(workdir, loops, step)
-  cfg, params, s, config = checkpoint.load_variables(workdir, ev['step'])
-  _check_bytes(config, workdir)
+  run = as_loaded(workdir, step)
+  ev = evaluate_checkpoint(run, loops)
+  cfg, params, config = run.model_cfg, run.variables, run.config
+  _check_bytes(config, run.workdir)
   seq_len = config['data']['seq_len']
   acc, skipped = {t: {} for t in tasks}, {}
   for n in loops:

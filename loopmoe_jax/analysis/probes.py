@@ -194,13 +194,13 @@ def validation_inputs(config: dict, vocab: int, tokens: int):
   return [b['inputs'] for b in batches], [b['targets'] for b in batches]
 
 
-def probe_workdir(workdir: str, tokens: int = 8192, step: int | None = None,
+def probe_workdir(workdir, tokens: int = 8192, step: int | None = None,
                   num_loops: int | None = None) -> dict:
   """mechanistic_probes of a checkpoint over about `tokens` validation tokens."""
-  from loopmoe_jax.train import checkpoint
-  cfg, params, s, config = checkpoint.load_variables(workdir, step)
-  inputs, _ = validation_inputs(config, cfg.vocab_size, tokens)
-  return {'step': s, **mechanistic_probes(cfg, params, inputs, num_loops)}
+  from loopmoe_jax.train.run import as_loaded
+  run = as_loaded(workdir, step)
+  inputs, _ = validation_inputs(run.config, run.model_cfg.vocab_size, tokens)
+  return {'step': run.step, **mechanistic_probes(run.model_cfg, run.variables, inputs, num_loops)}
 
 
 def embedded_domains(config: dict, tokens_per_domain: int = 32768) -> dict[str, np.ndarray]:
@@ -227,9 +227,10 @@ def ce_gain_workdirs(dir_a: str, dir_b: str, tokens: int = 8192, num_buckets: in
                      domains: Mapping[str, np.ndarray] | None = None) -> dict:
   """CE gain of run A's checkpoint over run B's: by window-position bucket on A's validation
   windows, and by domain (`domains`, else the embedded corpus's code/docs split)."""
-  from loopmoe_jax.train import checkpoint
-  cfg_a, pa, sa, config = checkpoint.load_variables(dir_a)
-  cfg_b, pb, sb, _ = checkpoint.load_variables(dir_b)
+  from loopmoe_jax.train.run import as_loaded
+  a, b = as_loaded(dir_a), as_loaded(dir_b)
+  (cfg_a, pa, sa, config), (cfg_b, pb, sb) = ((a.model_cfg, a.variables, a.step, a.config),
+                                              (b.model_cfg, b.variables, b.step))
   if cfg_a.vocab_size != cfg_b.vocab_size:
     raise ValueError(f'{dir_a!r} and {dir_b!r} have different vocabularies '
                      f'({cfg_a.vocab_size} vs {cfg_b.vocab_size})')

@@ -139,18 +139,19 @@ def export_workdir(workdir: str, out: str, fmt: str, step: int | None = None,
   """Exports a checkpoint of `workdir` (a step, or the latest readable) as `fmt` into `out`;
   returns a summary (step, format, out, bytes, layers, and with `verify` verify_export's
   check of the written export against the same loaded checkpoint)."""
-  from loopmoe_jax.train import checkpoint
+  from loopmoe_jax.train.run import RunDir
   if fmt not in FORMATS:
     raise ValueError(f'--format={fmt!r}: one of {FORMATS}')
   if verify and fmt == 'hf-mixtral':
     _verify_packages()  # before anything is written
   check_out(out, overwrite)  # before the checkpoint is read
-  cfg, params, s, config = checkpoint.load_params(workdir, step)
+  run = RunDir(workdir).load(step)
+  cfg, s, config = run.model_cfg, run.step, run.config
   if fmt == 'hf-mixtral':
     mixtral.check_exportable(cfg)
   elif cfg.router_bias != 'none':
     raise ValueError(f'model.router_bias={cfg.router_bias!r}: {mixtral.BIAS_REFUSAL}')
-  params = safetensors_io.unflatten(safetensors_io.flatten(params))  # numpy, one host
+  params = safetensors_io.unflatten(safetensors_io.flatten(run.params))  # numpy, one host
   with output_dir(out, overwrite) as tmp:
     if fmt == 'safetensors':
       safetensors_io.save_model(tmp, config, params, s)
@@ -164,7 +165,7 @@ def export_workdir(workdir: str, out: str, fmt: str, step: int | None = None,
   summary = {'step': s, 'format': fmt, 'out': os.path.abspath(out), 'bytes': size,
              'layers': layers}
   if verify:
-    summary['verify'] = verify_export(workdir, out, fmt, loaded=(cfg, params, s, config))
+    summary['verify'] = verify_export(run, out, fmt)
   return summary
 
 
@@ -191,20 +192,21 @@ def _verify_packages():
   return torch, transformers
 
 
-def verify_export(workdir: str, out: str, fmt: str, step: int | None = None,
-                  tokens: int = 256, greedy: int = 16, loaded=None) -> dict:
+def verify_export(workdir, out: str, fmt: str, step: int | None = None,
+                  tokens: int = 256, greedy: int = 16) -> dict:
   """Checks an export against our model on the run's first validation window(s): the max
   absolute logit difference over `tokens` tokens in float32, and whether `greedy` greedy
   tokens after a 16-token prompt agree. 'hf-mixtral' loads it with transformers'
   MixtralForCausalLM on CPU (torch and transformers must be installed); 'safetensors' with our
-  own reader (load_model), run through our model. `loaded`: load_params's tuple when the
-  caller has the checkpoint already."""
+  own reader (load_model), run through our model. `workdir`: a run directory, or the
+  run.Loaded its caller holds already."""
   import jax
   import jax.numpy as jnp
   from loopmoe_jax.analysis.probes import validation_inputs
   from loopmoe_jax.model import LoopedMoE
-  from loopmoe_jax.train import checkpoint
-  cfg, params, s, config = loaded or checkpoint.load_params(workdir, step)
+  from loopmoe_jax.train.run import as_loaded
+  run = as_loaded(workdir, step)
+  cfg, params, s, config = run.model_cfg, run.params, run.step, run.config
   inputs = np.concatenate(validation_inputs(config, cfg.vocab_size, tokens)[0])
   seq = min(inputs.shape[1], tokens)
   n = min(16, seq - greedy)  # prompt length of the greedy check

@@ -421,14 +421,6 @@ def load_router_bias(directory: str, step: int):
       partial_restore=True)))['state']['router_bias']
 
 
-def load_variables(directory: str, step: int | None = None):
-  """`load_params`, with the params joined by the trained router bias when the run has one
-  ({'params': ..., 'router_bias': ...}; model.variables takes either form)."""
-  cfg, params, s, config = load_params(directory, step)
-  bias = load_router_bias(directory, s) if cfg.router_bias != 'none' else None
-  return cfg, (params if bias is None else {'params': params, 'router_bias': bias}), s, config
-
-
 def _param_shardings(cfg: ModelConfig, shapes, mesh):
   if mesh is None:
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

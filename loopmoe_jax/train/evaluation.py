@@ -10,24 +10,25 @@ from loopmoe_jax import sharding
 from loopmoe_jax.data import pipeline
 from loopmoe_jax.decode import cache_bytes, generate
 from loopmoe_jax.model import LoopedMoE, check_loops
-from loopmoe_jax.train import checkpoint, step as steps
+from loopmoe_jax.train import step as steps
+from loopmoe_jax.train.run import as_loaded
 from loopmoe_jax.train.preflight import device_memory_bytes
 
 
-def evaluate_checkpoint(workdir: str, num_loops=(None,), step: int | None = None,
+def evaluate_checkpoint(workdir, num_loops=(None,), step: int | None = None,
                         scale_passes: str | None = None) -> dict:
-  """Validation LM loss of a checkpoint for each pass count in `num_loops`; `scale_passes`
-  ('trained' or 'executed') overrides the model's choice of r in the 1/r residual scale."""
-  cfg, params, s, config = checkpoint.load_params(workdir, step)
-  bias = checkpoint.load_router_bias(workdir, s)
+  """Validation LM loss of a checkpoint (a workdir, or a run.Loaded) for each pass count in
+  `num_loops`; `scale_passes` ('trained' or 'executed') overrides the model's choice of r in
+  the 1/r residual scale."""
+  run = as_loaded(workdir, step)
+  cfg, params, s, bias = run.model_cfg, run.params, run.step, run.router_bias
   if scale_passes:
     cfg = cfg.replace(scale_passes=scale_passes)
   for n in num_loops:  # every count checked before any is evaluated
     check_loops(cfg, n)
-  dc = pipeline.DataConfig.from_dict(config['data'])
-  batches = pipeline.validation_batches(dc, cfg.vocab_size)
+  batches = pipeline.validation_batches(run.exp.data, cfg.vocab_size)
   if not batches:
-    raise ValueError(f'{workdir}: the run has no validation data (data.val_path is empty)')
+    raise ValueError(f'{run.workdir}: the run has no validation data (data.val_path is empty)')
   batch_sh = sharding.batch_sharding(sharding.make_mesh(sharding.MeshConfig(data=1),
                                                        jax.devices()[:1]))
   out = {'step': s, 'scale_passes': cfg.scale_passes, 'val_loss': {}}
@@ -53,17 +54,17 @@ def _check_length(cfg, prompt_len: int, tokens: int, train_len: int, num_loops) 
 def sample_text(workdir: str, prompt: str, tokens: int, temperature: float, seed: int,
                 num_loops: int | None = None, step: int | None = None,
                 scale_passes: str | None = None) -> str:
-  cfg, params, s, config = checkpoint.load_params(workdir, step)
-  bias = checkpoint.load_router_bias(workdir, s)
+  run = as_loaded(workdir, step)
+  cfg, params, bias = run.model_cfg, run.params, run.router_bias
   if scale_passes:
     cfg = cfg.replace(scale_passes=scale_passes)
   check_loops(cfg, num_loops)
   if tokens < 1:
     raise ValueError(f'--tokens={tokens}: must be >= 1')
-  data_cfg = pipeline.DataConfig.from_dict(config['data'])
+  data_cfg = run.exp.data
   tok = pipeline.data_tokenizer(data_cfg)
   if tok is None:
-    raise ValueError(f'{workdir}: the tokenizer of its training data '
+    raise ValueError(f'{run.workdir}: the tokenizer of its training data '
                      f'({pipeline.tokenizer_spec(data_cfg)!r}) cannot be loaded')
   if not prompt:
     raise ValueError('--prompt is empty')
