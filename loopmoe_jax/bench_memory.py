@@ -1,6 +1,6 @@
 """`benchmark.py memory`: what attention, the loss and each remat policy hold, read from programs
 compiled for this CPU (XLA's memory analysis: temporaries, the buffers that are neither
-arguments nor outputs; FLOPs from the HLO's matmuls with loop trip counts, dry_run.dot_flops).
+arguments nor outputs; FLOPs from the HLO's matmuls with loop trip counts, hlo.dot_flops).
 Nothing is run: shapes are abstract, so full sizes compile on a laptop.
 
 - attn_temp_T4096_over_T1024: one attention layer's forward+backward (q, k, v -> output, the

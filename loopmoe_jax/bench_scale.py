@@ -31,7 +31,8 @@ from loopmoe_jax import expert_parallel, sharding
 from loopmoe_jax.bench import register, time_interleaved
 from loopmoe_jax import DEFAULT_CONFIG
 from loopmoe_jax.config import ModelConfig
-from loopmoe_jax.dry_run import collective_bytes
+from loopmoe_jax import hlo as hlo_lib
+from loopmoe_jax.hlo import collective_bytes
 from loopmoe_jax.experiment import load_config
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.sharding import MeshConfig
@@ -146,7 +147,7 @@ def _step_collectives(num_loops: int):
   cfg.mesh.data, cfg.mesh.expert = 2, 4
   step, (state, batch), _, _ = dry_run.train_step_program(cfg)
   hlo, _ = dry_run.partitioned_compile(step.lower(state, batch))
-  return dry_run.classify(dry_run.collectives(hlo), state['params'])
+  return dry_run.classify(hlo_lib.collectives(hlo), state['params'])
 
 
 def _step_traffic(res):

@@ -10,6 +10,7 @@ import pytest
 
 import pallas_kernels
 from loopmoe_jax import attention_impls, dry_run
+from loopmoe_jax import hlo as hlo_lib
 from loopmoe_jax.attention import attend
 from loopmoe_jax.attention_impls import chunked_attend, resolve
 from loopmoe_jax.config import ModelConfig
@@ -174,7 +175,7 @@ def test_chunked_loss_train_step_holds_no_whole_logits():
 
 
 def test_dot_flops_counts_loop_bodies_by_trip_count():
-  """dry_run.dot_flops against the obvious count: 10 passes of a [64, 32] x [32, 48] matmul
+  """hlo_lib.dot_flops against the obvious count: 10 passes of a [64, 32] x [32, 48] matmul
   plus one [64, 48] x [48, 16] (XLA's own cost analysis counts the loop body once)."""
   w1, w2 = jnp.ones((32, 32)), jnp.ones((48, 16))
 
@@ -183,7 +184,7 @@ def test_dot_flops_counts_loop_bodies_by_trip_count():
     return jnp.pad(x, ((0, 0), (0, 16))) @ w2
   x = jnp.ones((64, 32))
   hlo, _ = dry_run.partitioned_compile(jax.jit(f).lower(x, w1, w2))
-  assert dry_run.dot_flops(hlo) == 10 * 2 * 64 * 32 * 32 + 2 * 64 * 48 * 16
+  assert hlo_lib.dot_flops(hlo) == 10 * 2 * 64 * 32 * 32 + 2 * 64 * 48 * 16
 
 
 @pytest.mark.gpu

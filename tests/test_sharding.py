@@ -518,13 +518,14 @@ def test_gradient_reductions_do_not_grow_with_the_passes_and_no_activation_is_ga
   parameter gather or the exchange's [n, E] counts: none gathers router probabilities,
   tokens or hidden states (and the check sees a [tokens, E] gather when there is one)."""
   from loopmoe_jax import dry_run
+  from loopmoe_jax import hlo as hlo_lib
 
   def kinds(loops, collectives='once'):
     cfg = _small_cfg(MESHES['data2_expert4'], num_loops=loops, core_collectives=collectives,
                      tie_attention=True)
     step, (state, batch), _, _ = dry_run.train_step_program(cfg)
     hlo, _ = dry_run.partitioned_compile(step.lower(state, batch))
-    return dry_run.classify(dry_run.collectives(hlo), state['params']), state['params']
+    return dry_run.classify(hlo_lib.collectives(hlo), state['params']), state['params']
   (one, _), (four, params), (xla, _) = kinds(1), kinds(4), kinds(4, 'per_pass')
   reductions = lambda k: (k['grad_reduce_ops'], k['grad_reduce'])
   assert reductions(one) == reductions(four) and one['grad_reduce'] > 0

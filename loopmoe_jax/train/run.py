@@ -20,10 +20,15 @@ import json
 import os
 from typing import Any
 
+import jax
 import ml_collections
+import orbax.checkpoint as ocp
 
-from loopmoe_jax import experiment
+from loopmoe_jax import experiment, sharding
+from loopmoe_jax.config import ModelConfig
+from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.train import checkpoint
+from loopmoe_jax.train.step import boxed_params
 
 CHECKPOINTS, METRICS, ROUTING, SUMMARY = 'checkpoints', 'metrics.jsonl', 'routing.jsonl', 'summary.json'
 
@@ -66,10 +71,10 @@ class RunDir:
     return self.file(CHECKPOINTS)
 
   def load(self, step: int | None = None, mesh=None) -> Loaded:
-    """The newest readable checkpoint (or `step`), read once (checkpoint.load_params skips a
-    damaged step for the previous good one)."""
-    cfg, params, s, config = checkpoint.load_params(self.path, step, mesh)
-    bias = checkpoint.load_router_bias(self.path, s) if cfg.router_bias != 'none' else None
+    """The newest readable checkpoint (or `step`), read once (`read_params` skips a damaged
+    step for the previous good one)."""
+    cfg, params, s, config = read_params(self.path, step, mesh)
+    bias = read_router_bias(self.path, s) if cfg.router_bias != 'none' else None
     return Loaded(self.path, experiment.build(ml_collections.ConfigDict(config)), params, bias,
                   s, config)
 
@@ -102,3 +107,86 @@ def as_loaded(run, step: int | None = None) -> Loaded:
       raise ValueError(f'{run.workdir}: step {step} asked of a loaded step {run.step}')
     return run
   return RunDir(run).load(step)
+
+
+# Reading a checkpoint without the trainer ------------------------------------------------
+
+def _params_reader(ckpt_dir: str):
+  """A read-only manager whose state handler restores a subtree (the params alone)."""
+  opts = ocp.CheckpointManagerOptions(read_only=True, create=False,
+                                      enable_async_checkpointing=False)
+  return ocp.CheckpointManager(ckpt_dir, options=opts, item_handlers={
+      'state': ocp.PyTreeCheckpointHandler(), 'data': ocp.JsonCheckpointHandler(),
+      'config': ocp.JsonCheckpointHandler()})
+
+
+def _checkpoint_dir(directory: str) -> str:
+  """A run directory's checkpoints/ (or `directory` itself when it is one)."""
+  sub = os.path.join(directory, 'checkpoints')
+  return sub if os.path.isdir(sub) else directory
+
+
+def read_params(directory: str, step: int | None = None, mesh=None):
+  """(ModelConfig, params, step, config dict) from a checkpoint directory, without the trainer.
+
+  Only the parameters are read (not the optimizer state), whatever mesh wrote them: onto this
+  machine's first device, or with `mesh` sharded by the rules table (sharding.py)."""
+  ckpt_dir = _checkpoint_dir(directory)
+  if not os.path.isdir(ckpt_dir):
+    raise FileNotFoundError(f'no checkpoint directory at {directory!r}')
+  mngr = _params_reader(os.path.abspath(ckpt_dir))
+  existing = sorted(mngr.all_steps(), reverse=True)
+  if not existing:
+    raise FileNotFoundError(f'no checkpoint in {ckpt_dir!r}: no complete step was written there')
+  if step is not None and step not in existing:
+    raise FileNotFoundError(f'step {step}: no such checkpoint in {ckpt_dir!r} (steps there: '
+                            f'{sorted(existing)})')
+  steps = existing if step is None else [step]
+  for s in steps:
+    try:
+      config = mngr.restore(s, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
+      cfg = ModelConfig.from_dict(config['model'])
+      shapes = mngr.item_metadata(s)['state']['params']
+      shardings = _param_shardings(cfg, shapes, mesh)
+      target = jax.tree.map(lambda m, sh: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sh),
+                            shapes, shardings)
+      restore_args = jax.tree.map(lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding), target)
+      params = mngr.restore(s, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+          {'params': target}, restore_args={'params': restore_args},
+          partial_restore=True)))['state']['params']
+      data = mngr.restore(s, args=ocp.args.Composite(data=ocp.args.JsonRestore()))['data']
+    except Exception as e:
+      print(f'WARNING: checkpoint step {s} in {ckpt_dir} is unreadable ({type(e).__name__}); '
+            'skipping it')
+      continue
+    stored = (data or {}).get(checkpoint.CHECKSUMS)
+    bad = None if stored is None else checkpoint.checksum_mismatch(params, stored, "['params']")
+    if bad:
+      print(f'WARNING: checkpoint step {s} in {ckpt_dir} is damaged (the checksum of {bad} '
+            'differs from the one saved with it); skipping it')
+      continue
+    return cfg, params, s, config
+  raise ValueError(f'no readable checkpoint step in {ckpt_dir!r} (tried {steps})')
+
+
+def read_router_bias(directory: str, step: int):
+  """The router bias ({segment: array}, onto this machine's first device) of checkpoint
+  `step` in `directory` (as `read_params` found it), or None when the run had none."""
+  ckpt_dir = _checkpoint_dir(directory)
+  mngr = _params_reader(os.path.abspath(ckpt_dir))
+  shapes = mngr.item_metadata(step)['state'].get('router_bias')
+  if shapes is None:
+    return None
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), shapes)
+  restore_args = jax.tree.map(lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding), target)
+  return mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+      {'router_bias': target}, restore_args={'router_bias': restore_args},
+      partial_restore=True)))['state']['router_bias']
+
+
+def _param_shardings(cfg: ModelConfig, shapes, mesh):
+  if mesh is None:
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree.map(lambda _: device, shapes)
+  return sharding.param_shardings(mesh, boxed_params(LoopedMoE(cfg)))
