@@ -6,7 +6,7 @@
     python scripts/benchmark.py scale [--quick] [--json=FILE]     # 8 devices (fake on CPU)
     python scripts/benchmark.py memory [--quick] [--json=FILE]    # compiled, nothing run
 
-Sub-commands live in the modules of loopmoe_jax/bench.py's MODULES (imported on demand, so
+Sub-commands live in the modules of loopmoe_jax/bench/'s MODULES (imported on demand, so
 `kernels` needs neither the data stack nor its packages).
 """
 import os

@@ -16,11 +16,11 @@ _SCALE = flags.DEFINE_enum('scale', 'cpu', ['cpu', 'gpu'], 'Sizes: cpu (two core
 
 
 def main(argv):
-  from loopmoe_jax import reproduce
+  from loopmoe_jax import replicate
   if len(argv) != 2:
     raise app.UsageError(f'usage: reproduce.py NAME --out DIR; NAME one of '
-                         f'{sorted(reproduce.PIPELINES)}')
-  reproduce.run(argv[1], _OUT.value, _SCALE.value)
+                         f'{sorted(replicate.PIPELINES)}')
+  replicate.run(argv[1], _OUT.value, _SCALE.value)
 
 
 if __name__ == '__main__':

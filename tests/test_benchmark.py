@@ -6,6 +6,7 @@ import math
 import jax
 
 from loopmoe_jax import bench
+from loopmoe_jax.bench import model as bench_model
 
 REQUIRED = ('compile_s_L1', 'compile_s_L16', 'compile_ratio_L16_over_L1', 'step_s_scan',
             'step_s_unroll', 'step_s_unrolled', 'loop_over_unrolled',
@@ -28,13 +29,13 @@ def test_model_benchmark_quick(tmp_path, capsys, monkeypatch):
     timed.append(len(hits) - before)
     return out
   compile_seconds = bench.compile_seconds
-  monkeypatch.setattr(bench, 'compile_seconds', counted)
+  monkeypatch.setattr(bench_model, 'compile_seconds', counted)
   path = tmp_path / 'model.json'
   jax.monitoring.register_event_listener(listener)
   try:
     res = bench.run('model', quick=True, json_path=str(path))
     # the control: the loop-vs-unrolled section's 'scan' step (quick sizes), compiled again
-    looped = bench._cfg(True, prelude_layers=0, coda_layers=0, core_layers=1, core_experts=8,  # pylint: disable=protected-access
+    looped = bench_model._cfg(True, prelude_layers=0, coda_layers=0, core_layers=1, core_experts=8,  # pylint: disable=protected-access
                         num_loops=2, tie_attention=True, loop_impl='scan')
     before = len(hits)
     bench.step_seconds({'scan': looped}, bench._batch(looped, 2, 32), 1, bench.FAST_COMPILE)  # pylint: disable=protected-access
@@ -57,7 +58,7 @@ def test_kernels_moe_layer_checks_pallas_and_times_every_stage():
   """The device part of `benchmark.py kernels`, run on CPU at a tiny shape (interpreted
   kernels): the all-Pallas MoE layer's loss and gradients match the xla dispatch's, and every
   stage of it is timed."""
-  from loopmoe_jax import bench_kernels
+  from loopmoe_jax.bench import kernels as bench_kernels
   res = {}
   tiles = {'gmm': {'family': 'gpu', 'tile_m': 16, 'tile_n': 16, 'tile_k': 16},
            'tgmm': {'family': 'gpu', 'tile_m': 16, 'tile_n': 16, 'tile_k': 16}}

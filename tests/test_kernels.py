@@ -390,7 +390,7 @@ def test_every_benchmark_variant_lowers_for_cuda(family):
   """Every Mosaic GPU tile variant `scripts/benchmark.py kernels` times on a GPU fits shared
   memory at the benchmark's shape (else the device run would lose it to a compile error)."""
   from lowering import lower_for
-  from loopmoe_jax.bench_kernels import VARIANTS
+  from loopmoe_jax.bench.kernels import VARIANTS
   lhs = jax.ShapeDtypeStruct((65536, 2048), jnp.bfloat16)
   rhs = jax.ShapeDtypeStruct((64, 2048, 1024), jnp.bfloat16)
   grad = jax.ShapeDtypeStruct((65536, 1024), jnp.bfloat16)
@@ -532,7 +532,7 @@ def test_gpu_route_compiled_matches_top_k():
 def test_kernels_benchmark_quick_reports_ratios(tmp_path):
   """`benchmark.py kernels --quick`: the CPU ratio keys are positive finite numbers and the
   JSON file holds them (no timing thresholds here: those are the benchmark's PASS/FAIL)."""
-  from loopmoe_jax import bench_kernels  # noqa: F401  (registers 'kernels')
+  from loopmoe_jax.bench import kernels  # noqa: F401  (registers 'kernels')
   import json
   import math
   path = tmp_path / 'kernels.json'

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from loopmoe_jax import reproduce
+from loopmoe_jax import replicate as reproduce
 from loopmoe_jax.scaling import from_params
 
 
@@ -27,7 +27,7 @@ def test_loop_laws_report_ranks_the_generating_form(tmp_path, monkeypatch):
                                            if k != 'point'})[0])
         rows.append(row)
     return rows
-  monkeypatch.setattr(reproduce, '_sweep', fake_sweep)
+  monkeypatch.setattr(reproduce.common, '_sweep', fake_sweep)
   res = reproduce.run('loop_laws', str(tmp_path), 'cpu', log=lambda *_: None)
   assert res['best_form'] == 'loop_sparse_bounded'
   assert res['table'][0]['heldout_mean'] < 0.02 and res['table'][0]['rmse'] < 1e-3
@@ -64,8 +64,8 @@ def test_smelt_report_recovers_a_known_law_per_architecture(tmp_path, monkeypatc
                                          'sink_mass': {'core': [[0.1, 0.2]]}},
                 'dyck': {'0': {'accuracy': 0.25}, '32': {'refused': 'too long'}}}
             for v, d in pair_dirs.items()}
-  monkeypatch.setattr(reproduce, '_sweep', fake_sweep)
-  monkeypatch.setattr(reproduce, 'smelt_probes', fake_probes)
+  monkeypatch.setattr(reproduce.common, '_sweep', fake_sweep)
+  monkeypatch.setattr(reproduce.smelt, 'smelt_probes', fake_probes)
   monkeypatch.setitem(reproduce.SMELT_RESAMPLES, 'cpu', 8)
   res = reproduce.run('smelt', str(tmp_path), 'cpu', log=lambda *_: None)
   # the probes see the compute-matched pair (each config's own width and experts), longest run

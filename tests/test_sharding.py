@@ -390,7 +390,7 @@ def test_dry_run_reads_bytes_and_exchanges_from_the_program():
 def test_expert_exchange_carries_only_the_routed_rows():
   """benchmark.py scale's exchange figures: the ragged program sends each routed row once
   each way; the padded one n = mesh.expert times that, and about once with capacity 1."""
-  from loopmoe_jax import bench_scale
+  from loopmoe_jax.bench import scale as bench_scale
   res = {}
   bench_scale._exchange_ratios(res, quick=True)  # pylint: disable=protected-access
   assert res['a2a_bytes_over_analytic'] == 1.0
