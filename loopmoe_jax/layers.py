@@ -2,6 +2,17 @@
 
 Every dimension of every parameter carries one of LOGICAL_AXES (a rules table in the sharding
 code maps them to mesh axes).
+
+Array names carry their shape in capitals after an underscore (`x_BTD`, `gate_EDF`), one letter
+per dimension across the package:
+
+  B batch            T tokens (query positions)    S key positions      V vocabulary
+  D d_model          H query heads                  G kv heads (groups)  K head size
+  F expert width     E experts                      k top-k (lower case) M routed rows (T*k)
+  N rows or windows of an analysis batch, and a matmul's output width (rhs_GKN)
+  L passes of the looped core (num_loops)           C core layers (core_layers; the papers'
+                                                      D of a looped block (E, D, L))
+  R, J, Q, I, A: local to the function that names them (a docstring says)
 """
 from __future__ import annotations
 

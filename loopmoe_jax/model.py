@@ -1,6 +1,6 @@
 """The looped MoE language model: embed -> prelude -> core x L -> coda -> norm -> head.
 
-The core's D layers run L times through `nn.scan` with `variable_broadcast='params'`, so its
+The core's C layers run L times through `nn.scan` with `variable_broadcast='params'`, so its
 shared weights appear once in the param tree. With untied attention ("Foil") the core owns
 one attention set per pass, stacked along a leading `loops` axis, and feeds pass l its slice
 as the scanned input; experts and routers stay shared. The KV cache is scanned per pass, so
@@ -8,8 +8,8 @@ there is one slot per executed (pass, layer).
 
 `apply` returns (logits_BTV, extras): extras holds the aux losses averaged over every MoE
 visit of the unrolled depth ('load_balance', 'z_loss'), the per-visit values under
-'per_visit' ({segment: {'load_balance', 'z_loss', 'load', 'dropped'}}; core arrays are [L, D] and
-the expert loads [L, D, E]), and with
+'per_visit' ({segment: {'load_balance', 'z_loss', 'load', 'dropped'}}; core arrays are [L, C] and
+the expert loads [L, C, E]), and with
 `return_routing=True` the routing records under 'routing' ({segment: {'experts', 'logits'}}).
 """
 from __future__ import annotations
@@ -99,7 +99,7 @@ class Stack(nn.Module):
   record: bool = False
 
   @nn.compact
-  def __call__(self, x_BTD, pass_attn, e_BTD, positions_BT, bias_DE=None):
+  def __call__(self, x_BTD, pass_attn, e_BTD, positions_BT, bias_CE=None):
     c = self.cfg
     if self.injection == 'add':
       x_BTD = x_BTD + e_BTD
@@ -111,7 +111,7 @@ class Stack(nn.Module):
     for i in range(self.num_layers):
       layer = Layer(c, self.num_experts, self.scale, self.decode, self.record, name=f'layer_{i}')
       x_BTD, s = layer(x_BTD, positions_BT, None if pass_attn is None else pass_attn[i],
-                       None if bias_DE is None else bias_DE[i])
+                       None if bias_CE is None else bias_CE[i])
       stats.append(s)
     stacked = jax.tree.map(lambda *a: jnp.stack(a), *stats) if stats[0] else {}
     return x_BTD, stacked
@@ -126,7 +126,7 @@ class Core(nn.Module):
 
   @nn.compact
   def __call__(self, x_BTD, positions_BT, num_loops: int, bias=None):
-    """`bias`: the core's router bias, [D, E] ('shared') or [trained L, D, E] ('per_pass';
+    """`bias`: the core's router bias, [C, E] ('shared') or [trained L, D, E] ('per_pass';
     a forward with more passes than trained reuses the last pass's bias), or None."""
     c = self.cfg
     per_pass = bias is not None and bias.ndim == 3
@@ -294,7 +294,7 @@ def variables(params, **collections) -> dict:
 
 def bias_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
   """{segment: shape} of the router bias: [layers, E] per MoE segment, the core's
-  [L, D, E] with 'per_pass'; {} with model.router_bias='none'."""
+  [L, C, E] with 'per_pass'; {} with model.router_bias='none'."""
   if c.router_bias == 'none':
     return {}
   out = {}

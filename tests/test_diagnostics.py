@@ -159,15 +159,15 @@ def test_records_are_tokens_layers_passes_and_match_the_model_loads():
   _, extras = jax.jit(lambda p, t: LoopedMoE(cfg).apply({'params': p}, t, return_routing=True))(
       params, tok)
   for seg, e in (('prelude', 4), ('core', 8), ('coda', 4)):
-    sel = probe_set.to_NDL(seg, extras['routing'][seg]['experts'])
-    logits = probe_set.to_NDL(seg, extras['routing'][seg]['logits'])
+    sel = probe_set.to_NCL(seg, extras['routing'][seg]['experts'])
+    logits = probe_set.to_NCL(seg, extras['routing'][seg]['logits'])
     assert sel.shape[0] == 10 and logits.shape[-1] == e
     load = np.asarray(extras['per_visit'][seg]['load'])  # core [L, D, E]; else [D, E]
     want = load.transpose(1, 0, 2) if seg == 'core' else load[:, None, :]
     np.testing.assert_array_equal(dg.counts(sel, e), want)
     top = np.argsort(-logits, axis=-1, kind='stable')[..., :2]
     np.testing.assert_array_equal(np.sort(top, -1), np.sort(sel, -1))
-  assert probe_set.to_NDL('core', extras['routing']['core']['experts']).shape[1:3] == (2, 3)
+  assert probe_set.to_NCL('core', extras['routing']['core']['experts']).shape[1:3] == (2, 3)
 
 
 def test_masking_zero_traffic_changes_nothing_and_the_only_used_expert_hurts():

@@ -1,7 +1,8 @@
 """Routing diagnostics of shared-across-pass experts (Foil, Section 2.3 / Appendix; formula
 sheet in DESIGN.md), computed with numpy from routing records.
 
-`sel_NDLk` holds the experts chosen for token n in core layer d on pass l (k choices); S_{t,d}^(l)
+`sel_NCLk` holds the experts chosen for token n in core layer d on pass l (k choices; C core
+layers, which the formulas call D as the paper does); S_{t,d}^(l)
 is its row. Definitions (DESIGN.md):
 - distinct experts U_t = sum_d |union_l S_{t,d}^(l)|, k·D <= U_t <= D·min(E, kL); reported as
   mean U and U / (D·min(E, kL));
@@ -24,16 +25,16 @@ from loopmoe_jax.moe import max_vio
 def _check_sel(sel, num_experts: int) -> np.ndarray:
   sel = np.asarray(sel)
   if sel.ndim != 4:
-    raise ValueError(f'sel must be [N, D, L, k] (tokens, layers, passes, choices); got shape '
+    raise ValueError(f'sel must be [N, C, L, k] (tokens, layers, passes, choices); got shape '
                      f'{sel.shape}')
   if sel.size and (sel.min() < 0 or sel.max() >= num_experts):
     raise ValueError(f'sel holds expert ids outside [0, {num_experts})')
   return sel
 
 
-def counts(sel_NDLk, num_experts: int) -> np.ndarray:
-  """[D, L, E] number of choices of each expert per layer and pass."""
-  sel = _check_sel(sel_NDLk, num_experts)
+def counts(sel_NCLk, num_experts: int) -> np.ndarray:
+  """[C, L, E] number of choices of each expert per layer and pass."""
+  sel = _check_sel(sel_NCLk, num_experts)
   n, d, l, k = sel.shape
   onehot = np.zeros((d, l, num_experts), np.int64)
   flat = sel.transpose(1, 2, 0, 3).reshape(d, l, n * k)
@@ -45,7 +46,7 @@ def counts(sel_NDLk, num_experts: int) -> np.ndarray:
 
 def distinct_experts(sel, num_experts: int) -> dict:
   """U_t = sum_d |union_l S_{t,d}^(l)|: 'per_token' [N], 'mean', 'normalized' (mean U /
-  (D·min(E, kL))), 'per_layer' [D] mean distinct experts per layer, and the bounds."""
+  (D·min(E, kL))), 'per_layer' [C] mean distinct experts per layer, and the bounds."""
   sel = _check_sel(sel, num_experts)
   n, d, l, k = sel.shape
   hit = np.zeros((n, d, num_experts), bool)
@@ -65,25 +66,25 @@ def _n2(q):
 
 
 def balance(sel, num_experts: int) -> dict:
-  """Load shares, N2 and B2 per layer, pooled over passes and per pass: 'share_pooled' [D, E],
-  'share_per_pass' [D, L, E], 'N2' [D] and 'N2_per_pass' [D, L], 'B2_pooled' [D],
-  'B2_per_pass' [D, L]."""
-  c_DLE = counts(sel, num_experts).astype(np.float64)
-  pooled_DE = c_DLE.sum(1)
-  q_DE = pooled_DE / pooled_DE.sum(-1, keepdims=True)
-  q_DLE = c_DLE / c_DLE.sum(-1, keepdims=True)
-  n2, n2_pass = _n2(q_DE), _n2(q_DLE)
-  return {'share_pooled': q_DE, 'share_per_pass': q_DLE, 'N2': n2, 'N2_per_pass': n2_pass,
+  """Load shares, N2 and B2 per layer, pooled over passes and per pass: 'share_pooled' [C, E],
+  'share_per_pass' [C, L, E], 'N2' [C] and 'N2_per_pass' [C, L], 'B2_pooled' [C],
+  'B2_per_pass' [C, L]."""
+  c_CLE = counts(sel, num_experts).astype(np.float64)
+  pooled_CE = c_CLE.sum(1)
+  q_CE = pooled_CE / pooled_CE.sum(-1, keepdims=True)
+  q_CLE = c_CLE / c_CLE.sum(-1, keepdims=True)
+  n2, n2_pass = _n2(q_CE), _n2(q_CLE)
+  return {'share_pooled': q_CE, 'share_per_pass': q_CLE, 'N2': n2, 'N2_per_pass': n2_pass,
           'B2_pooled': n2 / num_experts, 'B2_per_pass': n2_pass / num_experts}
 
 
 def maxvio(sel, num_experts: int, batch_size: int | None = None) -> dict:
-  """MaxVio of the expert loads (counts of choices): 'global' [D] over the probe set pooled over
-  passes, 'global_per_pass' [D, L]; with `batch_size` (tokens per batch) also 'per_batch'
-  [num_batches, D] (pooled over passes) and its mean 'per_batch_mean' [D]."""
+  """MaxVio of the expert loads (counts of choices): 'global' [C] over the probe set pooled over
+  passes, 'global_per_pass' [C, L]; with `batch_size` (tokens per batch) also 'per_batch'
+  [num_batches, C] (pooled over passes) and its mean 'per_batch_mean' [C]."""
   sel = _check_sel(sel, num_experts)
-  c_DLE = counts(sel, num_experts).astype(np.float64)
-  out = {'global': max_vio(c_DLE.sum(1)), 'global_per_pass': max_vio(c_DLE)}
+  c_CLE = counts(sel, num_experts).astype(np.float64)
+  out = {'global': max_vio(c_CLE.sum(1)), 'global_per_pass': max_vio(c_CLE)}
   if batch_size:
     n = sel.shape[0]
     if batch_size < 1 or n % batch_size:
@@ -111,9 +112,9 @@ def mmr(logits) -> dict:
           else float('nan')}
 
 
-def mmr_aggregates(logits_NDLE) -> dict:
-  """MMR from logits [N, D, L, E] per layer and pass [D, L], per layer [D], per pass [L] and
-  overall (every N·D·L decision weighted equally)."""
-  gap = mmr(logits_NDLE)['gap']
+def mmr_aggregates(logits_NCLE) -> dict:
+  """MMR from logits [N, C, L, E] per layer and pass [C, L], per layer [C], per pass [L] and
+  overall (every N·C·L decision weighted equally)."""
+  gap = mmr(logits_NCLE)['gap']
   return {'per_layer_pass': np.exp(gap.mean(0)), 'per_layer': np.exp(gap.mean((0, 2))),
           'per_pass': np.exp(gap.mean((0, 1))), 'overall': float(np.exp(gap.mean()))}

@@ -10,7 +10,7 @@ import numpy as np  # pylint: disable=wrong-import-position
 
 
 def load_heatmap(path: str, shares: dict, title: str) -> None:
-  """shares: {segment: [D, L, E] per-pass load shares}; one panel per (segment, layer), rows
+  """shares: {segment: [C, L, E] per-pass load shares}; one panel per (segment, layer), rows
   the passes, columns the experts, colour the share of the pass's choices."""
   panels = [(seg, d, np.asarray(q)[d]) for seg, q in shares.items() for d in range(len(q))]
   vmax = max(float(p.max()) for _, _, p in panels)
@@ -32,9 +32,9 @@ def load_heatmap(path: str, shares: dict, title: str) -> None:
   plt.close(fig)
 
 
-def mmr_heatmap(path: str, mmr_DL, title: str) -> None:
-  """MMR [D, L] of the core: rows the layers, columns the passes, values written in the cells."""
-  m = np.asarray(mmr_DL, np.float64)
+def mmr_heatmap(path: str, mmr_CL, title: str) -> None:
+  """MMR [C, L] of the core: rows the layers, columns the passes, values written in the cells."""
+  m = np.asarray(mmr_CL, np.float64)
   fig, ax = plt.subplots(figsize=(2.0 + 1.1 * m.shape[1], max(2.8, 1.5 + 0.8 * m.shape[0])))
   im = ax.imshow(m, aspect='auto', cmap='magma')
   for (d, l), v in np.ndenumerate(m):

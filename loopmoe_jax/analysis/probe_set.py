@@ -2,7 +2,7 @@
 split evaluation.py scores), read as whole windows of data.seq_len in order from the first,
 and the routing records and LM loss of a checkpoint over it.
 
-Records are numpy arrays per segment: 'experts' [N, D, L, k] and 'logits' [N, D, L, E] (tokens,
+Records are numpy arrays per segment: 'experts' [N, C, L, k] and 'logits' [N, C, L, E] (tokens,
 layers, passes, choices/experts); prelude and coda layers run once, so their L is 1.
 """
 from __future__ import annotations
@@ -66,8 +66,8 @@ def loss_fn(cfg: ModelConfig, record: bool):
   return jax.jit(fn)
 
 
-def to_NDL(seg: str, a) -> np.ndarray:
-  """A segment's record -> [N, D, L, last]: core [L, D, B, T, x]; prelude/coda [D, B, T, x]."""
+def to_NCL(seg: str, a) -> np.ndarray:
+  """A segment's record -> [N, C, L, last]: core [L, C, B, T, x]; prelude/coda [C, B, T, x]."""
   a = np.asarray(a)
   if seg == 'core':
     l, d, b, t, x = a.shape
@@ -85,7 +85,7 @@ def run(cfg: ModelConfig, params, batches, routing_mask=None, record: bool = Tru
     nll, c, r = fn(params, routing_mask or {}, {k: jnp.asarray(v) for k, v in b.items()})
     total, count = total + float(nll), count + float(c)
     if record:
-      recs.append({seg: {n: to_NDL(seg, v) for n, v in s.items()} for seg, s in r.items()})
+      recs.append({seg: {n: to_NCL(seg, v) for n, v in s.items()} for seg, s in r.items()})
     marks.append(time.perf_counter())
   rest = batches[1:]
   out = {'loss': total / max(count, 1.0),
