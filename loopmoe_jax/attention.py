@@ -49,7 +49,7 @@ class Attention(nn.Module):
   [B,T,G,K] (after RoPE) and 'sink' [B,H], the attention mass on key 0 averaged over queries
   1..T-1. Otherwise nothing is sown and the traced program is unchanged.
 
-  `model.attention_impl` picks the implementation (attention_impls.py); decoding (the cache
+  `run.attention_impl` picks the implementation (attention_impls.py); decoding (the cache
   path) and the probes (they read the attention weights) use 'xla' whatever it says. q, k and
   v carry the checkpoint name 'attn_qkv', the attention output 'attention'.
   """

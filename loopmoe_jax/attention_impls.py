@@ -1,10 +1,10 @@
-"""The implementations behind `model.attention_impl` (a run setting: none changes a parameter).
+"""The implementations behind `run.attention_impl` (a run setting: none changes a parameter).
 
 - `xla`: `attention.attend`, an einsum that materialises float32 scores [B, G, Q, T, S] and
   keeps them for the backward. The probes that read attention weights (the sink mass of
   analysis/probes.py) and decoding with a KV cache always use it.
 - `chunked`: causal attention in plain JAX over query blocks and key blocks of
-  `model.attention_block` with an online softmax (flash attention's recurrence: a running max
+  `run.attention_block` with an online softmax (flash attention's recurrence: a running max
   m, normaliser l and output accumulator per query), and a custom VJP that recomputes each
   block pair's probabilities from the saved log-sum-exp. Forward and backward hold the scores
   of one block pair [B, H, block, block] at a time (float32), never T x S or T x block. Runs
@@ -65,15 +65,15 @@ def resolve(impl: str, dtype: str, platform: str | None = None,
     cudnn = platform == 'gpu' and dtype in SIXTEEN_BIT and _cudnn_head_ok(head_size)
     return 'cudnn' if cudnn else 'chunked'
   if impl not in RUNS_ON:
-    raise ValueError(f'model.attention_impl={impl!r}: must be one of {IMPLS}')
+    raise ValueError(f'run.attention_impl={impl!r}: must be one of {IMPLS}')
   if platform not in RUNS_ON[impl]:
-    raise ValueError(f'model.attention_impl={impl!r} does not run on platform {platform!r} '
+    raise ValueError(f'run.attention_impl={impl!r} does not run on platform {platform!r} '
                      f'(it runs on {", ".join(RUNS_ON[impl])}); use auto, chunked or xla')
   if impl == 'cudnn' and dtype not in SIXTEEN_BIT:
-    raise ValueError(f"model.attention_impl='cudnn' needs a 16-bit model.dtype (got {dtype!r}); "
+    raise ValueError(f"run.attention_impl='cudnn' needs a 16-bit model.dtype (got {dtype!r}); "
                      "set model.dtype='bfloat16' or use chunked")
   if impl == 'cudnn' and not _cudnn_head_ok(head_size):
-    raise ValueError(f"model.attention_impl='cudnn' needs heads of a multiple of "
+    raise ValueError(f"run.attention_impl='cudnn' needs heads of a multiple of "
                      f'{CUDNN_HEAD_MULTIPLE} up to {CUDNN_MAX_HEAD} (model.head_dim: '
                      f'{head_size}); use auto or chunked')
   return impl

@@ -83,6 +83,7 @@ def config_flag(default: str = DEFAULT_CONFIG):
 def _check_config(argv, default):
   """Loads the config file (its errors surface here, once) and names near keys for a
   --config.X.Y=... that does not exist."""
+  from loopmoe_jax.config import RUN_FIELDS
   from loopmoe_jax.experiment import load_config
   path = next((a.split('=', 1)[1] for a in argv if a.startswith('--config=')), default)
   cfg = load_config(path)
@@ -95,6 +96,8 @@ def _check_config(argv, default):
         known = list(node.keys()) if hasattr(node, 'keys') else []
         near = difflib.get_close_matches(part, known, n=3, cutoff=0.5)
         hint = f"; did you mean {', '.join(near)}?" if near else f'; known: {sorted(known)}'
+        if where == 'model' and part in RUN_FIELDS and 'run' in cfg.keys():
+          hint = f' (a run setting now): use --config.run.{part}'
         sys.exit(f'error: --{key}: {where} has no field {part!r}{hint}')
       node = node[part]
 

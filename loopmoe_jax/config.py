@@ -29,9 +29,44 @@ ROUTER_SCORES = ('softmax', 'sigmoid')
 ROUTER_BIASES = ('none', 'shared', 'per_pass')
 
 
+RUN_FIELDS = ('dispatch', 'dispatch_tile', 'expert_exchange', 'remat', 'loop_impl',
+              'core_collectives', 'attention_impl', 'attention_block', 'loss_chunk')
+
+
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
-  """Every field the model and the accounting read. Field names are the config keys."""
+class RunConfig:
+  """How the model's parameters run (config section `run`): none of these fields changes a
+  parameter, and each gives the same results up to float summation order, so a resumed run or
+  a finished sweep point may change them. (The capacity factor and the exchange buffers stay
+  in `model`: they change which assignments are computed.)"""
+  dispatch: str = 'auto'         # auto: the Pallas kernel on GPU/TPU, 'tiled' on CPU
+  dispatch_tile: int = 128
+  expert_exchange: str = 'auto'  # expert parallelism: padded (all_to_all) | ragged | auto
+  remat: str = 'none'            # what the backward recomputes (model.REMAT, README table):
+                                 # the core, prelude and coda layers and the head and loss
+  attention_impl: str = 'auto'   # attention_impls.py: auto | xla | chunked | cudnn | splash
+  attention_block: int = 512     # key block of 'chunked' (a length not a multiple is padded)
+  loss_chunk: int = 0            # > 0: the head and LM loss over vocabulary chunks of at most
+                                 # this many columns (objective.py; no float32 [B, T, V]
+                                 # logits); 0: the whole logits
+  core_collectives: str = 'once' # under a mesh: 'once' gathers the looped core's weights once a
+                                 # step and reduces their gradients once (model.Core); 'per_pass'
+                                 # leaves both to XLA inside the loop (weights stay sharded)
+  loop_impl: str = 'scan'        # 'unroll': Python loop over the same shared params
+
+  def __post_init__(self):
+    _validate_run(self)
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any], where: str = 'run') -> 'RunConfig':
+    return from_mapping(cls, d, where)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(RunConfig):
+  """Every field the model and the accounting read: the architecture (config section `model`)
+  and, inherited from RunConfig, how it runs (section `run`, joined in by experiment.build).
+  Field names are the config keys."""
   vocab_size: int = 256
   d_model: int = 64
   num_heads: int = 4
@@ -49,11 +84,8 @@ class ModelConfig:
                                  # (pass, layer) in the core
   num_shared_experts: int = 0
   shared_expert_width: int = 0   # 0: expert_width
-  dispatch: str = 'auto'         # auto: the Pallas kernel on GPU/TPU, 'tiled' on CPU
-  dispatch_tile: int = 128
   capacity_factor: float = 0.0   # 0: dropless; else each expert takes at most
                                  # ceil(cf * tokens * k / E) of a batch shard's assignments
-  expert_exchange: str = 'auto'  # expert parallelism: padded (all_to_all) | ragged | auto
   exchange_buffer_factor: float = 0.0  # 0: exchange buffers for the dropless worst case; b >= 1:
                                  # rows one device sends another capped at b x the balanced
                                  # share (expert_parallel.slot_rows), the rest dropped, counted
@@ -74,17 +106,6 @@ class ModelConfig:
   scale_passes: str = 'trained'  # r of that 1/r when a forward runs another pass count than
                                  # the trained one: 'trained' (model.num_loops) or 'executed'
   injection: str = 'none'        # prelude output injected into each pass: none | add | concat
-  remat: str = 'none'            # what the backward recomputes (model.REMAT, README table):
-                                 # the core, prelude and coda layers and the head and loss
-  attention_impl: str = 'auto'   # attention_impls.py: auto | xla | chunked | cudnn | splash
-  attention_block: int = 512     # key block of 'chunked' (a length not a multiple is padded)
-  loss_chunk: int = 0            # > 0: the head and LM loss over vocabulary chunks of at most
-                                 # this many columns (objective.py; no float32 [B, T, V]
-                                 # logits); 0: the whole logits
-  core_collectives: str = 'once' # under a mesh: 'once' gathers the looped core's weights once a
-                                 # step and reduces their gradients once (model.Core); 'per_pass'
-                                 # leaves both to XLA inside the loop (weights stay sharded)
-  loop_impl: str = 'scan'        # 'unroll': Python loop over the same shared params
   # Embeddings, norms, positions.
   tie_embeddings: bool = False
   norm_gain: bool = True
@@ -94,7 +115,17 @@ class ModelConfig:
   param_dtype: str = 'float32'
 
   def __post_init__(self):
+    _validate_run(self)
     _validate(self)
+
+  @property
+  def run(self) -> RunConfig:
+    """The run settings alone."""
+    return RunConfig(**{k: getattr(self, k) for k in RUN_FIELDS})
+
+  def architecture(self) -> dict[str, Any]:
+    """The fields of section `model` (everything but the run settings)."""
+    return {k: v for k, v in dataclasses.asdict(self).items() if k not in RUN_FIELDS}
 
   # Derived shapes -------------------------------------------------------------------------
   @property
@@ -142,17 +173,31 @@ def from_mapping(cls, d: Mapping[str, Any], where: str):
 
 
 def _err(field: str, value: Any, why: str):
-  raise ValueError(f'model.{field}={value!r}: {why}')
+  section = 'run' if field in RUN_FIELDS else 'model'
+  raise ValueError(f'{section}.{field}={value!r}: {why}')
+
+
+def _validate_run(c: RunConfig):
+  for name in ('dispatch_tile', 'attention_block'):
+    if getattr(c, name) < 1:
+      _err(name, getattr(c, name), 'must be >= 1')
+  if c.loss_chunk < 0:
+    _err('loss_chunk', c.loss_chunk, 'must be >= 0')
+  choices = dict(remat=REMAT_POLICIES, loop_impl=LOOP_IMPLS, dispatch=DISPATCHES,
+                 expert_exchange=EXCHANGES, core_collectives=CORE_COLLECTIVES,
+                 attention_impl=ATTENTION_IMPLS)
+  for name, allowed in choices.items():
+    if getattr(c, name) not in allowed:
+      _err(name, getattr(c, name), f'must be one of {allowed}')
 
 
 def _validate(c: ModelConfig):
-  for name in ('vocab_size', 'd_model', 'num_heads', 'expert_width', 'top_k', 'num_loops',
-               'dispatch_tile', 'attention_block'):
+  for name in ('vocab_size', 'd_model', 'num_heads', 'expert_width', 'top_k', 'num_loops'):
     if getattr(c, name) < 1:
       _err(name, getattr(c, name), 'must be >= 1')
   for name in ('num_kv_heads', 'head_dim', 'prelude_layers', 'core_layers', 'coda_layers',
                'prelude_experts', 'core_experts', 'coda_experts', 'num_shared_experts',
-               'shared_expert_width', 'loss_chunk'):
+               'shared_expert_width'):
     if getattr(c, name) < 0:
       _err(name, getattr(c, name), 'must be >= 0')
   if not c.head_dim and c.d_model % c.num_heads:
@@ -167,11 +212,9 @@ def _validate(c: ModelConfig):
       _err('top_k', c.top_k, f'exceeds model.{seg}_experts={experts}')
   if c.executed_layers < 1:
     _err('core_layers', c.core_layers, 'the model has no layers')
-  choices = dict(residual_scale=RESIDUAL_SCALES, injection=INJECTIONS, remat=REMAT_POLICIES,
-                 loop_impl=LOOP_IMPLS, dtype=DTYPES, param_dtype=DTYPES, dispatch=DISPATCHES,
-                 expert_exchange=EXCHANGES, exchange_overflow=OVERFLOWS, scale_passes=SCALE_PASSES,
-                 router_score=ROUTER_SCORES, router_bias=ROUTER_BIASES,
-                 core_collectives=CORE_COLLECTIVES, attention_impl=ATTENTION_IMPLS)
+  choices = dict(residual_scale=RESIDUAL_SCALES, injection=INJECTIONS, dtype=DTYPES,
+                 param_dtype=DTYPES, exchange_overflow=OVERFLOWS, scale_passes=SCALE_PASSES,
+                 router_score=ROUTER_SCORES, router_bias=ROUTER_BIASES)
   for name, allowed in choices.items():
     if getattr(c, name) not in allowed:
       _err(name, getattr(c, name), f'must be one of {allowed}')
@@ -273,13 +316,15 @@ SMOKE_MODEL = dict(vocab_size=256, d_model=64, num_heads=4, head_dim=16, expert_
 
 
 def model_config_dict(smoke: bool = False, **fields):
-  """A ConfigDict holding every ModelConfig field (so a typo in --config.model.X fails),
-  the given fields applied, and with `smoke` the widths shrunk to CPU size (layers, experts,
-  passes and top-k kept). GQA keeps its group count where it still divides the heads."""
+  """A ConfigDict holding every architecture field of ModelConfig (section `model`; so a
+  typo in --config.model.X fails), the given fields applied, and with `smoke` the widths
+  shrunk to CPU size (layers, experts, passes and top-k kept). GQA keeps its group count
+  where it still divides the heads. Run settings given here (dispatch='xla') stay in it
+  until experiment.experiment_config moves them to section `run`."""
   import ml_collections
-  base = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+  base = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name not in RUN_FIELDS}
   for key in fields:
-    if key not in base:
+    if key not in base and key not in RUN_FIELDS:
       raise ValueError(f'unknown config field model.{key}')
   base.update(fields)
   if smoke:

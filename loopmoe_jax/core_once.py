@@ -1,4 +1,4 @@
-"""The looped core with its collectives once per step (model.core_collectives='once').
+"""The looped core with its collectives once per step (run.core_collectives='once').
 
 Under a mesh, `model.Core` runs its scanned passes through `core_once`: inside `jax.shard_map`
 over the whole mesh each device runs every pass on its own rows. The core's weights enter in

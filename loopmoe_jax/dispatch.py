@@ -225,6 +225,6 @@ def dispatch(x_TD, experts_Tk, weights_Tk, params: Mapping[str, jax.Array],
   """Applies the chosen experts of every token and combines them with their weights.
   `plan`: the routing kernel's {counts_E, positions_Tk} (used by 'pallas', else ignored)."""
   if backend != 'auto' and backend not in BACKENDS:
-    raise ValueError(f'model.dispatch={backend!r}: must be one of {sorted(BACKENDS)} or auto')
+    raise ValueError(f'run.dispatch={backend!r}: must be one of {sorted(BACKENDS)} or auto')
   return BACKENDS[resolve_backend(backend)](x_TD, experts_Tk, weights_Tk, params, tile=tile,
                                             plan=plan)

@@ -58,6 +58,7 @@ import numpy as np
 import pallas_kernels
 from loopmoe_jax import accounting, sharding
 from loopmoe_jax.hlo import collective_bytes, collectives, dot_flops
+from loopmoe_jax.config import RUN_FIELDS
 from loopmoe_jax.experiment import build
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.train import step as steps
@@ -209,10 +210,11 @@ def partitioned_compile(lowered):
 
 
 def _with_model(cfg_dict, **fields):
+  """A copy of the config with `fields` set in section `run` (a run setting) or `model`."""
   cfg = cfg_dict.copy_and_resolve_references() if hasattr(cfg_dict, 'copy_and_resolve_references') \
       else dict(cfg_dict)
   for k, v in fields.items():
-    cfg['model'][k] = v
+    cfg['run' if k in RUN_FIELDS and 'run' in cfg else 'model'][k] = v
   return cfg
 
 
@@ -268,7 +270,7 @@ def memory_and_flops(cfg_dict, devices=None, flops: bool = True) -> dict:
 
 
 def remat_policies(cfg_dict, policies, devices=None, flops: bool = True) -> dict[str, dict]:
-  """`memory_and_flops` per model.remat policy (one CPU compile each)."""
+  """`memory_and_flops` per run.remat policy (one CPU compile each)."""
   return {p: memory_and_flops(_with_model(cfg_dict, remat=p), devices, flops) for p in policies}
 
 

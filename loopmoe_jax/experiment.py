@@ -1,33 +1,49 @@
-"""An experiment's ConfigDict (model, train, data) and its frozen dataclasses, built once."""
+"""An experiment's ConfigDict (model, run, train, data, mesh) and its frozen dataclasses, built
+once.
+
+Section `model` is the architecture, `run` how its parameters run (config.RunConfig: dispatch,
+remat, attention implementation, ...). `build` joins the two into the model's ModelConfig.
+Run settings found under `model` (a run directory written before `run` existed, or code that
+sets `cfg.model.remat`) are read into `run`, with a one-line note."""
 from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from typing import Any, Mapping, NamedTuple
 
 import ml_collections
 
-from loopmoe_jax.config import ModelConfig
+from loopmoe_jax.config import RUN_FIELDS, ModelConfig, RunConfig
 from loopmoe_jax.data.pipeline import DataConfig
 from loopmoe_jax.sharding import MeshConfig
 from loopmoe_jax.train.config import TrainConfig
 
-SECTIONS = {'model': ModelConfig, 'train': TrainConfig, 'data': DataConfig, 'mesh': MeshConfig}
+SECTIONS = {'model': ModelConfig, 'train': TrainConfig, 'data': DataConfig, 'mesh': MeshConfig,
+            'run': RunConfig}
 
 
 class Experiment(NamedTuple):
-  model: ModelConfig
+  model: ModelConfig          # the architecture joined by the run settings
   train: TrainConfig
   data: DataConfig
   mesh: MeshConfig = MeshConfig()
+  run: RunConfig = RunConfig()
 
 
-def experiment_config(model: ml_collections.ConfigDict, train=None, data=None, mesh=None):
+def experiment_config(model: ml_collections.ConfigDict, train=None, data=None, mesh=None,
+                      run=None):
   """A ConfigDict with every field of every section (so --config.X.typo fails), the given
-  train/data/mesh fields applied."""
+  train/data/mesh/run fields applied; run settings given in `model` move to `run`."""
   cfg = ml_collections.ConfigDict()
+  run = dict(run or {})
+  for key in RUN_FIELDS:
+    if key in model:
+      run.setdefault(key, model[key])
+      del model[key]
   cfg.model = model
-  for name, given in (('train', train or {}), ('data', data or {}), ('mesh', mesh or {})):
+  for name, given in (('run', run), ('train', train or {}), ('data', data or {}),
+                      ('mesh', mesh or {})):
     fields = {f.name: f.default for f in dataclasses.fields(SECTIONS[name])}
     for key in given:
       if key not in fields:
@@ -36,6 +52,24 @@ def experiment_config(model: ml_collections.ConfigDict, train=None, data=None, m
     SECTIONS[name](**fields)  # validate
     cfg[name] = ml_collections.ConfigDict(fields)
   return cfg
+
+
+_NOTED = set()
+
+
+def split_run(sections: Mapping[str, Any]) -> tuple[dict, dict]:
+  """(model dict, run dict) of a config's sections, run settings found under `model` read
+  into `run` (they win over `run`'s: a stored config from before the section, or code that set
+  cfg.model.X after the config was made), each noted once per process on stderr."""
+  model = dict(sections.get('model', {}) or {})
+  run = dict(sections.get('run', {}) or {})
+  moved = [k for k in model if k in RUN_FIELDS]
+  for key in moved:
+    run[key] = model.pop(key)
+  if set(moved) - _NOTED:
+    _NOTED.update(moved)
+    print(f'note: model.{{{",".join(moved)}}} are run settings now: read as run.*', file=sys.stderr)
+  return model, run
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,30 +92,41 @@ def build(cfg: ml_collections.ConfigDict) -> Experiment:
   for key in cfg.keys():
     if key not in SECTIONS:
       raise ValueError(f'unknown config section {key!r}; sections are {sorted(SECTIONS)}')
-  return Experiment(*(SECTIONS[n].from_dict(cfg.get(n, {}) or {}) for n in SECTIONS))
+  return _build(cfg.to_dict() if hasattr(cfg, 'to_dict') else cfg)
+
+
+def _build(sections: Mapping[str, Any]) -> Experiment:
+  model, run = split_run(sections)
+  run_cfg = RunConfig.from_dict(run)
+  model_cfg = ModelConfig.from_dict({**model, **dataclasses.asdict(run_cfg)})
+  others = {n: SECTIONS[n].from_dict(sections.get(n, {}) or {}) for n in ('train', 'data', 'mesh')}
+  return Experiment(model=model_cfg, run=run_cfg, **others)
 
 
 # How the same parameters run, not what they are: the same results up to float summation order
 # (dispatch backend, exchange transport, remat, loop implementation, the core's collectives,
 # attention implementation, loss chunks). A resumed run or a finished sweep point may change
 # them.
-RUN_SETTINGS = tuple(f'model.{k}' for k in (
-    'dispatch', 'dispatch_tile', 'expert_exchange', 'remat', 'loop_impl', 'core_collectives',
-    'attention_impl', 'attention_block', 'loss_chunk'))
+RUN_SETTINGS = tuple(f'run.{k}' for k in RUN_FIELDS)
 
 
 def config_diff(stored: Mapping[str, Any], exp: Experiment) -> list[tuple[str, Any, Any]]:
   """(section.field, stored value, current value) for every field of every section where a
-  stored config (a resolved config's JSON dict) differs from `exp`; a stored section that
-  does not read gives (section, the error, None)."""
+  stored config (a resolved config's JSON dict; run settings under `model` read as `run`'s)
+  differs from `exp`; a stored section that does not read gives (section, the error, None).
+  The model section compares the architecture; the run settings are section `run`'s."""
   out = []
+  model, run = split_run(stored)
   for name, current in exp._asdict().items():
+    given = {'model': model, 'run': run}.get(name, stored.get(name, {}) or {})
     try:
-      old = dataclasses.asdict(SECTIONS[name].from_dict(stored.get(name, {}) or {}))
+      if name == 'model':  # the stored architecture with the current run settings
+        old = ModelConfig.from_dict({**given, **dataclasses.asdict(exp.run)}).architecture()
+        now = current.architecture()
+      else:
+        old, now = dataclasses.asdict(SECTIONS[name].from_dict(given)), dataclasses.asdict(current)
     except (ValueError, TypeError) as e:
       out.append((name, f'does not read ({e})', None))
       continue
-    out += [(f'{name}.{k}', old[k], v) for k, v in dataclasses.asdict(current).items()
-            if old[k] != v]
+    out += [(f'{name}.{k}', old[k], v) for k, v in now.items() if old[k] != v]
   return out
-

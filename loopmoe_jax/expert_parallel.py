@@ -11,7 +11,7 @@ run on the global batch outside. Per device:
            (`dispatch.grouped_ffn`; expert width sharded over `tensor`, summed at the end),
   exchange back, unpermute, combine with the routing weights.
 
-Two transports (`model.expert_exchange`, 'auto' picks per platform):
+Two transports (`run.expert_exchange`, 'auto' picks per platform):
 Both transports size their buffers by the slot S (`slot_rows`): the most rows one device may
 send one other device. Dropless, S = T * min(k, E/n) (a token sends one row per chosen expert,
 so at most min(k, E/n) to one device); with a capacity factor S <= E/n * C; with

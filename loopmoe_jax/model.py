@@ -37,7 +37,7 @@ BROADCAST = ('params', 'routing_mask')
 PER_PASS = {'cache': 0, 'intermediates': 0}
 
 _save = jax.checkpoint_policies.save_only_these_names
-# model.remat: what the backward keeps of the forward; everything else it recomputes. Every
+# run.remat: what the backward keeps of the forward; everything else it recomputes. Every
 # layer (prelude, core passes, coda) is rematerialised per layer stack (one core pass), and
 # the head and LM loss with it (objective.py). Named checkpoints: 'attn_qkv' (q, k, v after
 # RoPE), 'attention' (the attention output, and chunked attention's log-sum-exp), 'router' (router
@@ -57,7 +57,7 @@ REMAT = {
 
 
 def remat(module_cls, c: ModelConfig):
-  """`module_cls` rematerialised under model.remat (unchanged with 'none')."""
+  """`module_cls` rematerialised under run.remat (unchanged with 'none')."""
   if c.remat == 'none':
     return module_cls
   return nn.remat(module_cls, policy=REMAT[c.remat], prevent_cse=False)
@@ -161,7 +161,7 @@ class Core(nn.Module):
 
 
   def _collectives_once(self, batch: int) -> bool:
-    """model.core_collectives='once' applies: a multi-device mesh without `tensor` (heads and
+    """run.core_collectives='once' applies: a multi-device mesh without `tensor` (heads and
     expert widths would need manual collectives) whose batch shards split the sequences,
     training or evaluation (not decoding, routing records, probes or expert masks), params
     already made. Otherwise the loop runs as a plain scan under XLA's partitioning."""

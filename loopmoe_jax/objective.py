@@ -1,10 +1,10 @@
 """The training objective: LM loss plus weighted aux losses; the LM loss is reported alone.
 
-The loss applies the output head itself (`token_nll`): with `model.loss_chunk` = c > 0 the
+The loss applies the output head itself (`token_nll`): with `run.loss_chunk` = c > 0 the
 head, the log-softmax and the target's log-probability run over vocabulary chunks of at most c
 columns (`chunked_nll_sum`, a custom VJP: an online log-sum-exp forward, a backward that
 recomputes each chunk's logits), so at most [B, T, c] float32 logits exist at a time in the
-forward or the backward, never [B, T, V]; with `model.remat` set the whole-vocabulary head and
+forward or the backward, never [B, T, V]; with `run.remat` set the whole-vocabulary head and
 loss are rematerialised (the backward keeps the final hidden states, not the logits).
 """
 from __future__ import annotations
@@ -135,7 +135,7 @@ def head_nll(h_BTD, head_DV, targets_BT, mask_BT, chunk: int, remat: bool = Fals
 
 def token_nll(params, model, batch, num_loops: int | None = None, router_bias=None):
   """(summed NLL over the batch's unmasked targets, their count, the model's extras), the head
-  and loss as model.loss_chunk and model.remat say."""
+  and loss as run.loss_chunk and run.remat say."""
   c = model.cfg
   h_BTD, extras = model.apply(variables(params, router_bias=router_bias), batch['inputs'],
                               num_loops=num_loops, return_hidden=True)

@@ -6,7 +6,7 @@ lowers the step for it with its Pallas kernels (loopmoe_jax/dry_run.py says how)
     python scripts/dry_run.py --config=configs/foil.py:foil2 --devices 64 --platform tpu \
         --config.mesh.data=1 --config.mesh.fsdp=8 --config.mesh.expert=8 --json /tmp/dry.json
     python scripts/dry_run.py --config=configs/foil.py:foil2 --devices 1 --remat_policies=all \
-        --config.data.batch_size=2      # temporaries and FLOPs per model.remat policy
+        --config.data.batch_size=2      # temporaries and FLOPs per run.remat policy
 """
 import json
 
@@ -18,7 +18,7 @@ _CONFIG = config_flag()
 _DEVICES = flags.DEFINE_integer('devices', 8, 'Fake CPU devices (the target mesh size).')
 _JSON = flags.DEFINE_string('json', None, 'Write the report here as JSON.')
 _PLATFORM = flags.DEFINE_string('platform', 'cpu', 'cpu | tpu | cuda: the program to count.')
-_POLICIES = flags.DEFINE_list('remat_policies', [], 'Also compile the step once per model.remat '
+_POLICIES = flags.DEFINE_list('remat_policies', [], 'Also compile the step once per run.remat '
                               'policy listed (all: every one) and print temporaries and FLOPs.')
 
 

@@ -1,4 +1,4 @@
-"""Attention implementations (model.attention_impl), the chunked loss and the FLOP counter:
+"""Attention implementations (run.attention_impl), the chunked loss and the FLOP counter:
 each against the plain computation it replaces."""
 import re
 
@@ -111,9 +111,9 @@ def test_fused_attention_lowers_for_its_platform(platform, impl, call):
 
 
 def test_attention_impl_errors_name_the_key_and_platform():
-  with pytest.raises(ValueError, match=r"model.attention_impl='cudnn'.*platform 'cpu'"):
+  with pytest.raises(ValueError, match=r"run.attention_impl='cudnn'.*platform 'cpu'"):
     resolve('cudnn', 'bfloat16', 'cpu')
-  with pytest.raises(ValueError, match=r"model.attention_impl='splash'.*platform 'gpu'"):
+  with pytest.raises(ValueError, match=r"run.attention_impl='splash'.*platform 'gpu'"):
     resolve('splash', 'bfloat16', 'gpu')
   with pytest.raises(ValueError, match='16-bit model.dtype'):
     resolve('cudnn', 'float32', 'gpu')
@@ -127,7 +127,7 @@ def test_attention_impl_errors_name_the_key_and_platform():
       resolve('cudnn', 'bfloat16', 'gpu', head)
   for field, value in (('attention_impl', 'flash'), ('remat', 'most'), ('loss_chunk', -1),
                        ('attention_block', 0)):
-    with pytest.raises(ValueError, match=f'model.{field}'):
+    with pytest.raises(ValueError, match=f'run.{field}'):
       ModelConfig(**{field: value})
   model = LoopedMoE(ModelConfig(attention_impl='cudnn', dtype='bfloat16'))
   with pytest.raises(ValueError, match="attention_impl='cudnn'"):
@@ -159,7 +159,7 @@ def _buffers_of_shape(hlo: str, dims) -> int:
 
 def test_chunked_loss_train_step_holds_no_whole_logits():
   """The named check: the compiled train step's HLO (after XLA's optimisations) has no float32
-  array of B x T x V elements with model.loss_chunk set, and has one without it (so the check
+  array of B x T x V elements with run.loss_chunk set, and has one without it (so the check
   can fail)."""
   cfg = ModelConfig(vocab_size=96, d_model=16, num_heads=2, expert_width=16, prelude_layers=0,
                     core_layers=1, coda_layers=0, num_loops=1, core_experts=2, top_k=1)

@@ -28,7 +28,7 @@ import pytest
 
 from loopmoe_jax import config as config_lib
 from loopmoe_jax.accounting import count, init_param_count
-from loopmoe_jax.config import ModelConfig, flatten, loop_span, middle_span, model_config_dict
+from loopmoe_jax.config import RUN_FIELDS, ModelConfig, flatten, loop_span, middle_span, model_config_dict
 from loopmoe_jax.decode import cache_bytes, init_cache
 from loopmoe_jax.model import LoopedMoE
 
@@ -121,7 +121,8 @@ def test_kv_heads_must_divide_heads(kv):
     ('loop_impl', 'while'), ('dtype', 'float64'), ('param_dtype', 'int8'),
 ])
 def test_bad_enum_values_name_the_field(field, value):
-  with pytest.raises(ValueError, match=_mentions(f'model.{field}', value)):
+  section = 'run' if field in RUN_FIELDS else 'model'
+  with pytest.raises(ValueError, match=_mentions(f'{section}.{field}', value)):
     ModelConfig(**{field: value})
 
 
@@ -133,7 +134,7 @@ def test_bad_enum_values_name_the_field(field, value):
     (dict(prelude_layers=0, core_layers=0, coda_layers=0), 'core_layers'),
 ])
 def test_other_bad_values_name_the_field(fields, name):
-  with pytest.raises(ValueError, match=f'model.{name}'):
+  with pytest.raises(ValueError, match=f"{'run' if name in RUN_FIELDS else 'model'}.{name}"):
     ModelConfig(**fields)
 
 

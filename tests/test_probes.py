@@ -98,7 +98,7 @@ def probed():
 def test_probing_off_leaves_logits_bit_identical(probed):
   params, toks, logits_on, pr = probed
   # probes read the attention weights, so they run the 'xla' attention whatever
-  # model.attention_impl says: bit-identical to that; the default (chunked on CPU) agrees closely
+  # run.attention_impl says: bit-identical to that; the default (chunked on CPU) agrees closely
   logits_off, extras = apply_fn(CFG.replace(attention_impl='xla'))(params, toks)
   np.testing.assert_array_equal(np.asarray(logits_on), np.asarray(logits_off))
   np.testing.assert_allclose(np.asarray(apply_fn(CFG)(params, toks)[0]), np.asarray(logits_on),

@@ -111,7 +111,7 @@ def test_skips_finished_and_reruns_unfinished(tmp_path):
 def test_sweep_with_the_trainer_skips_and_resumes(tmp_path, capsys):
   flags.FLAGS.mark_as_parsed()
   cfg = _config('smoke,core_layers=1')
-  cfg.model.prelude_layers, cfg.model.coda_layers, cfg.model.dispatch = 1, 0, 'xla'
+  cfg.model.prelude_layers, cfg.model.coda_layers, cfg.run.dispatch = 1, 0, 'xla'
   cfg.train.steps, cfg.train.sample_tokens, cfg.train.log_every = 3, 0, 1
   cfg.train.async_save = False
   cfg.data.batch_size, cfg.data.seq_len, cfg.data.val_batches = 8, 32, 1

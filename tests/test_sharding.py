@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from loopmoe_jax import dispatch as dispatch_lib
 from loopmoe_jax import expert_parallel, sharding
-from loopmoe_jax.config import ModelConfig
+from loopmoe_jax.config import RUN_FIELDS, ModelConfig
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.sharding import MeshConfig
 from loopmoe_jax.train import step as steps
@@ -445,7 +445,7 @@ def _small_cfg(mesh_cfg, **model):
   from loopmoe_jax.experiment import load_config
   cfg = load_config('configs/default.py:smoke')
   for k, v in dict(CONFIGS['untied'].__dict__, **model).items():
-    cfg.model[k] = v
+    cfg['run' if k in RUN_FIELDS else 'model'][k] = v
   cfg.data.batch_size, cfg.data.seq_len = BATCH, SEQ
   assert isinstance(cfg, ml_collections.ConfigDict)
   return _on(cfg, mesh_cfg)
@@ -509,7 +509,7 @@ def test_dry_run_platform_errors_before_any_compile():
 
 
 def test_gradient_reductions_do_not_grow_with_the_passes_and_no_activation_is_gathered():
-  """model.core_collectives='once': the shared core weights' gradients accumulate locally over
+  """run.core_collectives='once': the shared core weights' gradients accumulate locally over
   the passes and are reduced once, so the train step's gradient all-reduce/reduce-scatter ops
   and bytes (dry_run.classify on the partitioned program, loop trip counts applied) are the
   same at num_loops=1 and 4 (tied attention: the same parameters at both counts);

@@ -37,7 +37,7 @@ def test_wsd_matches_formula():
 
 
 def test_resume_is_bitwise_identical(tmp_path):
-  """On the CPU default dispatch (model.dispatch 'auto': 'tiled')."""
+  """On the CPU default dispatch (run.dispatch 'auto': 'tiled')."""
   straight = train(tiny('auto', steps=6, final_window=5), str(tmp_path / 'a'))
   train(tiny('auto', steps=3, schedule_steps=6), str(tmp_path / 'b'))   # "killed" after step 3
   resumed = train(tiny('auto', steps=6, final_window=5), str(tmp_path / 'b'))
@@ -176,7 +176,7 @@ def test_sigterm_saves_a_restorable_checkpoint(tmp_path):
          '--config.train.steps=100000', '--config.train.log_every=1',
          '--config.train.save_every=100000', '--config.train.sample_tokens=0',
          '--config.train.eval_every=2', '--config.data.batch_size=4', '--config.data.seq_len=32',
-         '--config.model.dispatch=xla']
+         '--config.run.dispatch=xla']
   proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
   metrics = os.path.join(work, 'metrics.jsonl')
@@ -216,9 +216,48 @@ def test_resume_with_another_model_is_an_error_and_loses_nothing(tmp_path):
   with pytest.raises(ValueError, match=r'(?s)intact but its train state.*train\.clip: 1\.0 in'):
     train(tiny(steps=6, clip=0.0), work)  # no clipping: another optimizer state
   resumed = tiny(steps=4, lr=1e-3)  # run settings of the same parameters may change too
-  resumed.model.dispatch, resumed.model.remat = 'xla', 'full'
+  resumed.run.dispatch, resumed.run.remat = 'xla', 'full'
   summary = train(resumed, work)
   assert summary['steps'] == 4
+
+
+def test_a_run_directory_from_before_the_run_section_loads_and_resumes(tmp_path, capsys,
+                                                                      monkeypatch):
+  """tests/data/run_v1 was written (2 steps) by the code before run settings had their own
+  section: its config holds model.dispatch='xla' and model.remat='full'. It loads with them
+  read into `run` (one note), and a copy resumes to step 4 under other run settings (dispatch
+  'tiled', remat 'none': allowed, printed) with the losses of an uninterrupted run of today's
+  code (xla, full) to 1e-5 at every step, the fixture's own two included. A resume that
+  changes the architecture is refused naming the key; the old key on the command line is
+  refused naming the new one."""
+  import shutil as sh
+  from loopmoe_jax import cli, experiment
+  from loopmoe_jax.train.run import RunDir
+  monkeypatch.setattr(experiment, '_NOTED', set())  # the note is once per process
+  fixture = os.path.join(os.path.dirname(__file__), 'data', 'run_v1')
+  run = RunDir(fixture).load()
+  assert (run.step, run.exp.run.dispatch, run.exp.run.remat) == (2, 'xla', 'full')
+  assert run.model_cfg.remat == 'full' and run.exp.model.core_experts == 4
+  assert 'read as run.*' in capsys.readouterr().err
+  work, straight = str(tmp_path / 'old'), str(tmp_path / 'straight')
+  sh.copytree(fixture, work)
+  want = tiny(steps=4, save_every=2, eval_every=2, routing_every=2)
+  want.run.remat = 'full'
+  train(want, straight)
+  resumed = tiny('tiled', steps=4, save_every=2, eval_every=2, routing_every=2)
+  summary = train(resumed, work)
+  out = capsys.readouterr().out
+  assert summary['steps'] == 4 and 'run.dispatch' in out and 'run.remat' in out
+  got, ref = losses(work), losses(straight)
+  assert sorted(got) == sorted(ref) == [1, 2, 3, 4]
+  for s in ref:
+    assert got[s] == pytest.approx(ref[s], rel=1e-5), s
+  changed = tiny(steps=6)
+  changed.model.expert_width = 16
+  with pytest.raises(ValueError, match=r'model\.expert_width: 32 in the checkpoint, 16 now'):
+    train(changed, work)
+  with pytest.raises(SystemExit, match=r'--config\.model\.remat: .*use --config\.run\.remat'):
+    cli._check_config(['--config.model.remat=full'], 'configs/default.py:smoke')
 
 
 def test_unreadable_newest_step_is_set_aside_and_written_again(tmp_path, capsys):

@@ -5,17 +5,17 @@ Nothing is run: shapes are abstract, so full sizes compile on a laptop.
 
 - attn_temp_T4096_over_T1024: one attention layer's forward+backward (q, k, v -> output, the
   gradients of q, k and v; Foil's 16 heads of 64, bfloat16) at 1 x 4,096 tokens over 4 x 1,024
-  (the same tokens per batch), `chunked` (model.attention_block 512); `_xla` the einsum's.
+  (the same tokens per batch), `chunked` (run.attention_block 512); `_xla` the einsum's.
 - attn_skip_over_all: seconds of that attention's forward+backward at 1 x 4,096 with the
   block pairs whose keys all follow their queries skipped (the default) over computing them
   (informative; about half the pairs of a causal sequence).
 - loss_temp_over_logits: the LM loss's forward+backward on the final hidden states (head matmul,
   log-softmax, target log-probability; gradients of the hidden states and the head) at Foil's
   2 x 4,096 tokens, width 1,024, vocabulary 49,152, over the bytes of the float32 logits
-  [B, T, V], with model.loss_chunk=1024 (vocabulary columns per chunk); `_whole` without.
+  [B, T, V], with run.loss_chunk=1024 (vocabulary columns per chunk); `_whole` without.
 - remat_temp_over_none.<policy>, remat_flops_over_none.<policy>: Foil-2's train step (configs/
-  foil.py:foil2, one device, 2 sequences of 4,096, `chunked` attention, model.loss_chunk=1024)
-  per model.remat policy,
+  foil.py:foil2, one device, 2 sequences of 4,096, `chunked` attention, run.loss_chunk=1024)
+  per run.remat policy,
   temporaries and matmul FLOPs over those with remat 'none'. remat_best: the policy with the
   least temporaries among those recomputing less than 'full' (FLOPs below full's), and its
   temp ratio as remat_best_temp_over_none (its FLOPs ratio: remat_best_flops_over_none).
@@ -93,9 +93,9 @@ def remat_rows(quick: bool, batch: int = 2, seq: int | None = None,
   arg = 'foil2,smoke' if quick else 'foil2'
   cfg = load_config(f'configs/foil.py:{arg}')
   cfg.data.batch_size, cfg.data.seq_len = batch, seq or (256 if quick else 4096)
-  cfg.model.attention_impl = 'chunked'
-  cfg.model.attention_block = 128 if quick else 512
-  cfg.model.loss_chunk = 256 if quick else 1024
+  cfg.run.attention_impl = 'chunked'
+  cfg.run.attention_block = 128 if quick else 512
+  cfg.run.loss_chunk = 256 if quick else 1024
   cfg.mesh.data = 1
   return dry_run.remat_policies(cfg, REMAT_POLICIES, jax.devices()[:1], flops)
 

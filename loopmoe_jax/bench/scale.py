@@ -33,7 +33,7 @@ from loopmoe_jax import DEFAULT_CONFIG
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax import hlo as hlo_lib
 from loopmoe_jax.hlo import collective_bytes
-from loopmoe_jax.experiment import load_config
+from loopmoe_jax.experiment import build, load_config
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.sharding import MeshConfig
 from loopmoe_jax.train import step as steps
@@ -98,7 +98,7 @@ def _exchange_ratios(res, quick):
 
 def _model(quick):
   cfg = load_config(DEFAULT_CONFIG + ':smoke')  # the README's main job at smoke widths
-  return ModelConfig.from_dict(cfg.model), cfg.data.batch_size, cfg.data.seq_len
+  return build(cfg).model, cfg.data.batch_size, cfg.data.seq_len
 
 
 def _fsdp_ratio(res, mc, seq):

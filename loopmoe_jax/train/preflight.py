@@ -4,7 +4,7 @@ needs for a train step against the memory it has.
 Per device (shard shapes of the abstract train state, `sharding.bytes_per_device`):
   parameters + optimizer state + one gradient of the parameters
   + activations kept for the backward, at least (`layer_bytes`, over the device's tokens of one
-    microbatch): with model.remat='none' each executed layer's inputs, attention q, k, v and
+    microbatch): with run.remat='none' each executed layer's inputs, attention q, k, v and
     output, routed rows and SwiGLU intermediates (and the 'xla' attention's probabilities);
     with a remat policy each rematerialised stack's input (the prelude, every core pass, the
     coda) plus one stack's recompute.
@@ -114,7 +114,7 @@ def check_memory(exp, mesh, state, budget: int | None = None) -> dict:
              'it')
     else:
       key = (f'data.batch_size={dc.batch_size} x data.seq_len={dc.seq_len} ({est["tokens"]:,} '
-             'tokens per device); lower them, raise train.microbatches or use model.remat')
+             'tokens per device); lower them, raise train.microbatches or use run.remat')
   else:
     key = ('the model\'s size: shard it over more devices (mesh.fsdp, mesh.expert) or '
            'shrink model.d_model / model.*_experts')

@@ -145,7 +145,7 @@ def read_params(directory: str, step: int | None = None, mesh=None):
   for s in steps:
     try:
       config = mngr.restore(s, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
-      cfg = ModelConfig.from_dict(config['model'])
+      cfg = experiment.build(ml_collections.ConfigDict(config)).model
       shapes = mngr.item_metadata(s)['state']['params']
       shardings = _param_shardings(cfg, shapes, mesh)
       target = jax.tree.map(lambda m, sh: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sh),
