@@ -22,7 +22,6 @@ differ (train.seed only draws the initial weights).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 
@@ -33,34 +32,19 @@ NOT_DATA_ORDER = ('num_threads', 'prefetch')
 
 
 def load_losses(workdir: str, key: str = 'loss') -> dict[int, float]:
-  """{step: value} from workdir/metrics.jsonl (the last row of a step wins, as on resume)."""
-  path = os.path.join(workdir, 'metrics.jsonl')
-  if not os.path.exists(path):
-    raise FileNotFoundError(f'{workdir}: no metrics.jsonl (not a run directory?)')
-  out = {}
-  with open(path) as f:
-    for line in f:
-      if line.strip():
-        row = json.loads(line)
-        if key in row:
-          out[int(row['step'])] = float(row[key])
-  return out
+  """{step: value} from workdir/metrics.jsonl (train/run.RunDir.series)."""
+  from loopmoe_jax.train.run import RunDir
+  return RunDir(workdir).series(key)
 
 
 def run_config(workdir: str) -> dict:
-  """The resolved config the trainer saved with the newest checkpoint step that reads back
-  (checkpoints/<step>/config/metadata, JSON)."""
-  ckpt = os.path.join(workdir, 'checkpoints')
-  steps = sorted((int(s) for s in os.listdir(ckpt) if s.isdigit()), reverse=True) \
-      if os.path.isdir(ckpt) else []
-  for s in steps:
-    try:
-      with open(os.path.join(ckpt, str(s), 'config', 'metadata')) as f:
-        return json.load(f)
-    except (OSError, ValueError):
-      continue
-  raise FileNotFoundError(f'{workdir}: no checkpoint step with a readable config (its data '
-                          'order cannot be checked)')
+  """The resolved config of the newest checkpoint step that reads back (RunDir.stored_config);
+  without one the data order cannot be checked."""
+  from loopmoe_jax.train.run import RunDir
+  try:
+    return RunDir(workdir).stored_config()
+  except FileNotFoundError as e:
+    raise FileNotFoundError(f'{e} (its data order cannot be checked)') from None
 
 
 def data_order(config: dict) -> dict:

@@ -1,7 +1,6 @@
 """What the replications share: the scales, the sweep runner, table and JSON helpers."""
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -30,11 +29,11 @@ def _table(rows, keys) -> str:
 
 def _training_seconds(out: str) -> float:
   """Sum of the wall time of every run under `out` (their summary.json)."""
+  from loopmoe_jax.train.run import SUMMARY, RunDir
   total = 0.0
   for root, _, files in os.walk(out):
-    if 'summary.json' in files:
-      with open(os.path.join(root, 'summary.json')) as f:
-        total += float(json.load(f).get('wall_s', 0.0))
+    if SUMMARY in files:
+      total += float(RunDir(root).summary().get('wall_s', 0.0))
   return total
 
 

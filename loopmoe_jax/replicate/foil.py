@@ -1,13 +1,13 @@
 """The Foil replication (`reproduce.py foil`)."""
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
 
 from loopmoe_jax.experiment import load_config
 from loopmoe_jax.replicate import common
+from loopmoe_jax.train.run import RunDir
 from loopmoe_jax.replicate.common import _mean, _table
 
 
@@ -27,12 +27,8 @@ def run(out: str, scale: str, log=print) -> tuple[dict, str]:
       cfg.data.source = 'embedded'
     (row,) = common._sweep(cfg, {'train.steps': [steps]}, os.path.join(out, v), log)
     mc = ModelConfig.from_dict(cfg.model)
-    with open(os.path.join(row['workdir'], 'metrics.jsonl')) as f:
-      metrics = [json.loads(line) for line in f]
-    with open(os.path.join(row['workdir'], 'summary.json')) as f:
-      summary = json.load(f)
-    with open(os.path.join(row['workdir'], 'routing.jsonl')) as f:
-      routing = [json.loads(line) for line in f]
+    run = RunDir(row['workdir'])
+    metrics, summary, routing = run.metrics(required=True), run.summary(), run.routing()
     last = max(r['step'] for r in routing)
     core = [r for r in routing if r['step'] == last and r['segment'] == 'core']
     by_pass = {}

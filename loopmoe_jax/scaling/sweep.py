@@ -164,12 +164,9 @@ def point_row(cfg, summary: Mapping[str, Any]) -> dict[str, Any]:
 
 def finished(workdir: str, steps: int) -> dict | None:
   """The summary of a run that reached `steps` with a loss, else None."""
-  path = os.path.join(workdir, 'summary.json')
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    s = json.load(f)
-  ok = s.get('steps', 0) >= steps and s.get('final_window_loss') is not None
+  from loopmoe_jax.train.run import RunDir
+  s = RunDir(workdir).summary()
+  ok = s is not None and s.get('steps', 0) >= steps and s.get('final_window_loss') is not None
   return s if ok else None
 
 

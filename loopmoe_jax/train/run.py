@@ -78,15 +78,22 @@ class RunDir:
     return Loaded(self.path, experiment.build(ml_collections.ConfigDict(config)), params, bias,
                   s, config)
 
-  def _jsonl(self, name: str) -> list[dict]:
+  def _jsonl(self, name: str, required: bool = False) -> list[dict]:
     path = self.file(name)
     if not os.path.exists(path):
+      if required:
+        raise FileNotFoundError(f'{self.path}: no {name} (not a run directory?)')
       return []
     with open(path) as f:
       return [json.loads(line) for line in f if line.strip()]
 
-  def metrics(self) -> list[dict]:
-    return self._jsonl(METRICS)
+  def metrics(self, required: bool = False) -> list[dict]:
+    """metrics.jsonl's rows in order ([] when there is none, unless `required`)."""
+    return self._jsonl(METRICS, required)
+
+  def series(self, key: str = 'loss') -> dict[int, float]:
+    """{step: value} of one metrics.jsonl key (the last row of a step wins, as on resume)."""
+    return {int(r['step']): float(r[key]) for r in self.metrics(required=True) if key in r}
 
   def routing(self) -> list[dict]:
     return self._jsonl(ROUTING)
@@ -97,6 +104,20 @@ class RunDir:
       return None
     with open(path) as f:
       return json.load(f)
+
+  def stored_config(self) -> dict:
+    """The resolved config saved with the newest checkpoint step whose config reads back
+    (checkpoints/<step>/config/metadata, JSON), without Orbax."""
+    ckpt = self.checkpoints
+    steps = sorted((int(s) for s in os.listdir(ckpt) if s.isdigit()), reverse=True) \
+        if os.path.isdir(ckpt) else []
+    for s in steps:
+      try:
+        with open(os.path.join(ckpt, str(s), 'config', 'metadata')) as f:
+          return json.load(f)
+      except (OSError, ValueError):
+        continue
+    raise FileNotFoundError(f'{self.path}: no checkpoint step with a readable config')
 
 
 def as_loaded(run, step: int | None = None) -> Loaded:

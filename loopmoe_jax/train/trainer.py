@@ -32,6 +32,7 @@ from loopmoe_jax.train import checkpoint, preflight, step as steps
 from loopmoe_jax.train.lock import WorkdirLock
 from loopmoe_jax.train import metrics as metrics_lib
 from loopmoe_jax.train.metrics import Writer
+from loopmoe_jax.train.run import METRICS, ROUTING, SUMMARY, RunDir
 from loopmoe_jax.train.optimizer import make_optimizer
 
 PEAK_FLOPS = {'TPU v4': 275e12, 'TPU v5 lite': 197e12, 'TPU v5p': 459e12, 'TPU v6 lite': 918e12,
@@ -107,11 +108,12 @@ def _train(cfg, exp, workdir: str, force: bool = False, start_over: bool = False
   target = steps.abstract_state(model, tx, dc.seq_len, state_sh)
   if not force:  # before anything is compiled
     preflight.check_memory(exp, mesh, target)
-  mngr = checkpoint.manager(os.path.join(workdir, 'checkpoints'), tc.keep, tc.async_save,
+  run_dir = RunDir(workdir)
+  mngr = checkpoint.manager(run_dir.checkpoints, tc.keep, tc.async_save,
                             keep_every=tc.keep_every, keep_steps=tc.kept_steps)
   state, data_state, start = _initial_state(mngr, target, model, tx, exp, state_sh, workdir,
                                             start_over)
-  summary_path = os.path.join(workdir, 'summary.json')
+  summary_path = run_dir.file(SUMMARY)
   if start >= tc.steps and os.path.exists(summary_path):
     print(f'{workdir} already finished at step {start}', flush=True)
     with open(summary_path) as f:
@@ -294,7 +296,7 @@ def _initial_state(mngr, target, model, tx, exp, state_sh, workdir, start_over=F
                        'with --start_over (the steps and logs are moved aside, not deleted)')
   if skipped:  # newer steps that do not read (with --start_over and nothing readable: the
     # old run's logs too) are set aside
-    logs = ('metrics.jsonl', 'routing.jsonl', 'summary.json') if restored is None else ()
+    logs = (METRICS, ROUTING, SUMMARY) if restored is None else ()
     for path in checkpoint.set_aside(mngr, skipped, workdir, logs):
       print(f'moved the unreadable checkpoint to {path}', flush=True)
     if restored is None:
@@ -340,7 +342,7 @@ def _write_routing(workdir, step, stats, proc):
         idx = (p, layer) if lb.ndim == 2 else (layer,)
         lines.append(json.dumps({'step': step, 'segment': seg, 'pass': p, 'layer': layer,
                                  **{k: float(np.asarray(v)[idx]) for k, v in s.items()}}))
-  metrics_lib.append_lines(os.path.join(workdir, 'routing.jsonl'), lines)  # one step: one write
+  metrics_lib.append_lines(RunDir(workdir).file(ROUTING), lines)  # one step: one write
 
 
 def _exchange_text(mc, mesh) -> str:
