@@ -15,9 +15,9 @@ from typing import Any, Mapping, NamedTuple
 import ml_collections
 
 from loopmoe_jax.config import RUN_FIELDS, ModelConfig, RunConfig
-from loopmoe_jax.data.pipeline import DataConfig
-from loopmoe_jax.sharding import MeshConfig
-from loopmoe_jax.train.config import TrainConfig
+from loopmoe_jax.config.data import DataConfig
+from loopmoe_jax.config.mesh import MeshConfig
+from loopmoe_jax.config.train import TrainConfig
 
 SECTIONS = {'model': ModelConfig, 'train': TrainConfig, 'data': DataConfig, 'mesh': MeshConfig,
             'run': RunConfig}

@@ -17,7 +17,6 @@ names the config key otherwise); `scripts/dry_run.py` prints the per-device byte
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Sequence
 
@@ -27,10 +26,9 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from loopmoe_jax.config import from_mapping
+from loopmoe_jax.config.mesh import AXES, MeshConfig
 from loopmoe_jax.layers import LOGICAL_AXES
 
-AXES = ('dcn_data', 'data', 'fsdp', 'expert', 'tensor')
 BATCH_AXES = ('dcn_data', 'data', 'fsdp', 'expert')
 
 RULES: dict[str, Any] = {
@@ -47,53 +45,6 @@ assert set(LOGICAL_AXES) <= set(RULES), 'every logical axis needs a rule'
 FIX = {'vocab': 'model.vocab_size', 'embed': 'model.d_model', 'heads': 'model.num_heads',
        'kv_heads': 'model.num_kv_heads', 'mlp': 'model.expert_width (or shared_expert_width)',
        'experts': 'the segment\'s model.*_experts'}
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-  """Mesh axis sizes (config key `mesh`); one of data/fsdp/expert/tensor may be -1 (the rest
-  of the devices). The product must equal the device count."""
-  data: int = -1
-  fsdp: int = 1
-  expert: int = 1
-  tensor: int = 1
-  dcn_data: int = 1
-  zero_data: bool = False  # dense weights and optimizer moments also split over `data`
-                           # (ZeRO-3 style: less memory per device, a gather per use)
-
-  def __post_init__(self):
-    free = [a for a in ('data', 'fsdp', 'expert', 'tensor') if getattr(self, a) == -1]
-    if len(free) > 1:
-      raise ValueError(f'mesh: only one axis may be -1, got {", ".join("mesh." + a for a in free)}')
-    if not isinstance(self.zero_data, bool):
-      raise ValueError(f'mesh.zero_data={self.zero_data!r}: must be true or false')
-    for a in AXES:
-      v = getattr(self, a)
-      if v < 1 and not (v == -1 and a != 'dcn_data'):
-        raise ValueError(f'mesh.{a}={v}: must be >= 1 (or -1 for the remaining devices)')
-
-  def sizes(self, num_devices: int) -> dict[str, int]:
-    """Axis sizes with the -1 resolved; an error naming the numbers when they do not fit."""
-    given = {a: getattr(self, a) for a in AXES}
-    fixed = math.prod(v for v in given.values() if v != -1)
-    free = [a for a, v in given.items() if v == -1]
-    if free:
-      if num_devices % fixed:
-        raise ValueError(f'mesh: the fixed axes ({_fmt(given)}) multiply to {fixed}, which does '
-                         f'not divide the {num_devices} devices; change them so it does')
-      given[free[0]] = num_devices // fixed
-    elif fixed != num_devices:
-      raise ValueError(f'mesh: {_fmt(given)} multiply to {fixed}, but there are {num_devices} '
-                       f'devices; make the product {num_devices} (or set one axis to -1)')
-    return given
-
-  @classmethod
-  def from_dict(cls, d):
-    return from_mapping(cls, d, 'mesh')
-
-
-def _fmt(sizes):
-  return ' x '.join(f'mesh.{a}={v}' for a, v in sizes.items() if v != 1) or 'every axis 1'
 
 
 def make_mesh(cfg: MeshConfig | None = None, devices: Sequence[Any] | None = None):

@@ -35,7 +35,7 @@ for i, spec in enumerate(specs):
   fed.clear()
   cfg = tiny(steps=4)
   if sample:
-    from loopmoe_jax.train.config import TrainConfig  # noqa: E402
+    from loopmoe_jax.config.train import TrainConfig  # noqa: E402
     cfg.train.sample_tokens = TrainConfig().sample_tokens
   for axis_size in mesh.split(','):  # e.g. data=1,expert=4
     axis, size = axis_size.split('=')

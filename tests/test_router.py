@@ -26,7 +26,7 @@ from loopmoe_jax.moe import MoE, route_for
 from loopmoe_jax.sharding import MeshConfig
 from loopmoe_jax.train import checkpoint, step as steps
 from loopmoe_jax.train.step import update_router_bias
-from loopmoe_jax.train.config import TrainConfig
+from loopmoe_jax.config.train import TrainConfig
 from loopmoe_jax.train.optimizer import make_optimizer
 
 TINY = dict(vocab_size=64, d_model=32, num_heads=2, head_dim=16, expert_width=32, top_k=2,

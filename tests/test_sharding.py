@@ -27,7 +27,7 @@ from loopmoe_jax.config import RUN_FIELDS, ModelConfig
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.sharding import MeshConfig
 from loopmoe_jax.train import step as steps
-from loopmoe_jax.train.config import TrainConfig
+from loopmoe_jax.config.train import TrainConfig
 from loopmoe_jax.train.optimizer import make_optimizer
 from lowering import lower_for
 

@@ -13,7 +13,7 @@ import pytest
 
 from loopmoe_jax.experiment import build
 from loopmoe_jax.train import checkpoint
-from loopmoe_jax.train.config import TrainConfig
+from loopmoe_jax.config.train import TrainConfig
 from loopmoe_jax.train.optimizer import wsd_schedule
 from loopmoe_jax.train.trainer import TrainingDiverged, train
 from helpers import losses, tiny

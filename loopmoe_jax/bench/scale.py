@@ -37,7 +37,7 @@ from loopmoe_jax.experiment import build, load_config
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.sharding import MeshConfig
 from loopmoe_jax.train import step as steps
-from loopmoe_jax.train.config import TrainConfig
+from loopmoe_jax.config.train import TrainConfig
 from loopmoe_jax.train.optimizer import make_optimizer
 
 _TENSOR = re.compile(r'tensor<([\dx]+)x(f32|bf16|f16)>')

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from loopmoe_jax.train.config import TrainConfig
+from loopmoe_jax.config.train import TrainConfig
 
 
 def wsd_schedule(peak: float, total: int, warmup: int, decay_fraction: float,

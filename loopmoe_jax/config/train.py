@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from loopmoe_jax.config import from_mapping
+from loopmoe_jax.config.model import from_mapping
 
 SCHEDULES = ('wsd', 'cosine', 'constant')
 DECAY_SHAPES = ('1-sqrt', 'linear', 'cosine')

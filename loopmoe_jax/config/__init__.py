@@ -1,0 +1,9 @@
+"""The configuration, in one place: one frozen dataclass per config section, each built once
+by `experiment.build` from an ml_collections ConfigDict.
+
+- model.py: `ModelConfig` (section `model`, the architecture) and `RunConfig` (section `run`,
+  how the parameters run), the layout helpers (`loop_span`, `middle_span`, `flatten`);
+- train.py: `TrainConfig` (section `train`); data.py: `DataConfig` (section `data`);
+  mesh.py: `MeshConfig` (section `mesh`).
+"""
+from loopmoe_jax.config.model import *  # noqa: F401,F403  (ModelConfig, RunConfig, RUN_FIELDS, ...)
