@@ -14,6 +14,7 @@ from typing import Any, Mapping, NamedTuple
 
 import ml_collections
 
+from loopmoe_jax import config_file
 from loopmoe_jax.config import RUN_FIELDS, ModelConfig, RunConfig
 from loopmoe_jax.config.data import DataConfig
 from loopmoe_jax.config.mesh import MeshConfig
@@ -72,16 +73,14 @@ def split_run(sections: Mapping[str, Any]) -> tuple[dict, dict]:
   return model, run
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def load_config(spec: str) -> ml_collections.ConfigDict:
   """The ConfigDict of 'FILE[:ARG]' as --config reads it; FILE may be relative to the
-  repository (configs/foil.py:foil2). A missing file is a FileNotFoundError naming it."""
+  repository (configs/foil.py:foil2), found from any directory, installed or not
+  (loopmoe_jax.config_file). A missing file is a FileNotFoundError naming it."""
   from ml_collections import config_flags
   path, colon, arg = spec.partition(':')
-  if not os.path.exists(path) and os.path.exists(os.path.join(ROOT, path)):
-    path = os.path.join(ROOT, path)
+  if not os.path.exists(path):  # the checkout's configs/, or the installed package's copy
+    path = config_file(path)
   if not os.path.exists(path):
     raise FileNotFoundError(f'no config file {spec.partition(":")[0]!r}')
   return config_flags.config_flags.ConfigFileFlagParser('config').parse(path + colon + arg)

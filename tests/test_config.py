@@ -33,7 +33,8 @@ from loopmoe_jax.decode import cache_bytes, init_cache
 from loopmoe_jax.model import LoopedMoE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG_FILES = sorted(glob.glob(os.path.join(ROOT, 'configs', '*.py')))
+CONFIG_FILES = sorted(f for f in glob.glob(os.path.join(ROOT, 'configs', '*.py'))
+                      if not f.endswith('__init__.py'))
 
 
 @functools.lru_cache(maxsize=None)
@@ -410,3 +411,20 @@ def test_readme_generate_line_stays_within_the_trained_context():
   assert m, 'the README has no generate.py line for the main job'
   seq_len = build(load_config('configs/default.py')).data.seq_len
   assert len(m.group(1).encode()) + 1 + int(m.group(2)) <= seq_len  # +1: a BOS, if any
+
+
+def test_configs_are_found_from_anywhere_installed_or_not(tmp_path, monkeypatch):
+  """load_config('configs/X.py') from another directory reads the checkout's file; in an
+  installed package (no checkout above it) the copy setup.py ships as loopmoe_jax/configs/."""
+  import loopmoe_jax
+  from loopmoe_jax.experiment import load_config
+  monkeypatch.chdir(tmp_path)
+  assert load_config('configs/foil.py:foil2').model.num_loops == 8
+  site = tmp_path / 'site' / 'loopmoe_jax'
+  (site / 'configs').mkdir(parents=True)
+  (site / 'configs' / 'default.py').write_text('x = 1\n')
+  monkeypatch.setattr(loopmoe_jax, '_PACKAGE', str(site))
+  assert loopmoe_jax.config_file(os.path.join('configs', 'default.py')) == str(
+      site / 'configs' / 'default.py')
+  assert loopmoe_jax.config_file('configs/none.py') == 'configs/none.py'
+
