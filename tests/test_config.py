@@ -428,3 +428,20 @@ def test_configs_are_found_from_anywhere_installed_or_not(tmp_path, monkeypatch)
       site / 'configs' / 'default.py')
   assert loopmoe_jax.config_file('configs/none.py') == 'configs/none.py'
 
+
+
+def test_cited_formula_sheet_is_in_the_repository():
+  """Code cites docs/formulas.md (never a file outside the repository), and every section it
+  names there exists."""
+  import re
+  sheet = open(os.path.join(ROOT, 'docs', 'formulas.md')).read()
+  headings = set(re.findall(r'^## (.+?)(?: —|$)', sheet, re.M))
+  cited = 0
+  for folder in ('loopmoe_jax', 'scripts', 'configs'):
+    for path in glob.glob(os.path.join(ROOT, folder, '**', '*.py'), recursive=True):
+      text = open(path).read()
+      assert 'DESIGN.md' not in text, path
+      for section in re.findall(r"docs/formulas\.md, '([^']+)'", text):
+        cited += 1
+        assert any(h.startswith(section) for h in headings), (path, section, headings)
+  assert cited >= 2

@@ -1,4 +1,4 @@
-"""Routing diagnostics (analysis/diagnostics.py) against their definitions (DESIGN.md, Foil):
+"""Routing diagnostics (analysis/diagnostics.py) against their definitions (docs/formulas.md, Foil):
 property tests, a hand-worked routing record, the record layout of the model, traffic-matched
 masking on a tiny model built to make its answers known, and diagnose end to end."""
 from __future__ import annotations

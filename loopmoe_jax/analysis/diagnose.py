@@ -1,5 +1,5 @@
 """`scripts/diagnose.py`: every routing diagnostic of a checkpoint over a probe set, as
-OUT/diagnostics.json and PNG heatmaps (definitions in diagnostics.py / DESIGN.md).
+OUT/diagnostics.json and PNG heatmaps (definitions in diagnostics.py / docs/formulas.md).
 
 Per core layer, per pass and overall for the looped core; prelude and coda MoE layers (one pass
 each) get load, N2/B2, MaxVio and MMR. Diagnostics that do not apply to the model (no looped

@@ -1,9 +1,9 @@
 """Routing diagnostics of shared-across-pass experts (Foil, Section 2.3 / Appendix; formula
-sheet in DESIGN.md), computed with numpy from routing records.
+sheet in docs/formulas.md, 'Routing diagnostics'), computed with numpy from routing records.
 
 `sel_NCLk` holds the experts chosen for token n in core layer d on pass l (k choices; C core
 layers, which the formulas call D as the paper does); S_{t,d}^(l)
-is its row. Definitions (DESIGN.md):
+is its row. Definitions (docs/formulas.md):
 - distinct experts U_t = sum_d |union_l S_{t,d}^(l)|, k·D <= U_t <= D·min(E, kL); reported as
   mean U and U / (D·min(E, kL));
 - load share q_{d,i} = (N·L·k)^-1 sum_{t,l} 1{i in S_{t,d}^(l)} (pooled over passes), per pass

@@ -9,7 +9,8 @@ argmax along it is right), at one forward per example. Padding after the answer 
 invisible. Predictors are functions tokens [B, T] int -> argmax next tokens [B, T], so
 model-free predictors (an oracle, a constant) can be scored by the same code.
 
-Dyck-k in-context (SMELT's protocol): a query is an unfinished Dyck-k word 'D:<prefix>=';
+Dyck-k in-context (after SMELT's Dyck evaluation, which reports accuracy by shots; the
+prompt format here is this project's): a query is an unfinished Dyck-k word 'D:<prefix>=';
 the expected answer is its closing sequence; `shots` complete solved examples
 ('D:<prefix>=<closing>') precede it, separated by SEPARATOR. A shot count whose prompts do
 not fit the context is refused (reported with the length it needs), never truncated.

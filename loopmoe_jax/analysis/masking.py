@@ -8,7 +8,7 @@ mass. The bias reaches MoE.__call__ as the read-only variable collection 'routin
 (core/body/layer_i/moe/logit_bias, prelude/layer_i/moe/logit_bias, ...), which the core's scan
 broadcasts across passes (model.BROADCAST). A model applied without it runs unchanged.
 
-Traffic of a set = its pooled load share in that layer, sum_{i in set} q_{d,i} (DESIGN.md).
+Traffic of a set = its pooled load share in that layer, sum_{i in set} q_{d,i} (docs/formulas.md).
 Random sets are subsets of the other experts of the layer (every subset when there are at most
 2^12 of them, else 4096 random ones) leaving at least k experts; the `4·draws` closest in traffic
 form the pool from which `draws` sets are drawn at random.
