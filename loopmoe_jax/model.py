@@ -308,7 +308,7 @@ def bias_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
 def residual_scale(c: ModelConfig, num_loops: int) -> float:
   """SMELT's 1/r on every write inside the core (`model.residual_scale='inverse_loops'`), with
   r the trained pass count or, with `model.scale_passes='executed'`, the count this forward
-  runs (the paper does not fix which: an option, docs/formulas.md 'SMELT'); 1 otherwise. The
+  runs (the paper does not fix which: an option, docs/formulas.md, 'SMELT'); 1 otherwise. The
   two agree at the trained count."""
   if c.residual_scale != 'inverse_loops':
     return 1.0
