@@ -37,7 +37,11 @@ from loopmoe_jax.cli import run
 _RUNS = flags.DEFINE_list('runs', None, 'Two run directories A,B (difference A - B).',
                           required=True)
 _OUT = flags.DEFINE_string('out', None, 'Output directory.', required=True)
-_WINDOW = flags.DEFINE_float('window', 0.2, 'Final window: this fraction of the shared steps.')
+_WINDOW = flags.DEFINE_float('window', None, 'Final window: this fraction of the shared logged '
+                             'steps (default: every step of the runs\' train.final_window, '
+                             'from their final_steps.jsonl; runs without it: 0.2).')
+_GAPS = flags.DEFINE_bool('allow_gaps', False, 'Compare a window with skipped steps (coarse '
+                          'train.log_every and no per-step record).')
 _METRIC = flags.DEFINE_string('metric', 'loss', 'metrics.jsonl key compared (train LM loss).')
 
 
@@ -47,14 +51,15 @@ def main(argv):
   if len(_RUNS.value) != 2:
     raise ValueError(f'--runs={",".join(_RUNS.value)}: expected two run directories A,B')
   a, b = _RUNS.value
-  res = compare_runs(a, b, _WINDOW.value, _METRIC.value)
+  res = compare_runs(a, b, _WINDOW.value, _METRIC.value, _GAPS.value)
   os.makedirs(_OUT.value, exist_ok=True)
   with open(os.path.join(_OUT.value, 'compare.json'), 'w') as f:
     json.dump(res, f, indent=1)
   png = plot_comparison(res, os.path.join(_OUT.value, 'compare.png'))
   lo, hi = res['window_steps']
   print(f"A = {res['run_a']}\nB = {res['run_b']}")
-  print(f"final window: steps {lo}..{hi} ({res['n']} paired steps of {res['shared_steps']})")
+  print(f"final window: steps {lo}..{hi} ({res['n']} paired steps, from {res['window_source']}; "
+        f"{res['shared_steps']} shared logged steps)")
   print(f"final-window {res['metric']}: A {res['final_window_loss_a']:.4f}  "
         f"B {res['final_window_loss_b']:.4f}")
   print(f"mean difference A - B: {res['mean_diff']:+.4f}  SE {res['se']:.4f}  "

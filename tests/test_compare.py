@@ -23,7 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def make_run(path, losses: dict, data=None, model=None, val=None):
   """A run directory as the trainer leaves it: metrics.jsonl and a checkpoint config."""
   os.makedirs(os.path.join(path, 'checkpoints', '100', 'config'))
-  cfg = {'model': model or {'num_loops': 1}, 'train': {'seed': 0}, 'data': data or DATA,
+  cfg = {'model': model or {'num_loops': 1}, 'train': {'seed': 0, 'steps': 100,
+                                                         'final_window': 40}, 'data': data or DATA,
          'mesh': {}}
   with open(os.path.join(path, 'checkpoints', '100', 'config', 'metadata'), 'w') as f:
     json.dump(cfg, f)
@@ -80,7 +81,10 @@ def test_compare_runs_window_and_final_losses(tmp_path):
   a = make_run(tmp_path / 'a', la, val={50: 2.5, 100: 2.0})
   b = make_run(tmp_path / 'b', lb, model={'num_loops': 3, 'd_model': 64},  # other architecture
                val={50: 2.6, 100: 2.1})
-  res = paired.compare_runs(a, b, window=0.2)
+  with pytest.raises(ValueError, match=r'skips 9 steps .*allow_gaps'):  # b logged every other
+    paired.compare_runs(a, b, window=0.2)
+  res = paired.compare_runs(a, b, window=0.2, allow_gaps=True)
+  assert res['skipped_steps'] == 9 and res['window_source'].startswith('metrics.jsonl')
   shared = [s for s in steps if s % 2 == 0]
   win = shared[-10:]
   assert res['shared_steps'] == 50 and res['n'] == 10 and res['window_steps'] == [82, 100]
@@ -88,6 +92,27 @@ def test_compare_runs_window_and_final_losses(tmp_path):
   assert res['final_window_loss_b'] == pytest.approx(np.mean([lb[s] for s in win]))
   assert res['mean_diff'] == pytest.approx(np.mean([la[s] - lb[s] for s in win]))
   assert res['val_loss'] == {'50': [2.5, 2.6], '100': [2.0, 2.1]}
+
+
+def test_default_window_is_every_step_of_the_final_window(tmp_path):
+  """Foil's protocol: with the per-step record (final_steps.jsonl) the window is every step of
+  the runs' final windows, though metrics.jsonl logged every 10th step only."""
+  steps = range(1, 101)
+  la = {s: 3.0 - 0.01 * s + 0.002 * (s % 7) for s in steps}
+  lb = {s: 3.0 - 0.01 * s for s in steps}
+  a = make_run(tmp_path / 'a', {s: v for s, v in la.items() if s % 10 == 0})
+  b = make_run(tmp_path / 'b', {s: v for s, v in lb.items() if s % 10 == 0})
+  for path, full in ((a, la), (b, lb)):
+    with open(os.path.join(path, 'final_steps.jsonl'), 'w') as f:
+      for s in range(61, 101):  # train.steps 100, final_window 40
+        f.write(json.dumps({'step': s, 'loss': full[s]}) + '\n')
+  res = paired.compare_runs(a, b)
+  assert res['window_steps'] == [61, 100] and res['n'] == 40 and res['skipped_steps'] == 0
+  assert res['window_source'].startswith('final_steps.jsonl')
+  assert res['mean_diff'] == pytest.approx(np.mean([la[s] - lb[s] for s in range(61, 101)]))
+  # a fraction asks for the logged steps: 10 shared, the last 2 of them, 9 steps apart
+  with pytest.raises(ValueError, match='skips 9 steps'):
+    paired.compare_runs(a, b, window=0.2)
 
 
 def test_different_data_orders_and_no_shared_steps_refused(tmp_path):

@@ -49,6 +49,11 @@ def test_resume_is_bitwise_identical(tmp_path):
   assert straight['final_window_loss'] == pytest.approx(np.mean([a[s] for s in range(2, 7)]))
   again = train(tiny('auto', steps=6, final_window=5), str(tmp_path / 'b'))   # finished
   assert again == resumed
+  # the per-step record of the final window (final_steps.jsonl) spans the resume too, and
+  # equals the logged losses
+  from loopmoe_jax.train.run import RunDir
+  rec_a, rec_b = RunDir(tmp_path / 'a').final_steps(), RunDir(tmp_path / 'b').final_steps()
+  assert rec_a == rec_b == {s: a[s] for s in range(2, 7)}
 
 
 def test_resume_from_an_earlier_checkpoint_drops_the_lost_rows(tmp_path, capsys):

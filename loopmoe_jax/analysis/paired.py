@@ -77,10 +77,23 @@ def paired_difference(loss_a, loss_b) -> dict:
           'n_eff': n_eff, 'se_eff': sd / math.sqrt(n_eff)}
 
 
-def compare_runs(dir_a: str, dir_b: str, window: float = 0.2, key: str = 'loss') -> dict:
-  """Paired comparison of runs A and B (difference A - B) over the last `window` fraction of
-  their shared logged steps. JSON-ready; 'curves' holds both loss series on shared steps."""
-  if not 0 < window <= 1:
+def _gaps(steps) -> list[int]:
+  """Steps missing between the first and last of `steps` (sorted)."""
+  have = set(steps)
+  return [s for s in range(steps[0], steps[-1] + 1) if s not in have] if steps else []
+
+
+def compare_runs(dir_a: str, dir_b: str, window: float | None = None, key: str = 'loss',
+                 allow_gaps: bool = False) -> dict:
+  """Paired comparison of runs A and B (difference A - B). JSON-ready; 'curves' holds both
+  loss series on their shared logged steps.
+
+  By default (`window` None, the LM loss) the window is Foil's: every step of the runs' final
+  windows (train.final_window, recorded per step in final_steps.jsonl whatever
+  train.log_every is), the steps both hold. With a `window` fraction, or for runs without that
+  record, it is the last `window` (default 0.2) of their shared logged steps (metrics.jsonl).
+  A window with skipped steps (coarse logging) is refused unless `allow_gaps`."""
+  if window is not None and not 0 < window <= 1:
     raise ValueError(f'window={window}: must be in (0, 1]')
   check_same_data_order(dir_a, dir_b, run_config(dir_a), run_config(dir_b))
   la, lb = load_losses(dir_a, key), load_losses(dir_b, key)
@@ -88,12 +101,29 @@ def compare_runs(dir_a: str, dir_b: str, window: float = 0.2, key: str = 'loss')
   if not shared:
     raise ValueError(f'runs {dir_a!r} (steps {_span(la)}) and {dir_b!r} (steps {_span(lb)}) '
                      f'share no logged step of {key!r}')
-  n = max(2, math.ceil(window * len(shared)))
-  win = shared[-n:]
-  a = np.array([la[s] for s in win])
-  b = np.array([lb[s] for s in win])
+  from loopmoe_jax.train.run import RunDir
+  fa, fb = (RunDir(dir_a).final_steps(), RunDir(dir_b).final_steps()) \
+      if window is None and key == 'loss' else ({}, {})
+  per_step = sorted(set(fa) & set(fb))
+  if per_step:
+    source, win, ra, rb = 'final_steps.jsonl (every step of the final window)', per_step, fa, fb
+  else:
+    window = window or 0.2
+    n = max(2, math.ceil(window * len(shared)))
+    source, win, ra, rb = 'metrics.jsonl (logged steps)', shared[-n:], la, lb
+  missing = _gaps(win)
+  if missing and not allow_gaps:
+    raise ValueError(
+        f'the paired window (steps {win[0]}..{win[-1]}, from {source}) skips {len(missing)} '
+        f'steps (e.g. {missing[:3]}): the runs logged every train.log_every steps and hold no '
+        'per-step record of that window (final_steps.jsonl, written by the trainer for the '
+        'last train.final_window steps). Compare runs that have it, or pass allow_gaps '
+        '(--allow_gaps) to compare the logged steps')
+  a = np.array([ra[s] for s in win])
+  b = np.array([rb[s] for s in win])
   out = {'run_a': os.path.abspath(dir_a), 'run_b': os.path.abspath(dir_b), 'metric': key,
          'difference': 'A - B', 'shared_steps': len(shared), 'window_fraction': window,
+         'window_source': source, 'skipped_steps': len(missing),
          'window_steps': [win[0], win[-1]], 'final_window_loss_a': float(a.mean()),
          'final_window_loss_b': float(b.mean()), **paired_difference(a, b)}
   va, vb = load_losses(dir_a, 'val_loss'), load_losses(dir_b, 'val_loss')

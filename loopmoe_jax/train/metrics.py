@@ -41,9 +41,10 @@ class Writer:
     if enabled:
       os.makedirs(workdir, exist_ok=True)
       path = os.path.join(workdir, 'metrics.jsonl')
-      for name in ('metrics.jsonl', 'routing.jsonl'):  # rows past the restored step go
-        _drop_rows_after(os.path.join(workdir, name), resume_step)
+      for name in ('metrics.jsonl', 'routing.jsonl', 'final_steps.jsonl'):  # rows past the
+        _drop_rows_after(os.path.join(workdir, name), resume_step)  # restored step go
       self._jsonl = path
+      self._final = os.path.join(workdir, 'final_steps.jsonl')
       if tensorboard:
         from tensorboardX import SummaryWriter
         self._tb = SummaryWriter(os.path.join(workdir, 'tb'))
@@ -57,6 +58,12 @@ class Writer:
       for k, v in row.items():
         if k != 'step':
           self._tb.add_scalar(k, v, step)
+
+  def record_step(self, step: int, loss: float):
+    """One row of final_steps.jsonl (the trainer calls it for every step of the final
+    window, logged or not)."""
+    if self.enabled:
+      append_lines(self._final, [json.dumps({'step': step, 'loss': float(loss)})])
 
   def progress(self, step: int, m: dict):
     if not self.enabled:

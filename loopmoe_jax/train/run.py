@@ -3,6 +3,8 @@
     workdir/
       checkpoints/<step>/   Orbax steps: train state, data-iterator state, resolved config
       metrics.jsonl         one JSON row per logged step (train/metrics.py)
+      final_steps.jsonl     the LM loss of every step of the last train.final_window steps
+                            (the paired comparison's record, whatever train.log_every is)
       routing.jsonl         per-visit routing records (train.routing_every)
       summary.json          the run's end: final-window loss, wall time, ...
       (sweep points add config.json and point.json)
@@ -31,6 +33,7 @@ from loopmoe_jax.train import checkpoint
 from loopmoe_jax.train.step import boxed_params
 
 CHECKPOINTS, METRICS, ROUTING, SUMMARY = 'checkpoints', 'metrics.jsonl', 'routing.jsonl', 'summary.json'
+FINAL_STEPS = 'final_steps.jsonl'  # the LM loss of every step of the final window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +100,18 @@ class RunDir:
 
   def routing(self) -> list[dict]:
     return self._jsonl(ROUTING)
+
+  def final_steps(self) -> dict[int, float]:
+    """{step: LM loss} of every step of the run's final window, the last train.final_window
+    steps of train.steps as its newest checkpoint's config says (rows an earlier, shorter
+    invocation recorded before them are left out); {} for a run without the record (one
+    written before it existed, or one that has not reached its window)."""
+    rows = {int(r['step']): float(r['loss']) for r in self._jsonl(FINAL_STEPS)}
+    if rows:
+      train = self.stored_config().get('train', {})
+      first = train.get('steps', 0) - train.get('final_window', 0)
+      rows = {s: v for s, v in rows.items() if s > first}
+    return rows
 
   def summary(self) -> dict | None:
     path = self.file(SUMMARY)

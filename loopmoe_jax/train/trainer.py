@@ -171,6 +171,8 @@ def _train(cfg, exp, workdir: str, force: bool = False, start_over: bool = False
     nonlocal t_log, tok_log, val_loss, val_step
     s, m = finish(pending)
     tok_log += dc.batch_size * dc.seq_len  # this step's tokens, counted once it is finished
+    if s > tc.steps - tc.final_window:  # every step of the final window (the paired record)
+      writer.record_step(s, m['loss'])
     if s % tc.log_every and s != tc.steps:
       return
     m['tokens_per_s'] = tok_log / max(time.time() - t_log, 1e-9)
