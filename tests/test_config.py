@@ -13,6 +13,7 @@
 """
 import functools
 import glob
+import re
 import importlib.util
 import json
 import math
@@ -445,3 +446,28 @@ def test_cited_formula_sheet_is_in_the_repository():
         cited += 1
         assert any(h.startswith(section) for h in headings), (path, section, headings)
   assert cited >= 2
+
+
+@pytest.mark.parametrize('size,context', [('smoke', 128), ('200m', 2048)])
+def test_smelt_variants_are_matched_or_refused(size, context):
+  """Every looped SMELT variant (the published twin, and ablations of loops, span and depth)
+  is within 4% of its own baseline on FLOPs, params and KV per token, or is refused naming
+  the budget that fails; before, `200m,looped,loops=3` ran at 1.27x the FLOPs."""
+  from loopmoe_jax.accounting import count
+  from loopmoe_jax.experiment import build, load_config
+  from loopmoe_jax.scaling.matching import ratios
+  refused = 0
+  for extra in ('', ',loops=3', ',span=1.0', ',layers=8', ',layers=8,loops=3',
+                ',span=0.25,loops=4'):
+    spec = f'configs/smelt.py:{size},looped{extra}'
+    try:
+      twin = build(load_config(spec)).model
+    except ValueError as e:
+      assert re.search(r'(flops|params|kv) \d\.\d{3} of the baseline', str(e)), str(e)
+      refused += 1
+      continue
+    base = build(load_config(spec + ',variant=baseline')).model
+    assert base.num_loops == 1 and base.executed_layers == (8 if 'layers=8' in extra else 12)
+    r, _ = ratios(twin, count(base, context), context)
+    assert all(abs(v - 1) <= 0.04 for v in r.values()), (spec, r)
+  assert refused <= 1

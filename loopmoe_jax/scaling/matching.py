@@ -159,7 +159,11 @@ def match(baseline: ModelConfig, span: float = 0.5, loops: int = 2, context: int
         if best is None or dev < best[0]:
           best = (dev, cand, r, c)
   if best is None or best[0][0] > tol:
-    found = f'; the closest is {best[0][0]:.1%} off' if best else ''
+    found = ''
+    if best:
+      off = ', '.join(f'{name.removesuffix("_ratio")} {v:.3f}' for name, v in best[2].items()
+                      if abs(v - 1.0) > tol)
+      found = f'; the closest is {best[0][0]:.1%} off ({off} of the baseline)'
     raise ValueError(f'no looped twin within {tol:.0%} of all three budgets{found}')
   _, cfg, r, c = best
   return Match(cfg, r, base, c)
