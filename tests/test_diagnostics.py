@@ -233,8 +233,8 @@ def test_diagnose_end_to_end_on_a_trained_workdir(tmp_path, monkeypatch):
   trained = train(cfg, work)
   reads = []  # every checkpoint read (train/run.py: diagnose reads it once for all analyses)
   from loopmoe_jax.train import run as run_lib
-  real_read = run_lib.read_params
-  monkeypatch.setattr(run_lib, 'read_params', lambda *a, **k: reads.append(a) or real_read(*a, **k))
+  real_read = run_lib._read  # pylint: disable=protected-access
+  monkeypatch.setattr(run_lib, '_read', lambda *a, **k: reads.append(a) or real_read(*a, **k))
   r = diagnose(work, out, tokens=40, mask_draws=2, log=lambda *_: None, probes=32,
                recurrence=3, evals=2)
   monkeypatch.undo()

@@ -12,12 +12,13 @@ import tempfile
 import numpy as np
 
 from loopmoe_jax.export import mixtral, safetensors_io
+from loopmoe_jax.train.metrics import FINAL_STEPS, METRICS, ROUTING, SUMMARY
 
 FORMATS = ('safetensors', 'hf-mixtral')
 SHARD_BYTES = 2 << 30  # hub-style shards with an index past this size
 
 
-RUN_FILES = {'metrics.jsonl', 'summary.json', 'routing.jsonl'}
+RUN_FILES = {METRICS, SUMMARY, ROUTING, FINAL_STEPS}  # a run directory's (train/metrics.py)
 
 
 def is_export(directory: str) -> bool:

@@ -8,6 +8,11 @@ import sys
 import time
 
 
+# The files a run writes beside its checkpoints (train/run.py's RunDir reads them back).
+METRICS, ROUTING, SUMMARY = 'metrics.jsonl', 'routing.jsonl', 'summary.json'
+FINAL_STEPS = 'final_steps.jsonl'  # the LM loss of every step of the final window
+
+
 def append_lines(path: str, lines: list[str]):
   """Appends whole lines to `path` in one write: a write cut short (a full disk) is undone, so
   the file never ends in a partial line, and the error names the file."""
@@ -40,11 +45,11 @@ class Writer:
     self._jsonl = self._tb = None
     if enabled:
       os.makedirs(workdir, exist_ok=True)
-      path = os.path.join(workdir, 'metrics.jsonl')
-      for name in ('metrics.jsonl', 'routing.jsonl', 'final_steps.jsonl'):  # rows past the
-        _drop_rows_after(os.path.join(workdir, name), resume_step)  # restored step go
+      path = os.path.join(workdir, METRICS)
+      for name in (METRICS, ROUTING, FINAL_STEPS):  # rows past the restored step go
+        _drop_rows_after(os.path.join(workdir, name), resume_step)
       self._jsonl = path
-      self._final = os.path.join(workdir, 'final_steps.jsonl')
+      self._final = os.path.join(workdir, FINAL_STEPS)
       if tensorboard:
         from tensorboardX import SummaryWriter
         self._tb = SummaryWriter(os.path.join(workdir, 'tb'))

@@ -30,10 +30,10 @@ from loopmoe_jax import experiment, sharding
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.train import checkpoint
+from loopmoe_jax.train.metrics import FINAL_STEPS, METRICS, ROUTING, SUMMARY  # noqa: F401
 from loopmoe_jax.train.step import boxed_params
 
-CHECKPOINTS, METRICS, ROUTING, SUMMARY = 'checkpoints', 'metrics.jsonl', 'routing.jsonl', 'summary.json'
-FINAL_STEPS = 'final_steps.jsonl'  # the LM loss of every step of the final window
+CHECKPOINTS = 'checkpoints'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,10 +76,9 @@ class RunDir:
   def load(self, step: int | None = None, mesh=None) -> Loaded:
     """The newest readable checkpoint (or `step`), read once (`read_params` skips a damaged
     step for the previous good one)."""
-    cfg, params, s, config = read_params(self.path, step, mesh)
-    bias = read_router_bias(self.path, s) if cfg.router_bias != 'none' else None
-    return Loaded(self.path, experiment.build(ml_collections.ConfigDict(config)), params, bias,
-                  s, config)
+    exp, params, s, config = _read(self.path, step, mesh)
+    bias = read_router_bias(self.path, s) if exp.model.router_bias != 'none' else None
+    return Loaded(self.path, exp, params, bias, s, config)
 
   def _jsonl(self, name: str, required: bool = False) -> list[dict]:
     path = self.file(name)
@@ -167,6 +166,12 @@ def read_params(directory: str, step: int | None = None, mesh=None):
 
   Only the parameters are read (not the optimizer state), whatever mesh wrote them: onto this
   machine's first device, or with `mesh` sharded by the rules table (sharding.py)."""
+  exp, params, s, config = _read(directory, step, mesh)
+  return exp.model, params, s, config
+
+
+def _read(directory: str, step: int | None, mesh):
+  """(the built Experiment, params, step, config dict): `read_params`'s reading."""
   ckpt_dir = _checkpoint_dir(directory)
   if not os.path.isdir(ckpt_dir):
     raise FileNotFoundError(f'no checkpoint directory at {directory!r}')
@@ -181,9 +186,9 @@ def read_params(directory: str, step: int | None = None, mesh=None):
   for s in steps:
     try:
       config = mngr.restore(s, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
-      cfg = experiment.build(ml_collections.ConfigDict(config)).model
+      exp = experiment.build(ml_collections.ConfigDict(config))
       shapes = mngr.item_metadata(s)['state']['params']
-      shardings = _param_shardings(cfg, shapes, mesh)
+      shardings = _param_shardings(exp.model, shapes, mesh)
       target = jax.tree.map(lambda m, sh: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sh),
                             shapes, shardings)
       restore_args = jax.tree.map(lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding), target)
@@ -201,7 +206,7 @@ def read_params(directory: str, step: int | None = None, mesh=None):
       print(f'WARNING: checkpoint step {s} in {ckpt_dir} is damaged (the checksum of {bad} '
             'differs from the one saved with it); skipping it')
       continue
-    return cfg, params, s, config
+    return exp, params, s, config
   raise ValueError(f'no readable checkpoint step in {ckpt_dir!r} (tried {steps})')
 
 

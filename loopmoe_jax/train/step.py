@@ -185,13 +185,13 @@ def replays(cfg) -> bool:
           and mesh.shape.get('expert', 1) > 1)
 
 
-def dropless(model):
-  """`model` with the dropless worst-case exchange buffers and remat 'full': the replay of a
-  step whose bounded buffers dropped a row (the same parameters and, with no row dropped, the
-  same results as the bounded program; 'full' keeps its activations within the bounded
-  program's memory)."""
+def dropless(model, remat: str = 'full'):
+  """`model` with the dropless worst-case exchange buffers (the same parameters and, with no
+  row dropped, the same results as the bounded program), under `remat`: 'full' for the replay
+  of a step whose bounded buffers dropped a row (it keeps its activations within the bounded
+  program's memory); a forward alone keeps no layer's buffers, whatever the policy."""
   return model.clone(cfg=model.cfg.replace(exchange_buffer_factor=0.0, exchange_overflow='drop',
-                                          remat='full'))
+                                          remat=remat))
 
 
 def with_replay(value_and_grad, model):
@@ -286,7 +286,8 @@ def make_eval_step(model, num_loops=None, mesh=None):
   With model.exchange_overflow='replay' the forward uses the dropless exchange buffers (a
   forward keeps no layer's buffers for a backward)."""
   if model.cfg.exchange_overflow == 'replay':
-    model = model.clone(cfg=model.cfg.replace(exchange_buffer_factor=0.0, exchange_overflow='drop'))
+    model = dropless(model, model.cfg.remat)
+
   def step(params, batch, router_bias=None):
     total, count, _ = token_nll(params, model, batch, num_loops, router_bias)
     return total, count
