@@ -453,3 +453,28 @@ def test_checksums_equal_numpy_on_any_sharding_without_gathering():
   assert checkpoint.checksum_mismatch({'a': x}, {"['a']": want}) is None
   assert checkpoint.checksum_mismatch({'a': x}, {"['a']": [want[0], want[1] ^ 1]}) == "['a']"
   assert checkpoint.checksum_mismatch({'a': x}, {"['b']": want}) is not None
+
+
+def test_abandoned_orbax_reads_are_quiet_and_other_errors_are_not():
+  """The unraisable hook drops the errors of Orbax's abandoned reads, also when asyncio wraps
+  the coroutine (the error's frames are Orbax's, the object's code is asyncio's), and passes
+  every other error on."""
+  import os.path
+  import types
+  from loopmoe_jax.train import checkpoint
+
+  def error_from(filename):
+    try:
+      exec(compile('raise ValueError("read failed")', filename, 'exec'))  # pylint: disable=exec-used
+    except ValueError as e:
+      return e
+  seen = []
+  hook = checkpoint._quiet_abandoned_reads(seen.append)  # pylint: disable=protected-access
+  wrapped = lambda e: types.SimpleNamespace(object=object(), exc_value=e,
+                                            exc_traceback=e.__traceback__, exc_type=ValueError)
+  orbax_file = os.path.join(os.sep, 'site', 'orbax', 'checkpoint', 'serialization.py')
+  hook(wrapped(error_from(orbax_file)))
+  assert seen == []
+  other = wrapped(error_from(os.path.join(os.sep, 'site', 'mine', 'code.py')))
+  hook(other)
+  assert seen == [other]

@@ -38,12 +38,21 @@ def _quiet_abandoned_reads(previous):
   failed restore or save already names the step and path in one line; other errors pass."""
   def hook(unraisable):
     code = getattr(unraisable.object, 'cr_code', None)
-    if code is not None and f'{os.sep}orbax{os.sep}' in code.co_filename:
+    if code is not None and _orbax_file(code.co_filename):
+      return
+    # the same reads wrapped by asyncio (tasks._wrap_awaitable): the error's own frames are
+    # Orbax's
+    frames = traceback.extract_tb(unraisable.exc_traceback) if unraisable.exc_traceback else []
+    if any(_orbax_file(f.filename) for f in frames):
       return
     if _closed_loop(unraisable.exc_value):
       return
     previous(unraisable)
   return hook
+
+
+def _orbax_file(path: str) -> bool:
+  return f'{os.sep}orbax{os.sep}' in path
 
 
 def _quiet_closed_loop(previous):
