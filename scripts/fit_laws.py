@@ -1,6 +1,6 @@
 """Fits scaling-law forms to a CSV and prints the comparison table and design numbers.
 
-    python scripts/fit_laws.py --data=../shared/data/chinchilla_fig4_epoch.csv --format=epoch \
+    python scripts/fit_laws.py --data=tests/data/chinchilla_fig4_epoch.csv --format=epoch \
         --forms=chinchilla --bootstrap=200 --budget=5.76e23 --plot=/tmp/chinchilla.png
     python scripts/fit_laws.py --data=/tmp/sweep/sweep.csv \
         --forms=loop_linear,loop_power,loop_bounded --holdout=r=4 --plot=/tmp/sweep.png

@@ -11,7 +11,7 @@ from loopmoe_jax.experiment import load_config
 from loopmoe_jax.replicate import common
 from loopmoe_jax.replicate.common import SMELT_RESAMPLES, _columns, _table
 
-# The paper's figures: SMELT (arXiv 2609.01343v1), as quoted in shared/seeds/smelt_article.txt.
+# The paper's figures: SMELT (arXiv 2609.01343v1), as quoted in the article "SMELT: looping wins even after you pay for the FLOPs".
 # That source numbers no section for the scaling or probe results, so each comment names the
 # part of the paper and, in quotes, the article's heading it is quoted under.
 PAPER = {

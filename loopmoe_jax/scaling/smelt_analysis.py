@@ -1,8 +1,8 @@
 """SMELT's analyses of a fitted `smelt` law L = E + A (1-S)^b / F^a + K / D^c.
 
-Paper: SMELT (arXiv 2609.01343), its scaling-law section, as quoted in
-shared/seeds/smelt_article.txt ("Does it survive at scale"; the section number is not given
-there). docs/formulas.md, "SMELT", states the law and the efficiency in this project's symbols.
+Paper: SMELT (arXiv 2609.01343), its scaling-law section, as quoted in the article "SMELT:
+looping wins even after you pay for the FLOPs" (heading "Does it survive at scale"; the
+section number is not given there). docs/formulas.md, "SMELT", states the law and the efficiency in this project's symbols.
 
 F is forward FLOPs per token (the sweep's `F` column), D training tokens, and training
 compute C = m F D with m = 3 (forward + backward; the sweep's `C` column). At a fixed
