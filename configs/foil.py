@@ -10,6 +10,15 @@ with 8 experts. Variants: `base` (8,8,2), `foil3` (16,4,4), `foil2` (32,2,8), `f
 and `shape=ExDxL` (untied; add `tied`). Base and every Foil have 553.7M parameters,
 Base-tied 520.2M, proto-Foil-1 490.8M. `smoke` shrinks the widths to CPU size.
 
+`base_tied` is Base with one attention set shared by its passes (`tie_attention`), nothing
+else changed: the same FLOPs, C (L - 1) = 8 attention sets fewer. `reproduce.py foil` trains
+it beside Base and the Foils (same seed, same data order) and pairs it over every step of
+the final window (report.md, results.json 'base_tied', 'paired_diff_vs_base_tied'):
+
+    python scripts/reproduce.py foil --out /tmp/repro_foil --scale cpu
+    # -> 5 runs of 150 steps, 12.7 min on 2 shared cores; Base-tied - Base +0.0026 nat
+    #    (SE_eff 0.0037, steps 101..150: not resolved), MMR Base / Base-tied - 1 = +1.7%
+
 The paper recipe trains in bfloat16 (float32 master weights and optimizer state) for 50k
 steps of 96 x 4096 tokens and keeps step 45,000 for good (`train.keep_steps`), the start of
 the 100B continuation:

@@ -5,8 +5,13 @@ sink mass) over up to --probes tokens of the probe set; with --evals, Dyck-k by 
 parity / addition / induction; with --recurrence=R, loss and task accuracy at passes 1..R
 (recurrence.png).
 
-    python scripts/diagnose.py --workdir=/tmp/run --out=/tmp/diag [--tokens=16384] [--step=400]
-        [--probes=8192] [--evals=64] [--recurrence=6]
+    python scripts/diagnose.py --workdir=/tmp/run --out=/tmp/diag [--scale=cpu|gpu]
+        [--tokens=N] [--step=400] [--probes=8192] [--evals=64] [--recurrence=6]
+
+The probe set is the first N tokens of the run's validation split: by default 16,384 at
+--scale=cpu, Foil's 255,500 at --scale=gpu (Foil Sec. 2.3; the split must hold them);
+--tokens overrides the count. diagnostics.json's 'probe_set' and the first printed line
+name the count, the split and how it was chosen.
 """
 from absl import flags
 
@@ -15,8 +20,10 @@ from loopmoe_jax.cli import run
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory.', required=True)
 _OUT = flags.DEFINE_string('out', None, 'Output directory (diagnostics.json, PNGs).',
                            required=True)
-_TOKENS = flags.DEFINE_integer('tokens', 16384, 'Probe-set size in held-out tokens (whole '
-                               'validation windows, rounded up).')
+_SCALE = flags.DEFINE_enum('scale', 'cpu', ['cpu', 'gpu'], 'The default probe set: cpu 16,384 '
+                           "held-out tokens, gpu Foil's 255,500 (as scripts/reproduce.py).")
+_TOKENS = flags.DEFINE_integer('tokens', None, 'Probe-set size in held-out tokens, exactly '
+                               '(default: the --scale\'s).')
 _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step (default: latest readable).')
 _MASK_TOP = flags.DEFINE_integer('mask_top', 1, 'Mask the N most-loaded experts of each core '
                                  'layer (0: no masking test).')
@@ -34,7 +41,7 @@ def main(argv):
   from loopmoe_jax.analysis.diagnose import diagnose, summary_lines
   report = diagnose(_WORKDIR.value, _OUT.value, _TOKENS.value, _STEP.value, _MASK_TOP.value,
                     _MASK_DRAWS.value, probes=_PROBES.value, evals=_EVALS.value,
-                    recurrence=_RECURRENCE.value)
+                    recurrence=_RECURRENCE.value, scale=_SCALE.value)
   print('\n'.join(summary_lines(report)))
   print(f'wrote {_OUT.value}/diagnostics.json and {", ".join(report["figures"]) or "no figures"}')
 

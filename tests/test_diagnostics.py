@@ -239,7 +239,9 @@ def test_diagnose_end_to_end_on_a_trained_workdir(tmp_path, monkeypatch):
                recurrence=3, evals=2)
   monkeypatch.undo()
   assert len(reads) == 1, reads
-  assert r['probe_set']['tokens'] == 48  # 3 windows of 16
+  assert r['probe_set']['tokens'] == 40  # exactly: 3 windows of 16, the last 8 masked out
+  assert (r['probe_set']['windows'], r['probe_set']['masked_tail']) == (3, 8)
+  assert summary_lines(r)[0].startswith('step 2: probe set 40 tokens, the first of the ')
   assert os.path.getsize(os.path.join(out, 'recurrence.png')) > 1000
   # the trainer's own validation loss at its trained pass count, through the stored bias
   assert r['recurrence']['val_loss']['2'] == pytest.approx(trained['val_loss'], rel=1e-5)
@@ -273,3 +275,40 @@ def test_diagnose_end_to_end_on_a_trained_workdir(tmp_path, monkeypatch):
     diagnose(work, out, tokens=10**9)
   with pytest.raises(FileNotFoundError, match='no checkpoint'):
     diagnose(str(tmp_path / 'empty'), out, tokens=40)
+
+
+def test_probe_set_default_is_foils_at_gpu_scale_and_the_small_one_at_cpu():
+  """Foil measures expert use "over 255,500 probe tokens" (Sec. 2.3): the gpu-scale default,
+  exactly that many tokens of the validation split (here the Foil smoke config's: 2,000 windows
+  of 128 read, the tail past 255,500 masked out); the cpu default stays 16,384."""
+  from loopmoe_jax.experiment import load_config
+  from loopmoe_jax.replicate.foil import PAPER
+  assert probe_set.setting(None, 'gpu')[0] == 255_500 == PAPER['probe_tokens']
+  assert probe_set.setting(None, 'cpu')[0] == 16_384
+  assert probe_set.setting(100, 'gpu') == (100, 'given (--tokens)')
+  with pytest.raises(ValueError, match="--scale='tpu': must be one of"):
+    probe_set.setting(None, 'tpu')
+  cfg = load_config('configs/foil.py:base,smoke')
+  batches, info = probe_set.probe_batches(cfg.data.to_dict(), ModelConfig.from_dict(cfg.model),
+                                          probe_set.setting(None, 'gpu')[0])
+  assert sum(float(b['mask'].sum()) for b in batches) == info['tokens'] == 255_500
+  assert (info['windows'], info['windows_read']) == (math.ceil(255_500 / 128), 2000)
+  assert 'embedded corpus (validation)' in probe_set.describe(info)
+
+
+def test_probe_set_records_and_loss_cover_exactly_the_requested_tokens():
+  """40 tokens in windows of 16: the records are those of the first 40 positions and the loss
+  their mean NLL, computed here from the model's logits over the three windows."""
+  from helpers import tiny
+  cfg = CFG.replace(vocab_size=256)
+  params = random_params(cfg)
+  batches, info = probe_set.probe_batches(tiny().data.to_dict(), cfg, 40)
+  assert len(batches) == 1 and batches[0]['inputs'].shape == (3, 16) and info['tokens'] == 40
+  res = probe_set.run(cfg, params, batches, tokens=info['tokens'])
+  full = probe_set.run(cfg, params, [dict(batches[0], mask=np.ones((3, 16), np.float32))])
+  for n in ('experts', 'logits'):
+    np.testing.assert_array_equal(res['routing']['core'][n], full['routing']['core'][n][:40])
+  logits, _ = LoopedMoE(cfg).apply({'params': params}, jnp.asarray(batches[0]['inputs']))
+  nll = -np.take_along_axis(np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32))),
+                            batches[0]['targets'][..., None], -1)[..., 0]
+  assert res['loss'] == pytest.approx(float(nll.reshape(-1)[:40].mean()), rel=1e-5)

@@ -4,6 +4,9 @@ OUT/diagnostics.json and PNG heatmaps (definitions in diagnostics.py / docs/form
 Per core layer, per pass and overall for the looped core; prelude and coda MoE layers (one pass
 each) get load, N2/B2, MaxVio and MMR. Diagnostics that do not apply to the model (no looped
 core, no experts) are listed under 'not_applicable' with the reason, and the rest computed.
+The probe set (probe_set.py) is `tokens` held-out tokens, by default the scale's: Foil's
+255,500 at gpu scale (Sec. 2.3), 16,384 at cpu scale; 'probe_set' in the JSON and the first
+printed line say which (count, split, how chosen).
 """
 from __future__ import annotations
 
@@ -34,13 +37,16 @@ def _plain(x):
 def segment_report(seg: str, rec: dict, num_experts: int, batch_tokens: int) -> dict:
   sel, logits = rec['experts'], rec['logits']
   bal = diagnostics.balance(sel, num_experts)
-  vio = diagnostics.maxvio(sel, num_experts, batch_tokens)
+  vio = diagnostics.maxvio(sel, num_experts)
+  # per probe batch; the last holds fewer probe tokens when the count is no whole batch
+  per_batch = np.stack([diagnostics.maxvio(sel[i:i + batch_tokens], num_experts)['global']
+                        for i in range(0, sel.shape[0], batch_tokens)])
   agg = diagnostics.mmr_aggregates(logits)
   out = {'num_experts': num_experts, 'layers': sel.shape[1], 'passes': sel.shape[2],
          'top_k': sel.shape[3], 'load_share_pooled': bal['share_pooled'],
          'N2': bal['N2'], 'B2_pooled': bal['B2_pooled'],
-         'MaxVio_global': vio['global'], 'MaxVio_per_batch_mean': vio['per_batch_mean'],
-         'MaxVio_per_batch_max': vio['per_batch'].max(0),
+         'MaxVio_global': vio['global'], 'MaxVio_per_batch_mean': per_batch.mean(0),
+         'MaxVio_per_batch_max': per_batch.max(0),
          'MMR_per_layer': agg['per_layer'], 'MMR_overall': agg['overall']}
   if seg == 'core':
     u = diagnostics.distinct_experts(sel, num_experts)
@@ -67,14 +73,16 @@ def not_applicable(cfg) -> dict:
   return out
 
 
-def diagnose(workdir: str, out_dir: str, tokens: int, step: int | None = None,
+def diagnose(workdir: str, out_dir: str, tokens: int | None = None, step: int | None = None,
              mask_top: int = 1, mask_draws: int = 4, seed: int = 0, log=print,
-             probes: int = 0, evals: int = 0, recurrence: int = 0) -> dict:
-  """Writes out_dir/diagnostics.json and the heatmaps; returns the JSON's dict. Optional
-  analyses of the same checkpoint (0 skips each): `probes` Q/K/V cosine between visits and
-  sink mass over up to `probes` tokens of the probe set ('probes'); `evals` Dyck-k by shots
-  and parity/addition/induction on that many examples each ('evals'); `recurrence` loss and
-  task accuracy at passes 1..recurrence ('recurrence', and recurrence.png)."""
+             probes: int = 0, evals: int = 0, recurrence: int = 0, scale: str = 'cpu') -> dict:
+  """Writes out_dir/diagnostics.json and the heatmaps; returns the JSON's dict. The probe set
+  is `tokens` held-out tokens (None: the `scale`'s default, probe_set.DEFAULT_TOKENS).
+  Optional analyses of the same checkpoint (0 skips each): `probes` Q/K/V cosine between
+  visits and sink mass over up to `probes` tokens of the probe set ('probes'); `evals` Dyck-k
+  by shots and parity/addition/induction on that many examples each ('evals'); `recurrence`
+  loss and task accuracy at passes 1..recurrence ('recurrence', and recurrence.png)."""
+  tokens, chosen = probe_set.setting(tokens, scale)
   for name, value in dict(tokens=tokens, mask_top=mask_top, mask_draws=mask_draws, probes=probes,
                           evals=evals, recurrence=recurrence).items():
     if value < 0 or (name == 'tokens' and value == 0):
@@ -86,12 +94,11 @@ def diagnose(workdir: str, out_dir: str, tokens: int, step: int | None = None,
     raise ValueError(f'--mask_top={mask_top}: must be <= model.core_experts - model.top_k = '
                      f'{cfg.core_experts - cfg.top_k} (a token needs top_k unmasked experts)')
   batches, info = probe_set.probe_batches(config['data'], cfg, tokens)
+  info['setting'] = chosen
   experts = probe_set.segment_experts(cfg)
-  if info['tokens'] != tokens:
-    log(f'probe set: {tokens} tokens requested, {info["tokens"]} used (whole windows of '
-        f'{info["seq_len"]} in batches of {info["batch_rows"]})')
+  log(f'probe set: {probe_set.describe(info)}')
   t1 = time.perf_counter()
-  res = probe_set.run(cfg, params, batches, record=bool(experts))
+  res = probe_set.run(cfg, params, batches, record=bool(experts), tokens=info['tokens'])
   t2 = time.perf_counter()
   report = {'workdir': workdir, 'step': s, 'probe_set': info, 'loss': res['loss'],
             'not_applicable': not_applicable(cfg), 'segments': {}}
@@ -169,7 +176,8 @@ def diagnose(workdir: str, out_dir: str, tokens: int, step: int | None = None,
 
 def summary_lines(r: dict) -> list[str]:
   """A few printed lines: the headline figures and the timing."""
-  lines = [f'step {r["step"]}: {r["probe_set"]["tokens"]} probe tokens, LM loss {r["loss"]:.4f}']
+  lines = [f'step {r["step"]}: probe set {probe_set.describe(r["probe_set"])}; LM loss '
+           f'{r["loss"]:.4f}']
   for what, why in r['not_applicable'].items():
     lines.append(f'not applicable: {what}: {why}')
   for seg, s in r['segments'].items():

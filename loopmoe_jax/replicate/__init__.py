@@ -6,15 +6,18 @@ point; finished points are skipped, interrupted ones resume), analyses the resul
 scaling-law code, and writes OUT/report.md (our figures beside the paper's, marked as a
 different scale), OUT/results.json, OUT/sweep.csv and plots.
 
-- loop_laws: passes x core experts on the loop-laws family; the loop forms (linear, power,
-  bounded, sparsity-conditional bounded) compared by held-out RMSE at the largest pass count
-  and the largest expert count; the compute-optimal pass count of the best form.
+- loop_laws: sizes x training lengths x passes x core experts on the loop-laws family; the
+  loop forms (linear, power, bounded, sparsity-conditional bounded), each with its data term,
+  ranked by held-out RMSE at the largest pass count, expert count and size, with paired
+  bootstrap intervals of the differences (no winner named when they cover 0); r* at three
+  budgets, N_eff/N, IsoFLOP curves and the joint (r, E) optimum of the best form.
 - smelt: the baseline and its compute-matched looped twin, each on a grid of widths x expert
   pools x training lengths; SMELT's law fitted per architecture, its compute-optimal frontier
   (gamma, tokens per parameter) and the compute saved at a matched loss (Hernandez & Brown),
   with cell-bootstrap intervals (scaling/smelt_analysis.py).
-- foil: the looped-block shapes (E, D, L) at equal parameters on one data order: final
-  losses, paired per-step loss differences against Base, and MaxVio per pass.
+- foil: the looped-block shapes (E, D, L) at equal parameters and a tied-attention control
+  (Base-tied) on one data order: final losses, paired differences over every step of the
+  final window against Base and Base-tied, and the routing diagnostics per shape.
 
 `scale='cpu'` fits two CPU cores in under 30 minutes each; `scale='gpu'` widens the models
 and runs longer (about an hour on one H200; not run in CI).

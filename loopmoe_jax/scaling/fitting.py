@@ -12,7 +12,9 @@ grid points; the lowest final objective is kept. Gradients are exact, by the com
 
 `bootstrap` resamples points with replacement and refits from the full fit; `heldout_rmse`
 fits without the rows where an axis takes a value and scores those rows; `compare` tabulates
-forms by in-sample and held-out RMSE (in loss units).
+forms by in-sample and held-out RMSE (in loss units); `rank` adds paired bootstrap intervals
+of the held-out RMSE differences and says when the data cannot tell the best form from
+another; `check_identified` refuses a grid with no more points than a fit's free parameters.
 """
 from __future__ import annotations
 
@@ -190,15 +192,88 @@ def bootstrap(form, data, n: int = 100, seed: int = 0, base: Fit | None = None,
                  for k, v in samples.items()}}
 
 
-def heldout_rmse(form, data, axis: str, value: float, **fit_kw) -> float:
-  """Fits without the rows where `axis` == value; RMSE of the loss on those rows."""
+def heldout_predictions(form, data, axis: str, value: float,
+                        **fit_kw) -> tuple[np.ndarray, np.ndarray]:
+  """(predicted, observed) loss on the rows where `axis` == value, from a fit without them."""
   cols = as_columns(data)
   held = np.isclose(cols[axis], value)
   if not held.any() or held.all():
     raise ValueError(f'holding out {axis}={value} leaves no train or no test rows')
   f = fit(form, subset(cols, ~held), **fit_kw)
   test = subset(cols, held)
-  return float(np.sqrt(np.mean((f.predict(test) - test['loss']) ** 2)))
+  return f.predict(test), test['loss']
+
+
+def heldout_rmse(form, data, axis: str, value: float, **fit_kw) -> float:
+  """Fits without the rows where `axis` == value; RMSE of the loss on those rows."""
+  pred, obs = heldout_predictions(form, data, axis, value, **fit_kw)
+  return float(np.sqrt(np.mean((pred - obs) ** 2)))
+
+
+def free_parameters(form, fixed: Mapping[str, float] | None = None) -> int:
+  """How many raw parameters of `form` a fit with `fixed` named values adjusts."""
+  form = get_form(form)
+  held = form.raw_of(dict(fixed or {}))
+  return sum(n not in held for n in form.raw)
+
+
+def check_identified(forms: Sequence[str], data, holdouts: Sequence[tuple[str, float]],
+                     fixed: Mapping[str, float] | None = None):
+  """Refuses (ValueError naming the counts) a comparison where some fit has no more points
+  than free parameters: the full fit, or the fit left after any holdout."""
+  cols = as_columns(data)
+  n = len(cols['loss'])
+  for name in forms:
+    p = free_parameters(name, fixed)
+    for label, n_fit in [('the full grid', n)] + [
+        (f'holding out {axis}={value:g}', int((~np.isclose(cols[axis], value)).sum()))
+        for axis, value in holdouts]:
+      if n_fit <= p:
+        raise ValueError(f'cannot rank the forms: {label} leaves {n_fit} points to fit '
+                         f'{get_form(name).name!r}, which has {p} free parameters (need at '
+                         f'least {p + 1}); add points or fix terms')
+
+
+def rank(forms: Sequence[str], data, holdouts: Sequence[tuple[str, float]],
+         resamples: int = 1000, level: float = 0.95, seed: int = 0, **fit_kw) -> dict:
+  """Forms by held-out RMSE, with paired bootstrap intervals of the differences.
+
+  Every form is fitted once per holdout (`heldout_predictions`). Score = mean over the holdouts
+  of the held-out RMSE. Each resample draws the held-out points with replacement within each
+  holdout, the same draw for every form (paired), and recomputes every form's score; the
+  interval of score(form) - score(best) is its (1-level)/2 .. (1+level)/2 percentiles. The
+  intervals cover the spread of the held-out points, not the refits' own variability.
+
+  Returns {'table': rows (form, n_params, rmse, heldout {axis: rmse}, score, diff_lo, diff_hi)
+  by score, 'heldout': {form: {label: rmse}}, 'fits': {form: Fit on every point}, 'best', 'indistinguishable': forms whose
+  interval covers 0, 'distinguishable': whether no other form's interval covers 0}.
+  """
+  check_identified(forms, data, holdouts, fit_kw.get('fixed'))
+  cols = as_columns(data)
+  labels = [f'{axis}={value:g}' for axis, value in holdouts]
+  errs, rows, fits = {}, [], {}
+  for name in forms:
+    f = fits[get_form(name).name] = fit(name, cols, **fit_kw)
+    errs[name] = [np.subtract(*heldout_predictions(name, cols, axis, value, **fit_kw))
+                  for axis, value in holdouts]
+    held = {lab: float(np.sqrt(np.mean(e ** 2))) for lab, e in zip(labels, errs[name])}
+    rows.append({'form': get_form(name).name, 'key': name, 'n_params': f.n_free,
+                 'rmse': f.rmse, 'heldout': held, 'score': float(np.mean(list(held.values()))),
+                 'params': f.params})
+  rows.sort(key=lambda r: r['score'])
+  best = rows[0]['key']
+  rng = np.random.default_rng(seed)
+  draws = [rng.integers(0, len(e), (resamples, len(e))) for e in errs[best]]
+  boot = {name: np.mean([np.sqrt(np.mean(e[d] ** 2, axis=1)) for e, d in zip(errs[name], draws)],
+                        axis=0) for name in errs}
+  lo_q, hi_q = 50 * (1 - level), 50 * (1 + level)
+  for r in rows:
+    diff = boot[r['key']] - boot[best]
+    r['diff_lo'], r['diff_hi'] = float(np.percentile(diff, lo_q)), float(np.percentile(diff, hi_q))
+  tied = [r['form'] for r in rows[1:] if r['diff_lo'] <= 0.0]
+  return {'table': rows, 'heldout': {r['form']: r['heldout'] for r in rows}, 'fits': fits,
+          'best': rows[0]['form'], 'indistinguishable': tied, 'distinguishable': not tied,
+          'level': level, 'resamples': resamples}
 
 
 def compare(forms: Sequence[str], data, holdouts: Sequence[tuple[str, float]] = (),
@@ -209,6 +284,7 @@ def compare(forms: Sequence[str], data, holdouts: Sequence[tuple[str, float]] = 
   Ranking: by the mean held-out RMSE, except that forms within a factor (1 + parsimony) of the
   best are tied and ranked by fewer parameters first (a form nested in a larger one, e.g.
   linear in power with phi = 1, otherwise loses to it by noise alone)."""
+  check_identified(forms, data, holdouts, fit_kw.get('fixed'))
   rows = []
   for name in forms:
     f = fit(name, data, **fit_kw)

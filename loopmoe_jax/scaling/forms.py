@@ -9,15 +9,31 @@ Besiroglu et al. 2024). Predictions are written with numpy operations that are a
 Forms (`FORMS[name]`):
   chinchilla           L = E + A/N^alpha + B/D^beta                               (N, D)
   clark                log L = a log N + b log Ê + c log N log Ê + d,             (N, E)
-                       1/Ê = 1/(E - 1 + (1/E_start - 1/E_max)^-1) + 1/E_max
+                       1/Ê(x) = 1/(x - 1 + (1/E_start - 1/E_max)^-1) + 1/E_max
   smelt                L = E + A (1-S)^b / F^a + K / D^c                          (S, F, D)
-  moe                  L = E + A Ê^-delta_e N^-(alpha + gamma_e ln Ê)
-                             + B Ê^-omega_e D^-(beta + zeta_e ln Ê),  Ê = E/k        (N, D, E, k)
-  loop_<mapping>       the moe law with N -> N_eff from MAPPINGS
+  moe                  L = E + A X^-delta_e N^-(alpha + gamma_e ln X)
+                             + B X^-omega_e D^-(beta + zeta_e ln X)                (N, D, E, k)
+                       X = Ê(E/k) / E_start, Clark's saturating expansion of E/k
+  loop_<mapping>       the moe law with N -> N_eff from MAPPINGS (the seed's Eq. 9)
                        (N_active_pass, N_block_active, D, r, E, k)
+  moe_raw, loop_<mapping>_raw
+                       the same laws with X = E/k unsaturated (E_start = 1, E_max = inf
+                       held; two fewer parameters)
+
+Expert expansion (the seed, on Eq. 9: "Following Clark et al. (2022), Ê is a monotonic
+transformation ... where E denotes the number of experts under top-1 routing. For top-k
+routing, we define the effective expert expansion as [lost], consistent with Chen et al.
+(2026)"): Clark's Ê applied to x = E/k. Choices where the seed is silent: (i) the expansion is
+normalised, X = Ê(x)/Ê(1) = Ê(x)/E_start, so that one expert gives X = 1 and every expert
+term vanishes, keeping the reduced forms exact; (ii) dense points (E <= 1 or k = 0) and
+points with every expert active (k >= E) have X = 1 exactly. E_start = 1 + exp(log_es) and
+E_max = E_start + exp(log_em) are fitted raw parameters. Holding the unsaturated limit:
+fixed={'E_start': 1.0, 'E_max': np.inf} (raw log_es = -inf, log_em = +inf, computed exactly:
+X = E/k) or the `_raw` forms. A law given to `from_params` without E_start/E_max gets that
+limit (no saturation given, none assumed).
 
 Reduced forms (tests/test_scaling_laws.py): r = 1 gives the moe law on the per-pass active
-params; one expert (Ê = 1, rho = 1) gives the dense loop law L = E + A/N_eff^alpha + B/D^beta;
+params; one expert (X = 1, rho = 1) gives the dense loop law L = E + A/N_eff^alpha + B/D^beta;
 both give Chinchilla's law.
 
 Loop mappings (N = active params of one pass, N_b = active params of one pass of the looped
@@ -26,8 +42,11 @@ block, r = passes, rho = k/E):
   power           (N - N_b) + r^phi N_b                           (Iso-Depth)
   bounded         N + gamma N_b (1 - exp(-beta_r (r-1)))          (finite asymptote, = N at r=1)
   sparse_bounded  bounded with gamma = gamma0 rho^-delta, beta_r = beta0 rho^delta
-A mapping is pluggable: `register_mapping(name, raw_names, fn, to_named, grid)` adds
-`loop_<name>` (e.g. to swap in a published form).
+Each mapping also gives N_eff as r -> inf (`limit`; the multiplier's asymptote in design.py):
+inf for linear and power (phi > 0, N_b > 0), N + gamma N_b for bounded, N + gamma0 rho^-delta
+N_b for sparse_bounded. A mapping is pluggable: `register_mapping(name, raw_names, fn,
+to_named, grid, limit=...)` adds `loop_<name>` and `loop_<name>_raw` (e.g. to swap in a
+published form).
 """
 from __future__ import annotations
 
@@ -59,6 +78,10 @@ class Form:
   raw_of: Callable[[Mapping[str, float]], dict]             # named -> raw (for fixing)
   grid: Mapping[str, Sequence[float]]                       # starting values per raw name
   defaults: Mapping[str, float] = dataclasses.field(default_factory=dict)  # for from_params
+  # Loop laws only: (theta, cols) -> N_eff at the columns' r, and N_eff as r -> inf (None
+  # when the mapping gives no limit).
+  n_eff: Callable[[np.ndarray, Columns], np.ndarray] | None = None
+  n_eff_limit: Callable[[np.ndarray, Columns], np.ndarray] | None = None
 
   def loss(self, theta, cols: Columns) -> np.ndarray:
     return np.exp(self.log_loss(np.asarray(theta), cols))
@@ -101,35 +124,84 @@ CHINCHILLA = Form('chinchilla', ('N', 'D'), _BASE_RAW, _chinchilla_log_loss, _ba
                   _base_raw, _BASE_GRID)
 
 
-# Clark et al. (routed) -----------------------------------------------------------------------
+# Clark et al. (routed) and the expert expansion ---------------------------------------------
+#
+# 1/Ê(x) = 1/(x - 1 + (1/E_start - 1/E_max)^-1) + 1/E_max, with raw log_es, log_em:
+# E_start = 1 + exp(log_es), E_max = E_start + exp(log_em). Ê(1) = E_start, Ê -> E_max as
+# x -> inf, and at (log_es, log_em) = (-inf, +inf) (E_start = 1, E_max = inf) Ê(x) = x. The
+# arithmetic below stays finite there (1/E_max = u / (1 + E_start u), u = exp(-log_em)), also
+# for complex-step arguments, so a fit can hold that limit exactly.
 
-def _e_hat(e, e_start, e_max):
-  return 1.0 / (1.0 / (e - 1.0 + 1.0 / (1.0 / e_start - 1.0 / e_max)) + 1.0 / e_max)
+_CLARK_RAW = ('log_es', 'log_em')
+
+
+def _e_hat(x, log_es, log_em):
+  """(Ê(x), E_start) from the raw pair."""
+  e_start = 1.0 + np.exp(log_es)
+  u = np.exp(-log_em)                      # 1 / (E_max - E_start)
+  inv_max = u / (1.0 + e_start * u)        # 1 / E_max
+  return 1.0 / (1.0 / (x - 1.0 + 1.0 / (1.0 / e_start - inv_max)) + inv_max), e_start
+
+
+def _clark_pair_named(log_es, log_em):
+  e_start = 1.0 + np.exp(log_es)
+  return {'E_start': e_start, 'E_max': e_start + np.exp(log_em)}
+
+
+def _clark_pair_raw(p):
+  """Named E_start / E_max -> raw log_es / log_em; E_start = 1 and E_max = inf give the
+  unsaturated limit (-inf, +inf)."""
+  out = {}
+  e_start = p.get('E_start')
+  if e_start is not None:
+    if not e_start >= 1.0:
+      raise ValueError(f'E_start must be >= 1 (Ê(1) = E_start, one expert); got {e_start!r}')
+    with np.errstate(divide='ignore'):
+      out['log_es'] = np.log(e_start - 1.0)
+  e_max = p.get('E_max')
+  if e_max is not None:
+    if e_max == np.inf:
+      out['log_em'] = np.inf
+    elif e_start is None:
+      raise ValueError(f'fixing E_max={e_max!r} needs E_start too (log_em = log(E_max - '
+                       'E_start)); or give E_max=inf, the unsaturated limit')
+    elif not e_max > e_start:
+      raise ValueError(f'E_max must exceed E_start; got E_max={e_max!r}, E_start={e_start!r}')
+    else:
+      out['log_em'] = np.log(e_max - e_start)
+  return out
+
+
+def expansion(c: Columns, E_start: float = 1.0, E_max: float = np.inf) -> np.ndarray:
+  """The moe law's expert expansion X = Ê(E/k) / E_start (Clark's Ê over top-k routing,
+  normalised so that X(1) = 1); exactly 1 for dense points (E <= 1 or k = 0) and when every
+  expert is active (k >= E). The defaults are the unsaturated limit, X = E/k."""
+  raw = _clark_pair_raw({'E_start': E_start, 'E_max': E_max})
+  return _expansion(c, raw['log_es'], raw['log_em'])
+
+
+def _expansion(c, log_es, log_em):
+  k, e = np.asarray(c['k'], float), np.asarray(c['E'], float)
+  moe = (e > 1) & (k > 0) & (e > k)     # else dense or every expert active: X = 1 exactly
+  x = np.where(moe, e / np.where(moe, k, 1.0), 1.0)
+  e_hat, e_start = _e_hat(x, log_es, log_em)
+  return np.where(moe, e_hat / e_start, 1.0)
 
 
 def _clark_log_loss(t, c):
-  e_start = 1.0 + np.exp(t[4])
-  e_max = e_start + np.exp(t[5])
-  log_n, log_e = np.log(c['N']), np.log(_e_hat(c['E'], e_start, e_max))
+  log_n, log_e = np.log(c['N']), np.log(_e_hat(c['E'], t[4], t[5])[0])
   return t[0] * log_n + t[1] * log_e + t[2] * log_n * log_e + t[3]
 
 
 def _clark_named(t):
-  e_start = 1.0 + np.exp(t[4])
-  return {'a': t[0], 'b': t[1], 'c': t[2], 'd': t[3], 'E_start': e_start,
-          'E_max': e_start + np.exp(t[5])}
+  return {'a': t[0], 'b': t[1], 'c': t[2], 'd': t[3], **_clark_pair_named(t[4], t[5])}
 
 
 def _clark_raw(p):
-  out = {k: p[k] for k in 'abcd' if k in p}
-  if 'E_start' in p:
-    out['log_es'] = np.log(p['E_start'] - 1.0)
-    if 'E_max' in p:
-      out['log_em'] = np.log(p['E_max'] - p['E_start'])
-  return out
+  return {**{k: p[k] for k in 'abcd' if k in p}, **_clark_pair_raw(p)}
 
 
-CLARK = Form('clark', ('N', 'E'), ('a', 'b', 'c', 'd', 'log_es', 'log_em'), _clark_log_loss,
+CLARK = Form('clark', ('N', 'E'), ('a', 'b', 'c', 'd') + _CLARK_RAW, _clark_log_loss,
              _clark_named, _clark_raw,
              {'a': (-0.1, -0.03), 'b': (-0.1, -0.01), 'c': (0.0, 0.005), 'd': (1.0, 2.0, 3.0),
               'log_es': (-1.0, 0.5), 'log_em': (3.0, 6.0)})
@@ -161,36 +233,32 @@ SMELT = Form('smelt', ('S', 'F', 'D'), ('e', 'log_A', 'b', 'a', 'log_K', 'c'), _
               'a': (0.1, 0.3, 0.6), 'log_K': (0, 5, 10, 15), 'c': (0.1, 0.3, 0.6)})
 
 
-# Loop laws ------------------------------------------------------------------------------
-
 # The MoE base law ------------------------------------------------------------------------
 #
 # The loop laws replace the active-parameter term of an MoE scaling law with N_eff (the seed's
 # Eq. 9). Its equations were lost in the text copy; this base is the joint MoE law of
 # Ludziejewski et al. (2025) in this file's positive-exponent convention, over the active
-# parameters N (per pass) and the effective expert expansion Ê:
-#   L = E + A Ê^-delta_e N^-(alpha + gamma_e ln Ê) + B Ê^-omega_e D^-(beta + zeta_e ln Ê)
-# with Ê = E/k for top-k routing over E experts (the seed: "the number of experts under top-1
-# routing"), 1 for dense points (E <= 1) and when every expert is active. At Ê = 1 every
-# expert term vanishes and the law is Chinchilla's on N. Clark et al.'s saturating transform of
-# Ê is the `clark` form's; here Ê enters directly (a documented choice where the seed is
-# silent; swap it through `expansion`).
-
-def expansion(c):
-  """Ê: E/k for top-k routing over E experts; 1 for dense points (E <= 1 or k = 0)."""
-  k, e = np.asarray(c['k'], float), np.asarray(c['E'], float)
-  return np.where((e > 1) & (k > 0), e / np.maximum(k, 1.0), 1.0)
-
+# parameters N (per pass) and the expert expansion X (see the module docstring):
+#   L = E + A X^-delta_e N^-(alpha + gamma_e ln X) + B X^-omega_e D^-(beta + zeta_e ln X)
+# At X = 1 (one expert, k = E, or a dense point) every expert term vanishes and the law is
+# Chinchilla's on N. Raw vector: the five Chinchilla entries, the four expert exponents, then
+# (saturating forms) log_es, log_em, then (loop forms) the mapping's entries.
 
 _MOE_RAW = _BASE_RAW + ('delta_e', 'gamma_e', 'omega_e', 'zeta_e')
 _MOE_GRID = {'delta_e': (0.0,), 'gamma_e': (0.0,), 'omega_e': (0.0,), 'zeta_e': (0.0,)}
+# One start near Clark et al.'s fits (E_start ~ 1.8, E_max ~ 200-500): with no expert terms in
+# the data the pair is flat, and more values would only repeat the other starts.
+_EXPANSION_GRID = {'log_es': (-0.2,), 'log_em': (5.5,)}
+# A known law given without its expert terms has none, and without saturation constants is
+# unsaturated (from_params fills these in).
+_MOE_DEFAULTS = {'delta_e': 0.0, 'gamma_e': 0.0, 'omega_e': 0.0, 'zeta_e': 0.0}
+_EXPANSION_DEFAULTS = {'E_start': 1.0, 'E_max': np.inf}
 
 
-def _moe_log_loss(t, c, n=None):
-  n = c['N'] if n is None else n
-  log_e = np.log(expansion(c))
-  return lse(t[0] - t[5] * log_e - (t[3] + t[6] * log_e) * np.log(n),
-             t[1] - t[7] * log_e - (t[4] + t[8] * log_e) * np.log(c['D']), t[2])
+def _moe_log_loss(t, c, n, log_x):
+  """t: the nine base entries; n: active params (or N_eff); log_x: log of the expansion."""
+  return lse(t[0] - t[5] * log_x - (t[3] + t[6] * log_x) * np.log(n),
+             t[1] - t[7] * log_x - (t[4] + t[8] * log_x) * np.log(c['D']), t[2])
 
 
 def _moe_named(t):
@@ -202,23 +270,21 @@ def _moe_raw(p):
   return {**_base_raw(p), **{k: p[k] for k in _MOE_RAW[5:] if k in p}}
 
 
-# A known law given without its expert terms has none (from_params fills these in).
-_MOE_DEFAULTS = {'delta_e': 0.0, 'gamma_e': 0.0, 'omega_e': 0.0, 'zeta_e': 0.0}
-MOE = Form('moe', ('N', 'D', 'E', 'k'), _MOE_RAW, _moe_log_loss, _moe_named, _moe_raw,
-           {**_BASE_GRID, **_MOE_GRID}, _MOE_DEFAULTS)
-
+# Loop mappings ---------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class LoopMapping:
-  """N_eff(theta_map, cols): extra raw names, the function, named view and starts. N_eff is
-  built from the active parameters of one pass (`N_active_pass`) and of one pass of the looped
-  block (`N_block_active`), never from stored counts."""
+  """N_eff(theta_map, cols): extra raw names, the function, named view and starts, and N_eff
+  as r -> inf (`limit`, None when not given). N_eff is built from the active parameters of one
+  pass (`N_active_pass`) and of one pass of the looped block (`N_block_active`), never from
+  stored counts."""
   raw: tuple[str, ...]
   n_eff: Callable[[np.ndarray, Columns], np.ndarray]
   named: Callable[[np.ndarray], dict]
   raw_of: Callable[[Mapping[str, float]], dict]
   grid: Mapping[str, Sequence[float]]
   columns: tuple[str, ...] = ('N_active_pass', 'N_block_active', 'D', 'r', 'E', 'k')
+  limit: Callable[[np.ndarray, Columns], np.ndarray] | None = None
 
 
 def _rho(c):
@@ -261,55 +327,104 @@ def _nb(c):
   return c['N_block_active']
 
 
+def _linear_limit(t, c):
+  return np.where(_nb(c) > 0, np.inf, _n(c))
+
+
+def _power_limit(t, c):
+  """r^phi -> inf (phi > 0), 1 (phi = 0), 0 (phi < 0)."""
+  n, nb, phi = _n(c), _nb(c), t[0]
+  return np.where(nb == 0, n, np.where(phi > 0, np.inf, np.where(phi == 0, n, n - nb)))
+
+
+def _sparse_gamma(t, c):
+  return np.exp(t[0]) * _rho(c) ** -t[2]
+
+
 MAPPINGS: dict[str, LoopMapping] = {
     'linear': LoopMapping((), lambda t, c: _n(c) + (c['r'] - 1.0) * _nb(c),
-                       lambda t: {}, lambda p: {}, {}),
+                          lambda t: {}, lambda p: {}, {}, limit=_linear_limit),
     'power': LoopMapping(('phi',),
-                      lambda t, c: _n(c) - _nb(c) + np.power(c['r'], t[0]) * _nb(c),
-                      lambda t: {'phi': t[0]}, lambda p: {k: p[k] for k in ('phi',) if k in p},
-                      {'phi': (0.3, 0.7, 1.0)}),
+                         lambda t, c: _n(c) - _nb(c) + np.power(c['r'], t[0]) * _nb(c),
+                         lambda t: {'phi': t[0]},
+                         lambda p: {k: p[k] for k in ('phi',) if k in p},
+                         {'phi': (0.3, 0.7, 1.0)}, limit=_power_limit),
     'bounded': LoopMapping(('log_gamma', 'log_beta_r'),
-                        lambda t, c: _bounded(_n(c), _nb(c), c['r'], np.exp(t[0]),
-                                              np.exp(t[1])),
-                        _bn, _br, {'log_gamma': (0.0, 1.5), 'log_beta_r': (-1.5, 0.0)}),
+                           lambda t, c: _bounded(_n(c), _nb(c), c['r'], np.exp(t[0]),
+                                                 np.exp(t[1])),
+                           _bn, _br, {'log_gamma': (0.0, 1.5), 'log_beta_r': (-1.5, 0.0)},
+                           limit=lambda t, c: _n(c) + np.exp(t[0]) * _nb(c)),
     'sparse_bounded': LoopMapping(
         ('log_gamma0', 'log_beta0', 'delta'),
-        lambda t, c: _bounded(_n(c), _nb(c), c['r'], np.exp(t[0]) * _rho(c) ** -t[2],
+        lambda t, c: _bounded(_n(c), _nb(c), c['r'], _sparse_gamma(t, c),
                               np.exp(t[1]) * _rho(c) ** t[2]),
         _sparse_named, _sparse_raw,
-        {'log_gamma0': (0.0, 1.5), 'log_beta0': (-1.5, 0.0), 'delta': (0.0, 0.5)}),
+        {'log_gamma0': (0.0, 1.5), 'log_beta0': (-1.5, 0.0), 'delta': (0.0, 0.5)},
+        limit=lambda t, c: _n(c) + _sparse_gamma(t, c) * _nb(c)),
 }
 
 _LOOP_GRID = {'a': (5, 10, 20), 'b': (5, 10, 20), 'e': (-0.5, 0.5), 'alpha': (0.25, 0.5, 1.0),
               'beta': (0.25, 0.5, 1.0)}
 
 
-def loop_form(name: str, mapping: LoopMapping) -> Form:
-  """The MoE base law with its active-parameter term N replaced by N_eff (Eq. 9)."""
-  k = len(_MOE_RAW)
+def moe_form(name: str, mapping: LoopMapping | None = None, saturating: bool = True) -> Form:
+  """The MoE base law (mapping None) or a loop law, the base with its active-parameter term N
+  replaced by N_eff (Eq. 9). saturating: Clark's expansion with fitted E_start, E_max;
+  otherwise X = E/k (the same law at E_start = 1, E_max = inf)."""
+  n_base = len(_MOE_RAW)
+  nx = n_base + (len(_CLARK_RAW) if saturating else 0)
+  raw = _MOE_RAW + (_CLARK_RAW if saturating else ()) + (mapping.raw if mapping else ())
+  columns = mapping.columns if mapping else ('N', 'D', 'E', 'k')
+
+  def log_x(t, c):
+    return np.log(_expansion(c, t[n_base], t[n_base + 1]) if saturating
+                  else _expansion(c, -np.inf, np.inf))
+
+  def n_eff(t, c):
+    return mapping.n_eff(t[nx:], c) if mapping else c['N']
 
   def log_loss(t, c):
-    return _moe_log_loss(t[:k], c, n=mapping.n_eff(t[k:], c))
+    return _moe_log_loss(t[:n_base], c, n_eff(t, c), log_x(t, c))
 
   def named(t):
-    return {**_moe_named(t[:k]), **mapping.named(t[k:])}
+    out = _moe_named(t[:n_base])
+    if saturating:
+      out.update(_clark_pair_named(t[n_base], t[n_base + 1]))
+    return {**out, **(mapping.named(t[nx:]) if mapping else {})}
 
   def raw_of(p):
-    return {**_moe_raw(p), **mapping.raw_of(p)}
+    return {**_moe_raw(p), **(_clark_pair_raw(p) if saturating else {}),
+            **(mapping.raw_of(p) if mapping else {})}
 
-  return Form(f'loop_{name}', mapping.columns, _MOE_RAW + mapping.raw, log_loss, named,
-              raw_of, {**_LOOP_GRID, **_MOE_GRID, **mapping.grid}, _MOE_DEFAULTS)
+  grid = {**(_LOOP_GRID if mapping else _BASE_GRID), **_MOE_GRID,
+          **(_EXPANSION_GRID if saturating else {}), **(mapping.grid if mapping else {})}
+  defaults = {**_MOE_DEFAULTS, **(_EXPANSION_DEFAULTS if saturating else {})}
+  limit = None
+  if mapping and mapping.limit:
+    limit = lambda t, c: mapping.limit(t[nx:], c)
+  return Form(name, columns, raw, log_loss, named, raw_of, grid, defaults,
+              n_eff if mapping else None, limit)
 
 
-FORMS: dict[str, Form] = {'chinchilla': CHINCHILLA, 'clark': CLARK, 'smelt': SMELT, 'moe': MOE}
-FORMS.update({f'loop_{n}': loop_form(n, m) for n, m in MAPPINGS.items()})
+def _forms_of(name: str, mapping: LoopMapping) -> dict[str, Form]:
+  return {f'loop_{name}': moe_form(f'loop_{name}', mapping),
+          f'loop_{name}_raw': moe_form(f'loop_{name}_raw', mapping, saturating=False)}
+
+
+MOE = moe_form('moe')
+FORMS: dict[str, Form] = {'chinchilla': CHINCHILLA, 'clark': CLARK, 'smelt': SMELT, 'moe': MOE,
+                          'moe_raw': moe_form('moe_raw', saturating=False)}
+for _name, _mapping in MAPPINGS.items():
+  FORMS.update(_forms_of(_name, _mapping))
 
 
 def register_mapping(name: str, raw: Sequence[str], n_eff, named, raw_of, grid,
-                     columns=LoopMapping.columns) -> Form:
-  """Adds an N_eff mapping and its law `loop_<name>` (e.g. the published form)."""
-  MAPPINGS[name] = LoopMapping(tuple(raw), n_eff, named, raw_of, grid, tuple(columns))
-  FORMS[f'loop_{name}'] = loop_form(name, MAPPINGS[name])
+                     columns=LoopMapping.columns, limit=None) -> Form:
+  """Adds an N_eff mapping and its laws `loop_<name>` (returned) and `loop_<name>_raw` (e.g.
+  the published form). limit: (theta_map, cols) -> N_eff as r -> inf, for the multiplier's
+  asymptote (design.multiplier_asymptote)."""
+  MAPPINGS[name] = LoopMapping(tuple(raw), n_eff, named, raw_of, grid, tuple(columns), limit)
+  FORMS.update(_forms_of(name, MAPPINGS[name]))
   return FORMS[f'loop_{name}']
 
 

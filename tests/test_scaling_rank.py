@@ -1,0 +1,60 @@
+"""Ranking law forms with paired bootstrap intervals (`scaling.fitting.rank`)."""
+import numpy as np
+import pytest
+
+from loopmoe_jax.scaling import fitting, synthetic
+from loopmoe_jax.scaling.synthetic import LOOP_TRUTH, MAPPING_TRUTH
+
+# the expert terms other than delta_e stay at 0, as the loop-laws replication holds them
+FIXED = {'gamma_e': 0.0, 'omega_e': 0.0, 'zeta_e': 0.0}
+
+
+def _grid(form, params, seed, noise=0.003):
+  cols = synthetic.loop_grid(sizes=(2e7, 8e7, 3e8), tokens_per_param=(10, 40),
+                             passes=(1, 2, 4, 8), experts=(4, 8, 16), top_k=2)
+  return synthetic.generate(form, {**LOOP_TRUTH, 'delta_e': 0.1, **params}, cols, noise, seed)
+
+
+def test_nested_forms_that_fit_equally_are_not_distinguishable():
+  # data from the bounded mapping: sparse_bounded holds it at delta = 0, so the two fit
+  # (nearly) equally and no interval of their difference may exclude 0
+  data = _grid('loop_bounded', MAPPING_TRUTH['loop_bounded'], seed=1)
+  res = fitting.rank(['loop_bounded', 'loop_sparse_bounded'], data, [('r', 8.0)],
+                     resamples=400, fixed=FIXED)
+  assert not res['distinguishable']
+  other = [r for r in res['table'] if r['form'] != res['best']][0]
+  assert other['diff_lo'] <= 0.0 <= other['diff_hi']
+  assert res['indistinguishable'] == [other['form']]
+
+
+def test_the_true_form_is_picked_when_the_grid_separates_the_forms():
+  data = _grid('loop_sparse_bounded', MAPPING_TRUTH['loop_sparse_bounded'], seed=2)
+  res = fitting.rank(['loop_linear', 'loop_bounded', 'loop_sparse_bounded'], data,
+                     [('r', 8.0), ('E', 16.0)], resamples=400, fixed=FIXED)
+  assert res['best'] == 'loop_sparse_bounded'
+  assert res['distinguishable'], res['table']
+  assert all(r['diff_lo'] > 0 for r in res['table'][1:])
+  # the score is the mean of the per-holdout RMSEs, each the slow reference
+  for row in res['table']:
+    ref = [fitting.heldout_rmse(row['key'], data, a, v, fixed=FIXED) for a, v in
+           [('r', 8.0), ('E', 16.0)]]
+    assert row['score'] == pytest.approx(np.mean(ref), rel=1e-6)
+
+
+def test_paired_intervals_resample_the_same_points_for_every_form():
+  data = _grid('loop_bounded', MAPPING_TRUTH['loop_bounded'], seed=3)
+  res = fitting.rank(['loop_bounded', 'loop_bounded'], data, [('r', 8.0)], resamples=200,
+                     fixed=FIXED)
+  # a form against itself: every paired resample differs by exactly 0
+  assert all(r['diff_lo'] == r['diff_hi'] == 0.0 for r in res['table'])
+
+
+def test_a_grid_too_small_for_the_free_parameters_is_refused():
+  data = _grid('loop_bounded', MAPPING_TRUTH['loop_bounded'], seed=4)
+  small = {k: v[(data['r'] <= 2) & (data['E'] == 4)] for k, v in data.items()}  # 12 points
+  n_free = fitting.free_parameters('loop_sparse_bounded', FIXED)
+  with pytest.raises(ValueError, match=rf'holding out r=2 leaves 6 points .*'
+                                       rf"'loop_sparse_bounded'.* {n_free} free parameters"):
+    fitting.rank(['loop_sparse_bounded'], small, [('r', 2.0)], fixed=FIXED)
+  with pytest.raises(ValueError, match='free parameters'):
+    fitting.compare(['loop_sparse_bounded'], small, [('r', 2.0)], fixed=FIXED)
