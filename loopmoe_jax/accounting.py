@@ -9,8 +9,11 @@ Conventions:
 - `flops_per_token`: forward FLOPs per token at `context` tokens: 2 * params_active plus
   4 * context * H * K per executed layer (QK^T and AV over the full context, the Chinchilla
   convention without a causal discount). Training is about 3x this.
-- `kv_per_token`: cached entries per token: executed layers * 2 * kv_heads * head_dim (one
-  slot per executed (pass, layer)).
+- `kv_per_token`: cached entries per token: cached layers * 2 * kv_heads * head_dim, with
+  `cached_layers` one slot per executed (pass, layer) under model.kv_cache='per_pass' and one
+  per layer, the core's shared by its passes, under 'last_pass' / 'first_pass' (decode.py;
+  Huginn, Geiping et al. 2025; Mixture-of-Recursions, Bae et al. 2025). Equals the real
+  decode cache (decode.cache_shapes; tested).
 - SMELT sparsity S = 1 - active / total over non-embedding parameters.
 - Foil counts over the core: E_real = E*D, E_comp = D*L*k, E_eq = E*D*L.
 """
@@ -70,13 +73,21 @@ def count(c: ModelConfig, context: int = 2048) -> dict[str, Any]:
       'breakdown': br,
       'flops_per_token': 2 * active + attn_flops,
       'context': context,
-      'kv_per_token': c.executed_layers * 2 * c.kv_heads * c.head_size,
+      'kv_per_token': cached_layers(c) * 2 * c.kv_heads * c.head_size,
+      'cached_layers': cached_layers(c),
       'executed_layers': c.executed_layers,
       'E_real': e * dl,
       'E_comp': dl * c.num_loops * c.top_k if e else 0,
       'E_eq': e * dl * c.num_loops,
       'sparsity': 1.0 - nonembed_active / nonembed_total if nonembed_total else 0.0,
   }
+
+
+def cached_layers(c: ModelConfig) -> int:
+  """K/V slots per token of the decode cache: one per executed (pass, layer) with
+  model.kv_cache='per_pass', else one per layer (the core's shared by its passes)."""
+  core_slots = c.num_loops if c.kv_cache == 'per_pass' else 1
+  return c.prelude_layers + c.core_layers * core_slots + c.coda_layers
 
 
 def param_count(params) -> int:

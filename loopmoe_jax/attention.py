@@ -43,6 +43,11 @@ class Attention(nn.Module):
 
   positions_BT are absolute positions; in decode mode the chunk is written to the cache at
   positions_BT[0, 0] (the same for every row) and attends to every filled slot before it.
+  The write comes before the read, so the chunk's own positions are always read as this call's
+  fresh K/V: with the core's cache shared by the passes (model.kv_cache 'last_pass' or
+  'first_pass'), each pass gets a copy of the shared slot (decode.py), so it attends to the
+  shared K/V of earlier steps and its own K/V of this step, and decode.py keeps the named
+  pass's copy.
 
   Probes (opt-in, analysis/probes.py): only when the caller applies the model with
   mutable=['intermediates'] (outside decode), it sows float32 'q' [B,T,H,K], 'k' and 'v'

@@ -1,9 +1,43 @@
-"""Autoregressive decoding with a KV cache of one slot per executed (pass, layer).
+"""Autoregressive decoding with a KV cache.
 
     cache = init_cache(cfg, batch=2, max_len=64)
     logits, cache = decode_step(cfg, params, cache, prompt_BT)     # prefill
     logits, cache = decode_step(cfg, params, cache, next_B1)       # one token
     tokens = generate(cfg, params, prompt_BT, steps=32, key=key, temperature=0.8)
+    nll_BT = decode_nll(cfg, params, inputs_BT, targets_BT)        # fed one token at a time
+
+Prelude and coda layers keep one cache slot each. The looped core's layout is
+`model.kv_cache`, a decoding option (training and the full-sequence forward never read it, so
+a model trained under one decodes under any):
+
+- 'per_pass' (default): one slot per executed (pass, layer), leaves [L, B, S, G, K]. Decoding
+  is the full forward exactly, however the text is cut into steps.
+- 'last_pass' and 'first_pass': one slot per core layer shared by every pass, leaves
+  [B, S, G, K], L times smaller (Huginn's KV-cache sharing with a budget of one entry,
+  Geiping et al. 2025, 'Scaling up Test-Time Compute with Latent Reasoning'; the recursive KV
+  sharing of Mixture-of-Recursions, Bae et al. 2025). In a step that feeds the tokens of
+  positions [s, e) (a prompt, or one token), pass p at core layer l attends to
+    * positions < s: the shared slot of layer l, the K/V that the named pass made when those
+      tokens were fed (one per position, whatever pass is asking), and
+    * positions in [s, e), causally: pass p's own K/V of this step, freshly computed;
+  after the step, positions [s, e) of the slot hold this step's K/V of the last pass
+  (`last_pass`) or of the first (`first_pass`).
+  So: at one pass the three layouts are the same computation. A step only reads earlier
+  steps through the shared slot, so a prefill from an empty cache is the full forward
+  exactly, and the logits depend on how the text is cut into steps (feeding T tokens one
+  at a time is another computation than feeding them in one chunk; tests/test_kv_sharing.py
+  checks both against plain references). With `first_pass`, pass 0 only ever reads pass-0
+  K/V, as under 'per_pass', so the first pass and the cache are per_pass's exactly; the
+  later passes see earlier tokens through the first pass's K/V (Mixture-of-Recursions). With
+  `last_pass` every pass sees earlier tokens through the deepest pass's K/V (Huginn).
+  Sharing needs one K/V projection for every pass: untied attention (model.tie_attention=
+  False) is refused by the config.
+  Memory: the cache between steps is the shared one; inside a step the core's scan
+  (model.Core, cache axis 0 per pass) runs on a per-pass copy that decode_step broadcasts
+  from it and reads the named pass's slot back from, so a step's peak holds L copies of the
+  core's slots (as 'per_pass' does throughout).
+
+`accounting.count(cfg)['kv_per_token']` and `cache_bytes` follow the layout.
 """
 from __future__ import annotations
 
@@ -13,11 +47,24 @@ import jax
 import jax.numpy as jnp
 
 from loopmoe_jax.config import ModelConfig
-from loopmoe_jax.model import LoopedMoE, for_init, variables
+from loopmoe_jax.model import LoopedMoE, check_loops, for_init, variables
+from loopmoe_jax.objective import token_nll_of_logits
+
+CORE = 'core'  # the cache's subtree that the core's scan stacks per pass (model.PER_PASS)
+
+
+def shares_passes(cfg: ModelConfig) -> bool:
+  """The core's cache keeps one slot per layer (model.kv_cache 'last_pass' or 'first_pass')."""
+  return cfg.kv_cache != 'per_pass' and cfg.core_layers > 0
+
+
+def _shared_pass(cfg: ModelConfig) -> int:
+  """The pass whose K/V a shared slot keeps (an index into the scan's per-pass axis)."""
+  return -1 if cfg.kv_cache == 'last_pass' else 0
 
 
 def cache_shapes(cfg: ModelConfig, batch: int, max_len: int, num_loops: int | None = None):
-  """The cache's leaves as ShapeDtypeStructs (nothing allocated)."""
+  """The cache's leaves as ShapeDtypeStructs (nothing allocated), in model.kv_cache's layout."""
   return jax.tree.map(lambda s: s, _cache_shapes(cfg, batch, max_len, num_loops))
 
 
@@ -28,7 +75,14 @@ def _cache_shapes(cfg: ModelConfig, batch: int, max_len: int, num_loops: int | N
   model = for_init(LoopedMoE(cfg, decode=True))
   dummy = jax.ShapeDtypeStruct((batch, max_len), jnp.int32)
   shapes = jax.eval_shape(lambda t: model.init(jax.random.key(0), t, num_loops=num_loops), dummy)
+  if shares_passes(cfg):
+    return _with_core(shapes['cache'], lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype))
   return shapes['cache']
+
+
+def _with_core(cache, fn):
+  """`cache` with `fn` applied to every leaf of the core's subtree."""
+  return {**cache, CORE: jax.tree.map(fn, cache[CORE])}
 
 
 def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, num_loops: int | None = None) -> int:
@@ -55,7 +109,8 @@ def cache_length(cache) -> int:
 def decode_step(cfg: ModelConfig, params, cache, tokens_BT, num_loops: int | None = None,
                 router_bias=None):
   """Feeds a chunk of tokens (a prompt, or one token) and returns (logits_BTV, new cache).
-  `router_bias`: the trained router bias (model.router_bias other than 'none').
+  `router_bias`: the trained router bias (model.router_bias other than 'none'). The cache is
+  in model.kv_cache's layout (init_cache's; what each pass attends to: the module docstring).
 
   Writing past the cache's length raises when the position is concrete; under jit the
   logits of such a step are NaN instead of silently wrong."""
@@ -68,10 +123,31 @@ def decode_step(cfg: ModelConfig, params, cache, tokens_BT, num_loops: int | Non
   if concrete_end is not None and concrete_end > max_len:
     raise ValueError(f'decode_step: position {int(pos)} + {tokens_BT.shape[1]} tokens exceeds '
                      f'the cache length max_len={max_len}')
+  shared = shares_passes(cfg)
+  _check_layout(cfg, cache, shared)
+  if shared:  # the scan's per-pass layout, each pass's slot a copy of the shared one
+    passes = check_loops(cfg, num_loops)
+    cache = _with_core(cache, lambda x: jnp.broadcast_to(x, (passes,) + x.shape))
   (logits, _), mutated = LoopedMoE(cfg, decode=True).apply(
       variables(params, cache=cache, router_bias=router_bias), tokens_BT, num_loops=num_loops,
       mutable=['cache'])
-  return jnp.where(end > max_len, jnp.nan, logits), mutated['cache']
+  cache = mutated['cache']
+  if shared:  # pass p's slot is the shared one with this step's positions holding p's K/V
+    cache = _with_core(cache, lambda x: x[_shared_pass(cfg)])
+  return jnp.where(end > max_len, jnp.nan, logits), cache
+
+
+def _check_layout(cfg: ModelConfig, cache, shared: bool) -> None:
+  """A cache made under another model.kv_cache is an error naming it."""
+  if CORE not in cache:
+    return
+  ndim = {x.ndim for x in jax.tree.leaves(cache[CORE])}
+  want = 4 if shared else 5
+  if ndim != {want}:
+    made = 'a per-pass' if ndim == {5} else 'a shared'
+    raise ValueError(f'decode_step: the cache has {made} core layout, but model.kv_cache='
+                     f'{cfg.kv_cache!r} needs core leaves of {want} dimensions: make the cache '
+                     'with init_cache under the same model.kv_cache')
 
 
 def sample(logits_BV, key, temperature: float):
@@ -102,3 +178,27 @@ def generate(cfg: ModelConfig, params, prompt_BT, steps: int, key, temperature: 
   (_, last), toks = jax.lax.scan(body, (cache, first), jnp.arange(1, steps))
   new = jnp.concatenate([toks.T, last[:, None]], axis=1) if steps > 1 else first[:, None]
   return jnp.concatenate([prompt_BT.astype(jnp.int32), new], axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=('cfg', 'num_loops', 'prefill'))
+def decode_nll(cfg: ModelConfig, params, inputs_BT, targets_BT, num_loops: int | None = None,
+               router_bias=None, prefill: int = 1):
+  """Per-token negative log-likelihood [B, T] (float32, nats) of `targets_BT` when `inputs_BT`
+  is fed through decode_step: its first `prefill` tokens as one chunk, then one token a step
+  (teacher forcing). Under model.kv_cache='per_pass' this is the full forward's NLL; under a
+  shared layout, what a decoder reading the shared cache predicts (scripts/evaluate.py
+  --kv_cache compares the layouts on held-out text)."""
+  batch, length = inputs_BT.shape
+  if not 1 <= prefill <= length:
+    raise ValueError(f'prefill={prefill}: must lie in [1, {length}] (the tokens given)')
+  cache = init_cache(cfg, batch, length, num_loops)
+  first_BPV, cache = decode_step(cfg, params, cache, inputs_BT[:, :prefill], num_loops,
+                                 router_bias)
+
+  def body(cache, tok_B):
+    logits_B1V, cache = decode_step(cfg, params, cache, tok_B[:, None], num_loops, router_bias)
+    return cache, logits_B1V[:, 0]
+
+  _, rest_TBV = jax.lax.scan(body, cache, inputs_BT[:, prefill:].T)
+  logits_BTV = jnp.concatenate([first_BPV, rest_TBV.transpose(1, 0, 2)], axis=1)
+  return token_nll_of_logits(logits_BTV, targets_BT.astype(jnp.int32))

@@ -99,7 +99,48 @@ def _build(sections: Mapping[str, Any]) -> Experiment:
   run_cfg = RunConfig.from_dict(run)
   model_cfg = ModelConfig.from_dict({**model, **dataclasses.asdict(run_cfg)})
   others = {n: SECTIONS[n].from_dict(sections.get(n, {}) or {}) for n in ('train', 'data', 'mesh')}
+  check_adaptive_depth(model_cfg, others['train'])
   return Experiment(model=model_cfg, run=run_cfg, **others)
+
+
+def check_adaptive_depth(mc: ModelConfig, tc: TrainConfig):
+  """A ValueError naming the key and the fix when the sampled pass counts
+  (train.loops_sampler, loops_low/high) or train.backprop_loops do not fit the model: the
+  counts a run may draw must all run on its weights (untied attention and a per-pass router
+  bias hold model.num_loops passes; tied attention runs up to model.MAX_LOOPS_FACTOR times
+  that), and the passes with gradient must not outnumber the passes run."""
+  from loopmoe_jax.model import MAX_LOOPS_FACTOR  # pylint: disable=import-outside-toplevel
+  if not (tc.sampled or tc.backprop_loops):
+    return
+  key = 'loops_sampler' if tc.sampled else 'backprop_loops'
+  if not mc.core_layers:
+    raise ValueError(f'train.{key}={getattr(tc, key)!r}: the model has no looped core '
+                     '(model.core_layers=0); set model.core_layers >= 1 or drop the setting')
+  L = mc.num_loops
+  if not tc.sampled:
+    if tc.backprop_loops > L:
+      raise ValueError(f'train.backprop_loops={tc.backprop_loops} exceeds the passes a step '
+                       f'runs (model.num_loops={L}): set it to at most {L} (0: all)')
+    return
+  low, high = tc.loops_bounds(L)
+  high_key = (f'train.loops_high={high}' if tc.loops_high else
+              f'train.loops_high=0 (model.num_loops={L})')
+  if low > high:
+    raise ValueError(f'train.loops_low={low} exceeds {high_key}: set '
+                     f'--config.train.loops_high to at least {low}')
+  if not mc.tie_attention and high > L:
+    raise ValueError(f'{high_key}: untied attention (model.tie_attention=False) has '
+                     f'weights for model.num_loops={L} passes, so it may sample at most {L}; '
+                     f'set --config.train.loops_high={L} or lower, or tie the attention')
+  if mc.router_bias == 'per_pass' and high > L:
+    raise ValueError(f"{high_key}: model.router_bias='per_pass' has a bias for "
+                     f'model.num_loops={L} passes, and passes past them would reuse the last '
+                     f"one's without training theirs; set --config.train.loops_high={L} or "
+                     "lower, or use model.router_bias='shared'")
+  if high > MAX_LOOPS_FACTOR * L:
+    raise ValueError(f'{high_key} exceeds {MAX_LOOPS_FACTOR} x model.num_loops={L}, '
+                     f'the most passes a forward runs: set it to at most {MAX_LOOPS_FACTOR * L} '
+                     'or raise model.num_loops')
 
 
 # How the same parameters run, not what they are: the same results up to float summation order

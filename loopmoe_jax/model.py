@@ -119,13 +119,23 @@ class Stack(nn.Module):
 
 class Core(nn.Module):
   """D shared layers applied `num_loops` times (default: the trained count). Under a mesh the
-  scan runs through `core_once` (collectives once per step, core_once.py) when it applies."""
+  scan runs through `core_once` (collectives once per step, core_once.py) when it applies.
+
+  With `backprop_loops` = k (0 < k < num_loops) the backward is truncated (Huginn's truncated
+  backprop, Geiping et al. 2025, "Scaling up test-time compute with latent reasoning"): the
+  first n - k passes run as one scan, their carry and statistics pass through
+  `jax.lax.stop_gradient`, and the last k run as a second scan over the same weights, so
+  neither the carry nor any parameter gets gradient from the early passes (and the backward
+  keeps nothing of them); the forward values are those of one scan of n passes. Pass l keeps
+  its own per-pass router bias and untied attention slice in either part. The prelude's
+  output reaches the last k passes through the input injection only (model.injection, as in
+  Huginn): without one the prelude gets no gradient through the core."""
   cfg: ModelConfig
   decode: bool = False
   record: bool = False
 
   @nn.compact
-  def __call__(self, x_BTD, positions_BT, num_loops: int, bias=None):
+  def __call__(self, x_BTD, positions_BT, num_loops: int, bias=None, backprop_loops: int = 0):
     """`bias`: the core's router bias, [C, E] ('shared') or [trained L, D, E] ('per_pass';
     a forward with more passes than trained reuses the last pass's bias), or None."""
     c = self.cfg
@@ -142,23 +152,55 @@ class Core(nn.Module):
     kw = dict(cfg=c, num_layers=c.core_layers, num_experts=c.core_experts, scale=scale,
               injection=c.injection, decode=self.decode, record=self.record)
     e_BTD = x_BTD if c.injection != 'none' else None
+    # the first pass with gradient (0: all of them)
+    split = num_loops - backprop_loops if 0 < backprop_loops < num_loops else 0
+    if split and (self.decode or self.is_mutable_collection('intermediates')):
+      raise ValueError(f'backprop_loops={backprop_loops} is a training setting: decoding and '
+                       'probes run every pass with gradient (backprop_loops=0)')
     if c.loop_impl == 'scan' or self.decode:
-      scanned = nn.scan(body, variable_broadcast=BROADCAST, variable_axes=PER_PASS,
-                        split_rngs={'params': False},
-                        in_axes=(0, nn.broadcast, nn.broadcast, 0 if per_pass else nn.broadcast),
-                        length=num_loops)
+      scan = lambda length: nn.scan(
+          body, variable_broadcast=BROADCAST, variable_axes=PER_PASS,
+          split_rngs={'params': False},
+          in_axes=(0, nn.broadcast, nn.broadcast, 0 if per_pass else nn.broadcast),
+          length=length)
       args = (x_BTD, pass_attn, e_BTD, positions_BT, bias)
-      if self._collectives_once(x_BTD.shape[0]):
-        return core_once(scanned(**kw), self.variables['params']['body'], args)
-      return scanned(**kw, name='body')(*args)
+      once = self._collectives_once(x_BTD.shape[0])
+      if split and not self.is_initializing():
+        return self._truncated(scan, kw, args, split, num_loops, per_pass, once)
+      if once:
+        return core_once(scan(num_loops)(**kw), self.variables['params']['body'], args)
+      return scan(num_loops)(**kw, name='body')(*args)
     stack = body(**kw, name='body')
     stats = []
     for l in range(num_loops):
+      if split and l == split:
+        x_BTD, stats = jax.lax.stop_gradient((x_BTD, stats))
       attn_l = None if pass_attn is None else jax.tree.map(lambda w: w[l], pass_attn)
       x_BTD, s = stack(x_BTD, attn_l, e_BTD, positions_BT, bias[l] if per_pass else bias)
       stats.append(s)
     return x_BTD, jax.tree.map(lambda *a: jnp.stack(a), *stats)
 
+  def _truncated(self, scan, kw, args, split, num_loops, per_pass, once):
+    """Passes [0, split), stop_gradient, then passes [split, num_loops): two scans applied to
+    the one set of weights under 'body' (each through core_once when `once`), each pass with
+    its own slice of the per-pass inputs; the statistics of both parts joined by pass."""
+    x_BTD, pass_attn, e_BTD, positions_BT, bias = args
+    weights = {col: self.variables[col]['body'] for col in BROADCAST
+               if 'body' in self.variables.get(col, {})}
+    stats = []
+    for lo, hi in ((0, split), (split, num_loops)):
+      part = lambda t: None if t is None else jax.tree.map(lambda a: a[lo:hi], t)
+      part_args = (x_BTD, part(pass_attn), e_BTD, positions_BT,
+                   part(bias) if per_pass else bias)
+      scanned = scan(hi - lo)(**kw)
+      if once:
+        x_BTD, s = core_once(scanned, weights['params'], part_args)
+      else:
+        x_BTD, s = scanned.apply(weights, *part_args)
+      if lo == 0:  # no gradient to the carry, the statistics or the weights of these passes
+        x_BTD, s = jax.lax.stop_gradient((x_BTD, s))
+      stats.append(s)
+    return x_BTD, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *stats)
 
   def _collectives_once(self, batch: int) -> bool:
     """run.core_collectives='once' applies: a multi-device mesh without `tensor` (heads and
@@ -181,12 +223,18 @@ class LoopedMoE(nn.Module):
 
   @nn.compact
   def __call__(self, tokens_BT=None, *, num_loops: int | None = None,
-               return_routing: bool = False, x_BTD=None, return_hidden: bool = False):
+               return_routing: bool = False, x_BTD=None, return_hidden: bool = False,
+               backprop_loops: int = 0):
     """(logits_BTV float32, extras); with `return_hidden` (hidden_BTD, extras): the final
-    normed states, for a loss that applies the head itself (`head_matrix`, objective.py)."""
+    normed states, for a loss that applies the head itself (`head_matrix`, objective.py).
+    `backprop_loops` = k > 0: gradient through the core's last k passes only (truncated
+    backprop, `Core`; a training setting, train.backprop_loops); the forward is unchanged."""
     c = self.cfg
     dt = DTYPES[c.dtype]
     num_loops = self._check_loops(num_loops)
+    if not 0 <= backprop_loops <= num_loops:
+      raise ValueError(f'backprop_loops={backprop_loops}: must lie in [0, {num_loops}], the '
+                       'passes this forward runs (0: all of them)')
     embed_VD = param(self, 'embed', (c.vocab_size, c.d_model), ('vocab', 'embed'),
                      nn.initializers.normal(1.0), DTYPES[c.param_dtype])
     if x_BTD is None:  # the table gathered whole over its width first (an FSDP parameter
@@ -211,8 +259,8 @@ class LoopedMoE(nn.Module):
                                           name='prelude')(x_BTD, None, None, positions_BT,
                                                           bias.get('prelude'))
     if c.core_layers:
-      x_BTD, per_visit['core'] = Core(c, **seg_kw, name='core')(x_BTD, positions_BT, num_loops,
-                                                                bias.get('core'))
+      x_BTD, per_visit['core'] = Core(c, **seg_kw, name='core')(
+          x_BTD, positions_BT, num_loops, bias.get('core'), backprop_loops)
     if c.coda_layers:
       x_BTD, per_visit['coda'] = stack(c, c.coda_layers, c.coda_experts, **seg_kw,
                                        name='coda')(x_BTD, None, None, positions_BT,

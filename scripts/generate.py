@@ -1,6 +1,7 @@
 """Samples text from a checkpoint.
 
     python scripts/generate.py --workdir=/tmp/run --prompt='def ' --tokens=200 [--step=300]
+        [--kv_cache=last_pass]   # the core's KV cache shared by the passes (decode.py)
 """
 from absl import flags
 
@@ -15,13 +16,21 @@ _LOOPS = flags.DEFINE_integer('num_loops', None, 'Passes through the core (tied 
 _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step (default: latest readable).')
 _SCALE = flags.DEFINE_enum('scale_passes', None, ['trained', 'executed'],
                            'r of the 1/r residual scale at another pass count.')
+_KV = flags.DEFINE_string('kv_cache', None, "The core's KV-cache layout, model.kv_cache "
+                          "(per_pass, last_pass, first_pass; default: the model's).")
 
 
 def main(argv):
   del argv
+  import dataclasses
   from loopmoe_jax.train.evaluation import sample_text
-  print(sample_text(_WORKDIR.value, _PROMPT.value, _TOKENS.value, _TEMP.value, _SEED.value,
-                    _LOOPS.value, _STEP.value, _SCALE.value))
+  from loopmoe_jax.train.run import as_loaded
+  loaded = as_loaded(_WORKDIR.value, _STEP.value)
+  if _KV.value:  # a decoding option: the same params under another cache layout
+    exp = loaded.exp._replace(model=loaded.model_cfg.replace(kv_cache=_KV.value))
+    loaded = dataclasses.replace(loaded, exp=exp)
+  print(sample_text(loaded, _PROMPT.value, _TOKENS.value, _TEMP.value, _SEED.value,
+                    _LOOPS.value, None, _SCALE.value))
 
 
 if __name__ == '__main__':

@@ -3,7 +3,8 @@
 travel across machines better than absolute times.
 
 One module per sub-command (`MODULES`: bench/model.py, data.py, kernels.py, scale.py,
-memory.py, each registering itself with `register`); every target in `TARGETS`, here.
+memory.py, adaptive.py, each registering itself with `register`); every target in `TARGETS`,
+here.
 
 `--quick` shrinks every size and repeat count for a smoke run (tests/test_benchmark.py).
 """
@@ -28,7 +29,7 @@ from loopmoe_jax.objective import loss_fn
 SUBCOMMANDS: dict[str, Callable[[bool], dict[str, Any]]] = {}
 # Sub-command -> the module that registers it (imported by `run` on demand).
 MODULES = {name: f'loopmoe_jax.bench.{name}' for name in ('model', 'data', 'kernels', 'scale',
-                                                          'memory')}
+                                                          'memory', 'adaptive')}
 # Every sub-command's targets, in this one table: key -> upper bound (ratios; lower is better).
 TARGETS = {
     # model

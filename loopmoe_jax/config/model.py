@@ -27,6 +27,7 @@ EXCHANGES = ('auto', 'padded', 'ragged')
 OVERFLOWS = ('drop', 'replay')
 ROUTER_SCORES = ('softmax', 'sigmoid')
 ROUTER_BIASES = ('none', 'shared', 'per_pass')
+KV_CACHES = ('per_pass', 'last_pass', 'first_pass')
 
 
 RUN_FIELDS = ('dispatch', 'dispatch_tile', 'expert_exchange', 'remat', 'loop_impl',
@@ -106,6 +107,11 @@ class ModelConfig(RunConfig):
   scale_passes: str = 'trained'  # r of that 1/r when a forward runs another pass count than
                                  # the trained one: 'trained' (model.num_loops) or 'executed'
   injection: str = 'none'        # prelude output injected into each pass: none | add | concat
+  kv_cache: str = 'per_pass'     # decoding only (decode.py): the core's KV cache keeps one slot
+                                 # per (pass, layer) ('per_pass'), or one per layer holding the
+                                 # last pass's K/V ('last_pass', Huginn) or the first pass's
+                                 # ('first_pass', Mixture-of-Recursions); training and the
+                                 # full-sequence forward are the same under all three
   # Embeddings, norms, positions.
   tie_embeddings: bool = False
   norm_gain: bool = True
@@ -214,7 +220,7 @@ def _validate(c: ModelConfig):
     _err('core_layers', c.core_layers, 'the model has no layers')
   choices = dict(residual_scale=RESIDUAL_SCALES, injection=INJECTIONS, dtype=DTYPES,
                  param_dtype=DTYPES, exchange_overflow=OVERFLOWS, scale_passes=SCALE_PASSES,
-                 router_score=ROUTER_SCORES, router_bias=ROUTER_BIASES)
+                 router_score=ROUTER_SCORES, router_bias=ROUTER_BIASES, kv_cache=KV_CACHES)
   for name, allowed in choices.items():
     if getattr(c, name) not in allowed:
       _err(name, getattr(c, name), f'must be one of {allowed}')
@@ -233,6 +239,11 @@ def _validate(c: ModelConfig):
   if c.router_bias != 'none' and not any(experts for _, _, experts, _ in c.segments):
     _err('router_bias', c.router_bias, "the model has no MoE layer (set model.router_bias='none' "
          'or give a segment experts, e.g. model.core_experts=8)')
+  if c.kv_cache != 'per_pass' and not c.tie_attention and c.num_loops > 1 and c.core_layers:
+    _err('kv_cache', c.kv_cache, 'shares one K/V cache slot per core layer across the passes, but '
+         'model.tie_attention=False gives every pass its own K and V projections, so a pass would '
+         "attend to keys and values another pass's projections made: use "
+         "model.kv_cache='per_pass' (or a model trained with model.tie_attention=True)")
   if c.router_bias == 'per_pass' and not (c.core_layers and c.core_experts and c.num_loops > 1):
     _err('router_bias', c.router_bias, 'needs a looped MoE core (model.core_layers >= 1, '
          "model.core_experts >= 1, model.num_loops >= 2); use model.router_bias='shared'")

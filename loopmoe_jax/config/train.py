@@ -7,6 +7,8 @@ import math
 from loopmoe_jax.config.model import from_mapping
 
 SCHEDULES = ('wsd', 'cosine', 'constant')
+# train.loops_sampler: the core's pass count per train step (train/depth.py, sample_loops)
+LOOPS_SAMPLERS = ('fixed', 'uniform', 'poisson_lognormal')
 DECAY_SHAPES = ('1-sqrt', 'linear', 'cosine')
 
 
@@ -44,6 +46,15 @@ class TrainConfig:
   init_from: str = ''            # start from another run's checkpoint (a continuation)
   init_step: int = -1            # its step; -1: latest
   microbatches: int = 1          # gradient accumulation: the batch in this many equal parts
+  # Adaptive depth: the core's pass count drawn per step from (seed, step) (train/depth.py,
+  # sample_loops), one compiled train step per count drawn.
+  loops_sampler: str = 'fixed'   # fixed (model.num_loops) | uniform | poisson_lognormal
+  loops_low: int = 1             # sampled counts are clipped to [loops_low, loops_high]
+  loops_high: int = 0            # 0: model.num_loops
+  loops_mean: float = 0.0        # poisson_lognormal: Huginn's mean recurrence (the Poisson
+                                 # rate's mean; a count's mean is loops_mean + 1 before the clip)
+  backprop_loops: int = 0        # truncated backprop: gradient through the last k passes only
+                                 # (0: all passes)
 
   def __post_init__(self):
     if self.steps < 1:
@@ -72,9 +83,49 @@ class TrainConfig:
     if self.keep_every < 0:
       raise ValueError(f'train.keep_every={self.keep_every}: must be >= 0 (0: none)')
     self.kept_steps  # pylint: disable=pointless-statement  (validates train.keep_steps)
+    self._check_loops()
     if self.schedule_steps and self.schedule_steps < self.steps:
       raise ValueError(f'train.schedule_steps={self.schedule_steps} is shorter than '
                        f'train.steps={self.steps}')
+
+  def _check_loops(self):
+    """The sampler's own keys; the checks against the model (untied attention, a per-pass
+    router bias, the trained count) are experiment.check_adaptive_depth's."""
+    if self.loops_sampler not in LOOPS_SAMPLERS:
+      raise ValueError(f'train.loops_sampler={self.loops_sampler!r}: must be one of '
+                       f'{LOOPS_SAMPLERS}')
+    if self.loops_low < 1:
+      raise ValueError(f'train.loops_low={self.loops_low}: must be >= 1 (a step runs at least '
+                       'one pass); set --config.train.loops_low=1 or more')
+    if self.loops_high < 0:
+      raise ValueError(f'train.loops_high={self.loops_high}: must be >= 1, or 0 for '
+                       'model.num_loops')
+    if self.loops_high and self.loops_low > self.loops_high:
+      raise ValueError(f'train.loops_low={self.loops_low} exceeds train.loops_high='
+                       f'{self.loops_high}: set loops_low <= loops_high')
+    if not (math.isfinite(self.loops_mean) and self.loops_mean >= 0):
+      raise ValueError(f'train.loops_mean={self.loops_mean}: must be finite and > 0 (the mean '
+                       'pass count of poisson_lognormal; 0 when unused)')
+    if self.loops_sampler == 'poisson_lognormal' and not self.loops_mean > 0:
+      raise ValueError(f'train.loops_mean={self.loops_mean}: must be > 0 with '
+                       "train.loops_sampler='poisson_lognormal' (Huginn's mean recurrence; "
+                       'e.g. --config.train.loops_mean=4)')
+    if self.backprop_loops < 0:
+      raise ValueError(f'train.backprop_loops={self.backprop_loops}: must be >= 0 (0: '
+                       'backpropagate through every pass)')
+    if self.sampled and self.backprop_loops > self.loops_low:
+      raise ValueError(f'train.backprop_loops={self.backprop_loops} exceeds train.loops_low='
+                       f'{self.loops_low}: a step drawing the fewest passes could not '
+                       'backpropagate through that many; set backprop_loops <= loops_low')
+
+  def loops_bounds(self, trained: int) -> tuple[int, int]:
+    """[low, high] of the sampled pass counts (loops_high 0: `trained`, model.num_loops)."""
+    return self.loops_low, self.loops_high or trained
+
+  @property
+  def sampled(self) -> bool:
+    """Whether the pass count is drawn per step (train.loops_sampler other than 'fixed')."""
+    return self.loops_sampler != 'fixed'
 
   @property
   def kept_steps(self) -> tuple[int, ...]:

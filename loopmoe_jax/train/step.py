@@ -13,6 +13,10 @@ the train, eval and routing steps are kept (a small LRU) under the model, the op
 (train/optimizer.py returns the same ones for equal settings), the mesh and the shapes, so a
 second run of the same configuration in one process (a resume, a sweep point, a test) neither
 traces nor compiles again.
+
+A train step's core pass count (`num_loops`) and the passes it backpropagates through
+(`backprop_loops`, model.Core) are static: one program per pair (train/depth.py draws the
+count per step and keeps a run's programs).
 """
 from __future__ import annotations
 
@@ -67,7 +71,11 @@ def update_router_bias(collection, loads, rate: float):
     if load.ndim > b.ndim:  # a bias shared by every pass: the loads of all passes
       load = jnp.sum(load, axis=0)
     mean = jnp.mean(load, axis=-1, keepdims=True)
-    out[seg] = b + rate * jnp.sign(mean - load)
+    delta = rate * jnp.sign(mean - load)
+    if delta.shape[0] < b.shape[0]:  # a per-pass bias, fewer passes run (a sampled count):
+      # the passes not run keep theirs
+      delta = jnp.pad(delta, [(0, b.shape[0] - delta.shape[0])] + [(0, 0)] * (b.ndim - 1))
+    out[seg] = b + delta
   return {'bias': out}
 
 
@@ -218,15 +226,31 @@ def with_replay(value_and_grad, model):
   return fn
 
 
+class _Truncated:
+  """`model` whose forward backpropagates through the core's last `backprop_loops` passes
+  only (LoopedMoE's call argument), for objective.loss_fn, which reads `cfg` and calls
+  `apply`."""
+
+  def __init__(self, model, backprop_loops: int):
+    self.model, self.cfg, self.backprop_loops = model, model.cfg, backprop_loops
+
+  def apply(self, variables, *args, **kw):
+    return self.model.apply(variables, *args, backprop_loops=self.backprop_loops, **kw)
+
+
 def loss_and_grads(params, model, batch, lb_coef, z_coef, microbatches: int = 1,
-                   router_bias=None):
+                   router_bias=None, num_loops: int | None = None, backprop_loops: int = 0):
   """(metrics, grads) of the objective; with `microbatches` > 1 the mean over equal
   microbatches (gradient accumulation in float32). The LM loss and z-loss are token means,
   so equal microbatches give the whole batch's values; the load-balance loss is a product of
   batch means, computed per microbatch as a device holding that batch would. The expert
-  loads ('load', with `router_bias`) are the whole batch's (summed)."""
+  loads ('load', with `router_bias`) are the whole batch's (summed). `num_loops`: the core's
+  passes (None: the trained count); `backprop_loops` > 0: gradient through the last that
+  many only (truncated backprop, model.Core)."""
+  wrap = (lambda m: _Truncated(m, backprop_loops)) if backprop_loops else (lambda m: m)
   value_and_grad = jax.value_and_grad(
-      lambda p, m, b: loss_fn(p, m, b, lb_coef, z_coef, router_bias=router_bias), has_aux=True)
+      lambda p, m, b: loss_fn(p, wrap(m), b, lb_coef, z_coef, num_loops, router_bias),
+      has_aux=True)
   grad_fn = with_replay(value_and_grad, model)
   if microbatches == 1:
     (_, metrics), grads = grad_fn(params, model, batch)
@@ -249,23 +273,25 @@ def loss_and_grads(params, model, batch, lb_coef, z_coef, microbatches: int = 1,
 
 
 def make_train_step(model, tx, schedule, lb_coef: float, z_coef: float, state_sh, batch_sh,
-                    microbatches: int = 1, bias_rate: float = 0.0):
+                    microbatches: int = 1, bias_rate: float = 0.0,
+                    num_loops: int | None = None, backprop_loops: int = 0):
   """With a router bias in the state: the bias routes the step, then moves by `bias_rate`
   against the step's loads; the metrics gain 'max_vio_<segment>' (mean over the segment's
-  visits of the per-visit MaxVio)."""
+  visits of the per-visit MaxVio). `num_loops` (None: the trained count) and
+  `backprop_loops` (0: all passes) are static: one program per pair."""
   return _train_step(model, tx, schedule, lb_coef, z_coef, _key(state_sh), batch_sh,
-                     microbatches, bias_rate)
+                     microbatches, bias_rate, num_loops, backprop_loops)
 
 
 @_programs
 def _train_step(model, tx, schedule, lb_coef, z_coef, state_key, batch_sh, microbatches,
-                bias_rate):
+                bias_rate, num_loops, backprop_loops):
   state_sh = _tree(state_key)
 
   def step(state, batch):
     bias = state.get(ROUTER_BIAS)
     metrics, grads = loss_and_grads(state['params'], model, batch, lb_coef, z_coef,
-                                    microbatches, bias)
+                                    microbatches, bias, num_loops, backprop_loops)
     updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
     params = optax.apply_updates(state['params'], updates)
     metrics = dict(metrics, grad_norm=global_norm(grads), lr=schedule(state['step']))

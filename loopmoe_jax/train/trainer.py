@@ -4,9 +4,12 @@
 
 Resumes from the newest readable checkpoint in `workdir` (batches and losses continue exactly
 as an uninterrupted run), or starts from `train.init_from` (a continuation with a longer
-schedule), or from scratch. SIGTERM/SIGINT save a checkpoint and return cleanly. A
-non-finite loss or gradient norm, or non-finite parameters about to be saved, stop the run with
-TrainingDiverged: no checkpoint of them is written. A save that cannot be written (a full disk)
+schedule), or from scratch. SIGTERM/SIGINT save a checkpoint and return cleanly. With
+train.loops_sampler each step runs the core's pass count drawn for it from (seed, step), in
+the program compiled for that count (train/depth.py; one per count drawn, each printed as it
+is made, their number in the summary as 'compiled_programs'). A non-finite loss or gradient
+norm, or non-finite parameters about to be saved, stop the run with TrainingDiverged: no
+checkpoint of them is written. A save that cannot be written (a full disk)
 stops the run with checkpoint.CheckpointSaveError, one line. A second trainer on the same
 workdir is refused (lock.WorkdirLocked, naming the holder).
 """
@@ -28,7 +31,7 @@ from loopmoe_jax.expert_parallel import exchange_kind
 from loopmoe_jax.data import pipeline
 from loopmoe_jax.experiment import RUN_SETTINGS, build, config_diff
 from loopmoe_jax.model import LoopedMoE
-from loopmoe_jax.train import checkpoint, preflight, step as steps
+from loopmoe_jax.train import checkpoint, depth, preflight, step as steps
 from loopmoe_jax.train.lock import WorkdirLock
 from loopmoe_jax.train import metrics as metrics_lib
 from loopmoe_jax.train.metrics import Writer
@@ -125,13 +128,13 @@ def _train(cfg, exp, workdir: str, force: bool = False, start_over: bool = False
   it = pipeline.train_iterator(dc, mc.vocab_size, max(tc.steps, tc.total_steps) + 1, proc,
                                n_proc, data_state.get('iterator'))
   val = pipeline.validation_batches(dc, mc.vocab_size, proc, n_proc)
-  train_step = steps.make_train_step(model, tx, schedule, tc.lb_coef, tc.z_coef, state_sh,
-                                     batch_sh, tc.microbatches, tc.bias_rate)
+  programs = depth.TrainSteps(model, tx, schedule, tc, state_sh, batch_sh)
+  step_flops = {}  # pass count -> train FLOPs per token (MFU follows the counts run)
   eval_step = steps.make_eval_step(model, mesh=mesh)
   routing_step = steps.make_routing_step(model, mesh=mesh)
   acct = accounting.count(mc, dc.seq_len)
   writer = Writer(workdir, tc.steps, enabled=proc == 0, resume_step=start)
-  flops_tok, peak = 3 * acct['flops_per_token'], peak_flops(tc.peak_flops) * n_dev
+  peak = peak_flops(tc.peak_flops) * n_dev
   config_json = cfg.to_json()
   if proc == 0:
     print(f"model: {acct['params_total']:,} params ({acct['params_active']:,} active/token), "
@@ -139,10 +142,11 @@ def _train(cfg, exp, workdir: str, force: bool = False, start_over: bool = False
           f"{dc.seq_len}; steps {start} -> {tc.steps} on {n_dev} device(s)"
           f"{_mesh_text(mesh)}; dispatch {mc.dispatch} -> {resolve_backend(mc.dispatch)}"
           f"{_exchange_text(mc, mesh)}; attention {mc.attention_impl} -> "
-          f"{attention_impls.resolve(mc.attention_impl, mc.dtype, None, mc.head_size)}", flush=True)
+          f"{attention_impls.resolve(mc.attention_impl, mc.dtype, None, mc.head_size)}"
+          f"{depth.describe(tc, mc.num_loops)}", flush=True)
 
   pending, val_loss, val_step = None, None, None
-  t_log, tok_log, t0 = time.time(), 0, time.time()
+  t_log, tok_log, flops_log, t0 = time.time(), 0, 0.0, time.time()
   last_saved = start if mngr.latest_step() is not None else None
 
   def kept():
@@ -168,33 +172,45 @@ def _train(cfg, exp, workdir: str, force: bool = False, start_over: bool = False
     return s, m
 
   def handle(pending):
-    nonlocal t_log, tok_log, val_loss, val_step
+    nonlocal t_log, tok_log, flops_log, val_loss, val_step
     s, m = finish(pending)
+    n = int(m.pop('loops'))
+    if n not in step_flops:
+      step_flops[n] = depth.step_flops_per_token(mc, dc.seq_len, n, depth.backprop(tc, n))
     tok_log += dc.batch_size * dc.seq_len  # this step's tokens, counted once it is finished
+    flops_log += dc.batch_size * dc.seq_len * step_flops[n]
+    if tc.sampled:  # this step's pass count, and the programs made so far
+      m.update(loops=n, programs=len(programs))
     if s > tc.steps - tc.final_window:  # every step of the final window (the paired record)
       writer.record_step(s, m['loss'])
     if s % tc.log_every and s != tc.steps:
       return
-    m['tokens_per_s'] = tok_log / max(time.time() - t_log, 1e-9)
+    elapsed = max(time.time() - t_log, 1e-9)
+    m['tokens_per_s'] = tok_log / elapsed
     if peak:
-      m['mfu'] = flops_tok * m['tokens_per_s'] / peak
+      m['mfu'] = flops_log / elapsed / peak
     if val and (s % tc.eval_every == 0 or s == tc.steps):
       m['val_loss'] = val_loss = steps.evaluate(eval_step, state['params'], val, batch_sh,
                                                 state.get('router_bias'))
       val_step = s
     writer.write(s, m)
     writer.progress(s, m)
-    t_log, tok_log = time.time(), 0
+    t_log, tok_log, flops_log = time.time(), 0, 0.0
 
   try:
     with _StopFlag() as stop:
       for step in range(start, tc.steps):
         batch = steps.put_batch(next(it), batch_sh)
+        made = len(programs)
+        n, train_step = programs.at(step)
+        if len(programs) > made and tc.sampled and proc == 0:
+          print(f'step {step + 1}: {n} passes, compiling train program {len(programs)}',
+                flush=True)
         state, metrics = train_step(state, batch)
         checkpoint.check_background(mngr)  # an asynchronous save that failed stops the run
         if pending:
           handle(pending)
-        pending = (step + 1, metrics)
+        pending = (step + 1, dict(metrics, loops=n))
         if (step + 1) % tc.routing_every == 0:
           _write_routing(workdir, step + 1,
                          routing_step(state['params'], batch, state.get('router_bias')), proc)
@@ -232,13 +248,13 @@ def _train(cfg, exp, workdir: str, force: bool = False, start_over: bool = False
              'tokens_per_s': (final - start) * dc.batch_size * dc.seq_len /
              wall, 'wall_s': wall, 'params_total': acct['params_total'],
              'params_active': acct['params_active'], 'stopped_by': stop.signal,
-             'replayed': replayed}
+             'replayed': replayed, 'compiled_programs': len(programs)}
   if proc == 0:
     with open(summary_path, 'w') as f:
       json.dump(summary, f, indent=1)
     print('summary: ' + json.dumps({k: summary[k] for k in
                                     ('steps', 'final_window_loss', 'val_loss', 'val_step',
-                                     'tokens_per_s')}))
+                                     'tokens_per_s', 'compiled_programs')}))
   if tc.sample_tokens and not stop.signal:
     params, bias = state['params'], state.get('router_bias')
     if n_proc > 1:  # every process joins the gather; process 0 samples from the whole copy

@@ -1,0 +1,103 @@
+"""`benchmark.py adaptive`: what adaptive depth in training costs (train/depth.py, model.Core).
+
+One function per figure (`bench_adaptive` joins them):
+- step_time_r8_over_r2 (`step_time_ratio`): the trainer's train step (train/step.py: AdamW,
+  load-balance and z-loss; configs/default.py:smoke, one device) compiled for a sampled
+  count of 8 passes over the same family's program for 2 (what train.loops_sampler runs:
+  `make_train_step` with a static `num_loops`), timed interleaved, the median of
+  `repeats` steps after 2 warm-up steps each. `flops_r8_over_r2` is the ratio of the two
+  steps' model FLOPs (depth.step_flops_per_token) beside it: a step costs what its count
+  costs when the time ratio follows it (a program of the largest count, masked, would give
+  about 1).
+- compiled_programs (`compiled_programs`): the train programs a `poisson_lognormal` run of
+  configs/default.py:smoke compiled (the trainer's summary), train.loops_mean 3 (its
+  model.num_loops) clipped to [1, 8]: at most 8, one per count drawn.
+  `compiled_programs_steps` says how many steps the run had (200; 20 with --quick), and
+  `counts_drawn` the distinct counts `sample_loops` gives for those steps (the same number
+  when the trainer makes one program per count).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import tempfile
+from typing import Any
+
+import jax
+
+from loopmoe_jax.bench import _batch, register, time_interleaved
+
+
+def _smoke(quick: bool):
+  """The smoke experiment (configs/default.py:smoke); with `quick` at the quick sizes of
+  bench/model.py's train-step figure (its figures are not comparable)."""
+  from loopmoe_jax.experiment import build, load_config  # pylint: disable=import-outside-toplevel
+  cfg = load_config('configs/default.py:smoke')
+  if quick:
+    cfg.model.update(d_model=32, num_heads=2, num_kv_heads=1, expert_width=32)
+    cfg.run.dispatch = 'xla'
+    cfg.data.update(batch_size=2, seq_len=32)
+  return cfg, build(cfg)
+
+
+def step_time_ratio(quick: bool, counts=(2, 8), repeats: int | None = None) -> dict[str, Any]:
+  """Median train-step seconds at each of `counts` (one device), their ratio and the model
+  FLOPs ratio."""
+  from loopmoe_jax import sharding  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.model import LoopedMoE  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.train import depth, step as steps  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.train.optimizer import make_optimizer  # pylint: disable=import-outside-toplevel
+  _, exp = _smoke(quick)
+  tc, dc, mc = exp.train, exp.data, exp.model
+  mesh = sharding.make_mesh(devices=jax.devices()[:1])
+  tx, schedule = make_optimizer(tc)
+  model = LoopedMoE(mc)
+  state_sh, batch_sh = steps.shardings(mesh, model, tx, dc.seq_len)
+  placed = jax.device_put(_batch(mc, dc.batch_size, dc.seq_len), batch_sh)
+  thunks = {}
+  for n in counts:
+    step = steps.make_train_step(model, tx, schedule, tc.lb_coef, tc.z_coef, state_sh,
+                                 batch_sh, num_loops=n)
+    box = [steps.create_state(model, tx, tc.seed, dc.seq_len, state_sh)]
+
+    def run_step(step=step, box=box):  # the state is donated: carry it on
+      box[0], metrics = step(box[0], placed)
+      return metrics
+    thunks[n] = run_step
+  secs = time_interleaved(thunks, repeats or (3 if quick else 15))
+  flops = {n: depth.step_flops_per_token(mc, dc.seq_len, n) for n in counts}
+  lo, hi = counts
+  return {f'step_s_r{lo}': secs[lo], f'step_s_r{hi}': secs[hi],
+          f'step_time_r{hi}_over_r{lo}': secs[hi] / secs[lo],
+          f'flops_r{hi}_over_r{lo}': flops[hi] / flops[lo]}
+
+
+def compiled_programs(quick: bool, steps: int | None = None) -> dict[str, Any]:
+  """The programs a poisson_lognormal run compiled (its summary) over `steps` steps."""
+  from loopmoe_jax.experiment import build  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.train import depth  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.train.trainer import train  # pylint: disable=import-outside-toplevel
+  steps = steps or (20 if quick else 200)
+  cfg, _ = _smoke(quick)
+  cfg.train.update(steps=steps, loops_sampler='poisson_lognormal', loops_mean=3.0,
+                   loops_low=1, loops_high=8, log_every=50, eval_every=steps,
+                   save_every=steps, sample_tokens=0, async_save=False)
+  cfg.data.val_batches = 1
+  with tempfile.TemporaryDirectory() as work, contextlib.redirect_stdout(io.StringIO()) as out:
+    summary = train(cfg, os.path.join(work, 'run'))
+  exp = build(cfg)
+  drawn = {depth.sample_loops(exp.train, exp.model.num_loops, s) for s in range(steps)}
+  made = out.getvalue().count('compiling train program')
+  return {'compiled_programs': summary['compiled_programs'], 'compiled_programs_steps': steps,
+          'compiled_programs_printed': made, 'counts_drawn': len(drawn),
+          'counts': json.dumps(sorted(drawn))}
+
+
+@register('adaptive')
+def bench_adaptive(quick: bool = False) -> dict[str, Any]:
+  res: dict[str, Any] = {'quick': quick}
+  res.update(step_time_ratio(quick))
+  res.update(compiled_programs(quick))
+  return res
