@@ -66,3 +66,17 @@ def test_kernels_moe_layer_checks_pallas_and_times_every_stage():
   assert res['cpu_moe_pallas_err'] < 1e-2  # bf16 operands, float32 sums
   assert set(res['cpu_moe_stage_share']) == {'route', 'permute', 'gate_up', 'down', 'combine'}
   assert all(v > 0 for v in res['cpu_moe_stage_share'].values())
+
+
+def test_verdicts_read_upper_and_lower_bounds():
+  from loopmoe_jax import bench
+  upper, lower = 'loss_temp_over_logits', 'step_time_r8_over_r2'
+  assert bench.TARGETS[lower][0] == '>=' and not isinstance(bench.TARGETS[upper], tuple)
+  hi, lo = bench.TARGETS[upper], bench.TARGETS[lower][1]
+  got = bench.verdicts({upper: hi * 0.99, lower: lo * 1.01, 'compiled_programs': 9,
+                        'decode_exit_over_full': float('nan')})
+  assert got == {upper: True, lower: True, 'compiled_programs': False,
+                 'decode_exit_over_full': False}
+  got = bench.verdicts({upper: hi * 1.01, lower: lo * 0.99, 'compiled_programs': 8})
+  assert got == {upper: False, lower: False, 'compiled_programs': True}
+  assert '>= 2.5  FAIL' in bench.format_table({lower: lo * 0.99})

@@ -30,7 +30,8 @@ SUBCOMMANDS: dict[str, Callable[[bool], dict[str, Any]]] = {}
 # Sub-command -> the module that registers it (imported by `run` on demand).
 MODULES = {name: f'loopmoe_jax.bench.{name}' for name in ('model', 'data', 'kernels', 'scale',
                                                           'memory', 'adaptive')}
-# Every sub-command's targets, in this one table: key -> upper bound (ratios; lower is better).
+# Every sub-command's targets, in this one table: key -> upper bound (ratios; lower is better),
+# or ('>=', lower bound) where higher is better.
 TARGETS = {
     # model
     'compile_ratio_L16_over_L1': 1.3,
@@ -56,7 +57,15 @@ TARGETS = {
     'loss_temp_over_logits': 0.25,
     'remat_best_temp_over_none': 0.35,
     'remat_best_flops_over_none': 1.2,
+    # adaptive
+    'step_time_r8_over_r2': ('>=', 2.5),          # a step's cost follows the sampled count
+    'decode_exit_over_full': 0.65,
+    'compiled_programs': 8,
 }
+
+
+def _bound(target) -> tuple[str, float]:
+  return target if isinstance(target, tuple) else ('<=', target)
 # XLA options that skip LLVM optimisation: param init always compiles with them (it runs once),
 # and so does everything in a --quick run (a smoke run; its figures are not comparable).
 FAST_COMPILE = {'xla_backend_optimization_level': 0}
@@ -171,7 +180,11 @@ def step_seconds(cfgs: dict[str, ModelConfig], batch, repeats: int, options=None
 # Backends whose cost grows linearly with E on CPU (masked dense work).
 def verdicts(results: dict[str, Any]) -> dict[str, bool]:
   """PASS (True) / FAIL per TARGETS key present in `results` (None or non-finite fails)."""
-  ok = lambda v, t: isinstance(v, float) and math.isfinite(v) and v <= t
+  def ok(v, target):
+    op, bound = _bound(target)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+      return False
+    return v >= bound if op == '>=' else v <= bound
   return {k: ok(results[k], t) for k, t in TARGETS.items() if k in results}
 
 
@@ -183,7 +196,8 @@ def format_table(results: dict[str, Any]) -> str:
       continue
     text = f'{value:.4g}' if isinstance(value, float) else (
         'skipped' if value is None else str(value))
-    verdict = f'<= {TARGETS[key]}  {"PASS" if passed[key] else "FAIL"}' if key in passed else ''
+    op, bound = _bound(TARGETS.get(key, 0.0))
+    verdict = f'{op} {bound}  {"PASS" if passed[key] else "FAIL"}' if key in passed else ''
     rows.append((key, text, verdict))
   width = max(len(r[0]) for r in rows)
   return '\n'.join(f'{k:<{width}}  {v:>10}  {t}'.rstrip() for k, v, t in rows)
