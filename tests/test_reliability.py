@@ -242,6 +242,10 @@ def test_preflight_names_the_tokens_when_the_batch_drives_it():
   # far below, fewer passes would not help: the tokens are named
   with pytest.raises(ValueError, match=r'data.batch_size=64 x data.seq_len=4096'):
     preflight.check_memory(exp, mesh, state, budget=need // 4)
+  # a run drawing up to 5 passes is sized at 5: 1 prelude + 5 core layers
+  cfg.train.loops_sampler, cfg.train.loops_high = 'uniform', 5
+  sampled = preflight.estimate(build(cfg), mesh, state)
+  assert sampled['activations'] == 6 * 64 * 4096 * (64 + 128 + 256) * 4
 
 
 def _interrupt_before_the_loop(tmp_path, when: str):

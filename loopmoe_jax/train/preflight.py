@@ -80,7 +80,10 @@ def estimate(exp, mesh, state) -> dict:
   params = per_dev(state['params'])
   seqs = max(1, dc.batch_size // sharding.batch_size_of(mesh) // exp.train.microbatches)
   tokens = seqs * dc.seq_len
-  layers = {seg: (n, passes, layer_bytes(mc, tokens, seqs, dc.seq_len, experts))
+  # a run drawing its pass counts is sized at the largest count it may draw
+  core_passes = exp.train.loops_bounds(mc.num_loops)[1] if exp.train.sampled else None
+  layers = {seg: (n, core_passes if seg == 'core' and core_passes else passes,
+                  layer_bytes(mc, tokens, seqs, dc.seq_len, experts))
             for seg, n, experts, passes in mc.segments}
   if mc.remat == 'none':  # every executed layer keeps its set
     per_seg = {seg: n * passes * b for seg, (n, passes, b) in layers.items()}
