@@ -38,6 +38,13 @@ a model trained under one decodes under any):
   core's slots (as 'per_pass' does throughout).
 
 `accounting.count(cfg)['kv_per_token']` and `cache_bytes` follow the layout.
+
+Early exit (model.exit 'kl' | 'gate', exit.py) applies in every decode_step: a token stops
+looping once its rule fires; the slots of the passes it skipped (this step's positions) are
+filled with its last computed pass's K/V (exit.fill_skipped, before a shared layout keeps its
+pass), and the cache's 'exit' entry counts the passes run and the tokens fed
+(`mean_passes`). When every row has exited the remaining passes are skipped, so at batch 1 a
+step's time follows the passes the token ran.
 """
 from __future__ import annotations
 
@@ -46,6 +53,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from loopmoe_jax import exit as early_exit_lib
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.model import LoopedMoE, check_loops, for_init, variables
 from loopmoe_jax.objective import token_nll_of_logits
@@ -75,9 +83,21 @@ def _cache_shapes(cfg: ModelConfig, batch: int, max_len: int, num_loops: int | N
   model = for_init(LoopedMoE(cfg, decode=True))
   dummy = jax.ShapeDtypeStruct((batch, max_len), jnp.int32)
   shapes = jax.eval_shape(lambda t: model.init(jax.random.key(0), t, num_loops=num_loops), dummy)
+  cache = dict(shapes['cache'])
+  if cfg.exit != 'none':  # running sums: passes run, tokens fed (mean_passes)
+    cache[EXIT] = {k: jax.ShapeDtypeStruct((), jnp.float32) for k in ('passes', 'tokens')}
   if shares_passes(cfg):
-    return _with_core(shapes['cache'], lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype))
-  return shapes['cache']
+    return _with_core(cache, lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype))
+  return cache
+
+
+EXIT = 'exit'  # the cache's early-exit counters (model.exit other than 'none')
+
+
+def mean_passes(cache) -> float:
+  """The core passes run per token fed so far under early exit (model.exit)."""
+  stats = cache[EXIT]
+  return stats['passes'] / jnp.maximum(stats['tokens'], 1.0)
 
 
 def _with_core(cache, fn):
@@ -114,6 +134,7 @@ def decode_step(cfg: ModelConfig, params, cache, tokens_BT, num_loops: int | Non
 
   Writing past the cache's length raises when the position is concrete; under jit the
   logits of such a step are NaN instead of silently wrong."""
+  early_exit_lib.check_params(cfg, params)
   max_len, pos = cache_length(cache), cache['position']
   end = pos + tokens_BT.shape[1]
   try:
@@ -128,10 +149,18 @@ def decode_step(cfg: ModelConfig, params, cache, tokens_BT, num_loops: int | Non
   if shared:  # the scan's per-pass layout, each pass's slot a copy of the shared one
     passes = check_loops(cfg, num_loops)
     cache = _with_core(cache, lambda x: jnp.broadcast_to(x, (passes,) + x.shape))
-  (logits, _), mutated = LoopedMoE(cfg, decode=True).apply(
+  cache = dict(cache)
+  counts = cache.pop(EXIT, None)
+  (logits, extras), mutated = LoopedMoE(cfg, decode=True).apply(
       variables(params, cache=cache, router_bias=router_bias), tokens_BT, num_loops=num_loops,
       mutable=['cache'])
-  cache = mutated['cache']
+  cache = dict(mutated['cache'])
+  if 'exit' in extras:
+    passes_BT = extras['exit']['passes_BT']
+    cache[CORE] = early_exit_lib.fill_skipped(cache[CORE], passes_BT, pos)
+    if counts is not None:
+      cache[EXIT] = {'passes': counts['passes'] + jnp.sum(passes_BT).astype(jnp.float32),
+                     'tokens': counts['tokens'] + jnp.float32(passes_BT.size)}
   if shared:  # pass p's slot is the shared one with this step's positions holding p's K/V
     cache = _with_core(cache, lambda x: x[_shared_pass(cfg)])
   return jnp.where(end > max_len, jnp.nan, logits), cache

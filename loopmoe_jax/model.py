@@ -20,6 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from loopmoe_jax import exit as early_exit_lib
 from loopmoe_jax import sharding
 from loopmoe_jax.attention import Attention, AttentionWeights
 from loopmoe_jax.config import ModelConfig
@@ -135,9 +136,12 @@ class Core(nn.Module):
   record: bool = False
 
   @nn.compact
-  def __call__(self, x_BTD, positions_BT, num_loops: int, bias=None, backprop_loops: int = 0):
+  def __call__(self, x_BTD, positions_BT, num_loops: int, bias=None, backprop_loops: int = 0,
+               readout=None):
     """`bias`: the core's router bias, [C, E] ('shared') or [trained L, D, E] ('per_pass';
-    a forward with more passes than trained reuses the last pass's bias), or None."""
+    a forward with more passes than trained reuses the last pass's bias), or None.
+    `readout` (exit.Readout): per-token early exit (exit.py); the statistics are then
+    {'exit_passes': passes_BT} only."""
     c = self.cfg
     per_pass = bias is not None and bias.ndim == 3
     if per_pass:
@@ -157,6 +161,13 @@ class Core(nn.Module):
     if split and (self.decode or self.is_mutable_collection('intermediates')):
       raise ValueError(f'backprop_loops={backprop_loops} is a training setting: decoding and '
                        'probes run every pass with gradient (backprop_loops=0)')
+    if readout is not None:  # early exit: always the scan (an inference setting)
+      if split:
+        raise ValueError(f'backprop_loops={backprop_loops}: early exit (model.exit) is an '
+                         'inference setting; use backprop_loops=0')
+      return early_exit_lib.scan_core(body(**kw, name='body'),
+                                      (x_BTD, pass_attn, e_BTD, positions_BT, bias), num_loops,
+                                      per_pass, readout, BROADCAST, PER_PASS)
     if c.loop_impl == 'scan' or self.decode:
       scan = lambda length: nn.scan(
           body, variable_broadcast=BROADCAST, variable_axes=PER_PASS,
@@ -224,14 +235,20 @@ class LoopedMoE(nn.Module):
   @nn.compact
   def __call__(self, tokens_BT=None, *, num_loops: int | None = None,
                return_routing: bool = False, x_BTD=None, return_hidden: bool = False,
-               backprop_loops: int = 0):
+               backprop_loops: int = 0, early_exit: bool | None = None):
     """(logits_BTV float32, extras); with `return_hidden` (hidden_BTD, extras): the final
     normed states, for a loss that applies the head itself (`head_matrix`, objective.py).
     `backprop_loops` = k > 0: gradient through the core's last k passes only (truncated
-    backprop, `Core`; a training setting, train.backprop_loops); the forward is unchanged."""
+    backprop, `Core`; a training setting, train.backprop_loops); the forward is unchanged.
+    `early_exit`: apply model.exit's per-token early exit (exit.py; default: when decoding);
+    extras['exit'] then holds the passes each token ran."""
     c = self.cfg
     dt = DTYPES[c.dtype]
     num_loops = self._check_loops(num_loops)
+    exiting = (c.exit != 'none' and c.core_layers > 0 and not self.is_initializing() and
+               (self.decode if early_exit is None else early_exit))
+    gate = early_exit_lib.gate_params(self, c.d_model, DTYPES[c.param_dtype]) if (
+        exiting and c.exit == 'gate') else None  # a missing gate fails here, before compute
     if not 0 <= backprop_loops <= num_loops:
       raise ValueError(f'backprop_loops={backprop_loops}: must lie in [0, {num_loops}], the '
                        'passes this forward runs (0: all of them)')
@@ -258,9 +275,11 @@ class LoopedMoE(nn.Module):
       x_BTD, per_visit['prelude'] = stack(c, c.prelude_layers, c.prelude_experts, **seg_kw,
                                           name='prelude')(x_BTD, None, None, positions_BT,
                                                           bias.get('prelude'))
+    readout = early_exit_lib.readout(self, embed_VD, gate, head_matrix) if exiting else None
     if c.core_layers:
       x_BTD, per_visit['core'] = Core(c, **seg_kw, name='core')(
-          x_BTD, positions_BT, num_loops, bias.get('core'), backprop_loops)
+          x_BTD, positions_BT, num_loops, bias.get('core'), backprop_loops, readout)
+    passes_BT = per_visit.get('core', {}).pop('exit_passes', None)
     if c.coda_layers:
       x_BTD, per_visit['coda'] = stack(c, c.coda_layers, c.coda_experts, **seg_kw,
                                        name='coda')(x_BTD, None, None, positions_BT,
@@ -269,10 +288,15 @@ class LoopedMoE(nn.Module):
     head_DV = None if c.tie_embeddings else param(
         self, 'head', (c.d_model, c.vocab_size), ('embed', 'vocab'), fan_in_init([0], [1]),
         DTYPES[c.param_dtype])
+    if c.exit == 'gate' and gate is None:  # made last: the other params' init is unchanged
+      early_exit_lib.gate_params(self, c.d_model, DTYPES[c.param_dtype])
+    extras = _extras(per_visit, return_routing)
+    if passes_BT is not None:
+      extras['exit'] = early_exit_lib.extras(passes_BT)
     if return_hidden:
-      return x_BTD, _extras(per_visit, return_routing)
+      return x_BTD, extras
     logits_BTV = x_BTD @ head_matrix(c, {'embed': embed_VD, 'head': head_DV})
-    return logits_BTV.astype(jnp.float32), _extras(per_visit, return_routing)
+    return logits_BTV.astype(jnp.float32), extras
 
   def _check_loops(self, num_loops):
     return check_loops(self.cfg, num_loops)

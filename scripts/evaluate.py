@@ -5,6 +5,9 @@
     python scripts/evaluate.py --workdir=/tmp/run --kv_cache=per_pass,last_pass,first_pass
         # the validation text decoded one token at a time under each KV-cache layout
         # (model.kv_cache, decode.py), beside the full forward's loss on the same tokens
+    python scripts/evaluate.py --workdir=/tmp/run --exit=kl --thresholds=1e-3,1e-2,0.1 \
+        --out=/tmp/exit.png   # per-token early exit (model.exit, exit.py): loss and average
+        # passes per threshold (a trade-off table), and a PNG of loss against average passes
 """
 import json
 
@@ -21,6 +24,71 @@ _SCALE = flags.DEFINE_enum('scale_passes', None, ['trained', 'executed'],
 _KV = flags.DEFINE_list('kv_cache', [], 'KV-cache layouts to compare (per_pass, last_pass, '
                         'first_pass): the loss of the validation batches decoded one token at '
                         'a time under each (decode.decode_nll).')
+_EXIT = flags.DEFINE_enum('exit', None, ['kl', 'gate'], 'Early-exit rule (model.exit) to '
+                          'sweep over --thresholds.')
+_THRESH = flags.DEFINE_list('thresholds', [], 'model.exit_threshold values for --exit.')
+_OUT = flags.DEFINE_string('out', None, 'PNG of loss against average passes (--exit).')
+
+
+def exit_tradeoff(workdir, rule, thresholds, num_loops, step, out=None) -> dict:
+  """{'rows': [{threshold, loss, mean_passes}]} on the validation batches (the full forward
+  with early_exit=True, exited tokens frozen; the no-exit model as threshold None), and the
+  PNG of loss against average passes at `out`."""
+  import jax
+  import numpy as np
+  from loopmoe_jax.data import pipeline
+  from loopmoe_jax.model import LoopedMoE, variables
+  from loopmoe_jax.objective import token_nll_of_logits
+  from loopmoe_jax.train.run import as_loaded
+  if not thresholds:
+    raise ValueError('--exit needs --thresholds=a,b,c (model.exit_threshold values)')
+  try:
+    values = [float(t) for t in thresholds]
+  except ValueError:
+    raise ValueError(f'--thresholds={",".join(thresholds)}: must be numbers') from None
+  loaded = as_loaded(workdir, step)
+  base = loaded.model_cfg
+  configs = [(None, base.replace(exit='none'))] + [
+      (t, base.replace(exit=rule, exit_threshold=t)) for t in values]  # bad ones fail here
+  batches = pipeline.validation_batches(loaded.exp.data, base.vocab_size)
+  if not batches:
+    raise ValueError(f'{loaded.workdir}: the run has no validation data (data.val_path is empty)')
+  rows = []
+  for t, cfg in configs:
+    fn = jax.jit(lambda p, b, x, cfg=cfg: LoopedMoE(cfg).apply(
+        variables(p, router_bias=b), x, num_loops=num_loops, early_exit=t is not None))
+    total = passes = count = 0.0
+    for b in batches:
+      logits, extras = fn(loaded.params, loaded.router_bias, b['inputs'])
+      mask = np.asarray(b['mask'], np.float64)
+      total += float(np.sum(np.asarray(token_nll_of_logits(logits, b['targets'])) * mask))
+      n = np.asarray(extras['exit']['passes_BT']) if 'exit' in extras else num_loops or \
+          base.num_loops
+      passes += float(np.sum(n * mask))
+      count += float(mask.sum())
+    rows.append({'threshold': t, 'loss': total / max(count, 1.0),
+                 'mean_passes': passes / max(count, 1.0)})
+  for r in rows:
+    print(f"{rule if r['threshold'] is not None else 'none':>5} threshold="
+          f"{r['threshold'] if r['threshold'] is not None else '-':<10} "
+          f"loss={r['loss']:.4f} mean_passes={r['mean_passes']:.3f}")
+  if out:
+    from loopmoe_jax.scaling.plots import _pyplot
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    ex = [r for r in rows if r['threshold'] is not None]
+    ax.plot([r['mean_passes'] for r in ex], [r['loss'] for r in ex], 'o-', label=f'exit={rule}')
+    for r in ex:
+      ax.annotate(f"{r['threshold']:g}", (r['mean_passes'], r['loss']), fontsize=8)
+    ax.scatter([rows[0]['mean_passes']], [rows[0]['loss']], color='k', marker='s',
+               label='no exit', zorder=3)
+    ax.set_xlabel('average passes per token')
+    ax.set_ylabel('validation loss (nats)')
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+  return {'step': loaded.step, 'exit': rule, 'rows': rows, 'plot': out}
 
 
 def kv_cache_losses(workdir, layouts, num_loops, step, scale_passes) -> dict:
@@ -73,7 +141,12 @@ def main(argv):
     loops = [int(n) for n in _LOOPS.value] or [None]
   except ValueError:
     raise ValueError(f'--num_loops={",".join(_LOOPS.value)}: pass counts must be integers') from None
-  if _KV.value:
+  if _EXIT.value:
+    out = {}
+    for n in loops:
+      out[str(n or 'trained')] = exit_tradeoff(_WORKDIR.value, _EXIT.value, _THRESH.value, n,
+                                               _STEP.value, _OUT.value)
+  elif _KV.value:
     out = kv_cache_losses(_WORKDIR.value, _KV.value, loops, _STEP.value, _SCALE.value)
   else:
     out = evaluate_checkpoint(_WORKDIR.value, loops, _STEP.value, _SCALE.value)

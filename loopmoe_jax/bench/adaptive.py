@@ -15,6 +15,12 @@ One function per figure (`bench_adaptive` joins them):
   `compiled_programs_steps` says how many steps the run had (200; 20 with --quick), and
   `counts_drawn` the distinct counts `sample_loops` gives for those steps (the same number
   when the trainer makes one program per count).
+- decode_exit_over_full (`decode_exit_ratio`): decode seconds per token at batch 1 under
+  per-token early exit (model.exit='kl', exit.py) over the same model running every pass
+  (model.exit='none'), a random-init model of 8 passes whose looped core dominates the step;
+  the KL threshold is bisected (on a full forward over the same tokens) for about half the
+  passes on average, and `decode_exit_mean_passes` is what the timed decode actually ran.
+  Target <= 0.65.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import io
 import json
 import os
 import tempfile
+import time
 from typing import Any
 
 import jax
@@ -95,9 +102,59 @@ def compiled_programs(quick: bool, steps: int | None = None) -> dict[str, Any]:
           'counts': json.dumps(sorted(drawn))}
 
 
+def decode_exit_ratio(quick: bool, loops: int = 8, tokens: int | None = None,
+                      repeats: int | None = None) -> dict[str, Any]:
+  """Per-token decode time at batch 1, early exit ('kl', ~loops/2 passes) over every pass."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.config import ModelConfig  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.decode import decode_step, init_cache, mean_passes  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.model import LoopedMoE, for_init  # pylint: disable=import-outside-toplevel
+  tokens = tokens or (16 if quick else 64)
+  width = 64 if quick else 256
+  cfg = ModelConfig(vocab_size=256, d_model=width, num_heads=4, expert_width=width,
+                    prelude_layers=1, prelude_experts=0, core_layers=2, core_experts=4,
+                    num_loops=loops, coda_layers=1, coda_experts=0, dispatch='xla')
+  toks = jax.random.randint(jax.random.key(1), (1, tokens), 0, cfg.vocab_size)
+  params = for_init(LoopedMoE(cfg)).init(jax.random.key(0), toks[:, :4])['params']
+
+  def forward_passes(t):
+    c = cfg.replace(exit='kl', exit_threshold=t)
+    _, ex = LoopedMoE(c).apply({'params': params}, toks, early_exit=True)
+    return float(ex['exit']['mean_passes'])
+  lo, hi = 1e-6, 1e2  # bisect log10(threshold) for about half the passes
+  for _ in range(12):  # a larger threshold exits sooner
+    mid = float(np.sqrt(lo * hi))
+    lo, hi = (lo, mid) if forward_passes(mid) < loops / 2 else (mid, hi)
+  threshold = float(np.sqrt(lo * hi))
+  runs = {'full': cfg, 'exit': cfg.replace(exit='kl', exit_threshold=threshold)}
+  steps = {k: jax.jit(lambda p, ca, x, c=c: decode_step(c, p, ca, x)) for k, c in runs.items()}
+  caches = {k: init_cache(c, 1, tokens) for k, c in runs.items()}
+  secs = {}
+  for k in runs:
+    step, best = steps[k], float('inf')
+    for _ in range(repeats or (2 if quick else 3)):
+      cache = init_cache(runs[k], 1, tokens)
+      jax.block_until_ready(step(params, cache, toks[:, :1]))  # compiled, warm
+      start = time.perf_counter()
+      for i in range(tokens):
+        logits, cache = step(params, cache, toks[:, i:i + 1])
+      jax.block_until_ready(logits)
+      best = min(best, (time.perf_counter() - start) / tokens)
+    secs[k], caches[k] = best, cache
+  return {'decode_s_per_token_full': secs['full'], 'decode_s_per_token_exit': secs['exit'],
+          'decode_exit_over_full': secs['exit'] / secs['full'],
+          'decode_exit_threshold': threshold, 'decode_exit_loops': loops,
+          'decode_exit_mean_passes': float(mean_passes(caches['exit'])),
+          'decode_exit_forward_mean_passes': forward_passes(threshold)}
+
+
 @register('adaptive')
 def bench_adaptive(quick: bool = False) -> dict[str, Any]:
   res: dict[str, Any] = {'quick': quick}
   res.update(step_time_ratio(quick))
   res.update(compiled_programs(quick))
+  res.update(decode_exit_ratio(quick))
+  print(f"decode_exit_over_full={res['decode_exit_over_full']:.3f} at "
+        f"{res['decode_exit_mean_passes']:.2f} of {res['decode_exit_loops']} passes on average")
   return res

@@ -28,6 +28,7 @@ OVERFLOWS = ('drop', 'replay')
 ROUTER_SCORES = ('softmax', 'sigmoid')
 ROUTER_BIASES = ('none', 'shared', 'per_pass')
 KV_CACHES = ('per_pass', 'last_pass', 'first_pass')
+EXITS = ('none', 'kl', 'gate')
 
 
 RUN_FIELDS = ('dispatch', 'dispatch_tile', 'expert_exchange', 'remat', 'loop_impl',
@@ -112,6 +113,12 @@ class ModelConfig(RunConfig):
                                  # last pass's K/V ('last_pass', Huginn) or the first pass's
                                  # ('first_pass', Mixture-of-Recursions); training and the
                                  # full-sequence forward are the same under all three
+  exit: str = 'none'             # per-token early exit from the core (exit.py): 'kl' (zero-shot,
+                                 # Huginn) or 'gate' (a learned exit gate, Ouro); applied when
+                                 # decoding, or in a forward with early_exit=True
+  exit_threshold: float = 0.0    # kl: exit when KL(pass p || pass p-1) < it (> 0); gate: when the
+                                 # cumulative exit probability >= it (in (0, 1])
+  exit_entropy: float = 0.0      # gate training: the weight of the exit distribution's entropy
   # Embeddings, norms, positions.
   tie_embeddings: bool = False
   norm_gain: bool = True
@@ -220,7 +227,8 @@ def _validate(c: ModelConfig):
     _err('core_layers', c.core_layers, 'the model has no layers')
   choices = dict(residual_scale=RESIDUAL_SCALES, injection=INJECTIONS, dtype=DTYPES,
                  param_dtype=DTYPES, exchange_overflow=OVERFLOWS, scale_passes=SCALE_PASSES,
-                 router_score=ROUTER_SCORES, router_bias=ROUTER_BIASES, kv_cache=KV_CACHES)
+                 router_score=ROUTER_SCORES, router_bias=ROUTER_BIASES, kv_cache=KV_CACHES,
+                 exit=EXITS)
   for name, allowed in choices.items():
     if getattr(c, name) not in allowed:
       _err(name, getattr(c, name), f'must be one of {allowed}')
@@ -244,9 +252,27 @@ def _validate(c: ModelConfig):
          'model.tie_attention=False gives every pass its own K and V projections, so a pass would '
          "attend to keys and values another pass's projections made: use "
          "model.kv_cache='per_pass' (or a model trained with model.tie_attention=True)")
+  _validate_exit(c)
   if c.router_bias == 'per_pass' and not (c.core_layers and c.core_experts and c.num_loops > 1):
     _err('router_bias', c.router_bias, 'needs a looped MoE core (model.core_layers >= 1, '
          "model.core_experts >= 1, model.num_loops >= 2); use model.router_bias='shared'")
+
+
+def _validate_exit(c: ModelConfig):
+  t = c.exit_threshold
+  number = not isinstance(t, bool) and isinstance(t, (int, float))
+  if c.exit == 'kl' and not (number and 0 < t < float('inf')):
+    _err('exit_threshold', t, "model.exit='kl' exits when the KL divergence between consecutive "
+         'passes falls below it: set a finite threshold > 0 (e.g. 1e-3)')
+  if c.exit == 'gate' and not (number and 0 < t <= 1):
+    _err('exit_threshold', t, "model.exit='gate' exits when the cumulative exit probability "
+         'reaches it: set a threshold in (0, 1] (e.g. 0.5)')
+  e = c.exit_entropy
+  if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 <= e < float('inf'):
+    _err('exit_entropy', e, 'must be a finite number >= 0')
+  if c.exit != 'none' and not c.core_layers:
+    _err('exit', c.exit, "early exit leaves the looped core: it needs model.core_layers >= 1 "
+         "(or use model.exit='none')")
 
 
 # Layout helpers ---------------------------------------------------------------------------

@@ -1,0 +1,206 @@
+"""Per-token early exit from the looped core (model.exit: 'none' | 'kl' | 'gate').
+
+A token stops looping once its exit rule fires after a pass; its state is frozen from then on
+(later passes' updates are masked out for it, `jnp.where`), so the coda, the final norm and the
+head read the state of its exit pass. When every token of the batch has exited, the remaining
+passes are skipped (`nn.cond` inside the core's scan): at batch 1 (decoding one token) the time
+of a step follows the passes that token actually runs.
+
+What a pass "outputs" (`Readout`): the head applied to the final RMSNorm of the core's state
+after that pass, skipping the coda (the cheapest faithful reading: one [D, V] matmul per pass;
+with coda layers this is the distribution the model would give if the coda were the identity).
+"Pass 0" is the core's input (the prelude's output), so a rule can fire after the first pass.
+
+- 'kl' (no training; Huginn's zero-shot exit, Geiping et al. 2025, "Scaling up Test-Time
+  Compute with Latent Reasoning"): after pass p (1-based) a token exits when
+  KL(P_p || P_{p-1}) < model.exit_threshold (> 0), P_p the softmax of its pass-p readout.
+- 'gate' (Ouro, Zhu et al. 2025, "Scaling Latent Reasoning via Looped Language Models"): a
+  learned gate lambda_p = sigmoid(w . norm(h_p) + b) per pass (params 'exit_gate_w' [D],
+  'exit_gate_b' [], top level of the model); the exit distribution over passes is
+  p(t) = lambda_t prod_{j<t} (1 - lambda_j), the last pass taking the remaining mass
+  (`exit_distribution`); training minimises sum_t p(t) L_t - exit_entropy * H(p)
+  (`gate_objective`); at inference a token exits once its cumulative exit probability
+  sum_{j<=t} p(j) >= model.exit_threshold (in (0, 1]).
+
+KV cache (decode.py): a pass a token skipped writes nothing to its slots; `fill_skipped` then
+fills the slots of its skipped passes (at the positions of the step) with the K/V of its last
+computed pass, so later tokens attending at a skipped pass read that pass's K/V. Inside one
+step of several tokens (a prefill, the full forward) later tokens attending at a pass an
+earlier token skipped read K/V computed from its frozen state instead (the pass runs, masked,
+for the others).
+
+The returned statistic: extras['exit'] = {'passes_BT': passes run per token (int32),
+'mean_passes': their mean}.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+EXITS = ('none', 'kl', 'gate')
+GATE_PARAMS = ('exit_gate_w', 'exit_gate_b')
+
+
+class Readout(NamedTuple):
+  """What the exit rules read, taken from the model's params: the final norm's gain [D] (or
+  None), the head [D, V], and the gate's w [D] and b [] (or None)."""
+  rule: str
+  threshold: float
+  eps: float
+  gain_D: Any
+  head_DV: Any
+  gate_w_D: Any = None
+  gate_b: Any = None
+
+
+def has_gate(params) -> bool:
+  p = params.get('params', params)
+  return all(k in p for k in GATE_PARAMS)
+
+
+def check_params(cfg, params) -> None:
+  """model.exit='gate' needs a checkpoint trained with the gate (its params)."""
+  if cfg.exit == 'gate' and not has_gate(params):
+    raise ValueError("model.exit='gate': the params have no exit gate ('exit_gate_w', "
+                     "'exit_gate_b'; the checkpoint was trained without model.exit='gate'): use "
+                     "model.exit='kl' (no training needed) or 'none', or train with "
+                     "model.exit='gate'")
+
+
+def gate_params(module: nn.Module, d_model: int, param_dtype):
+  """The gate's (w [D], b []) of `module` (the model), made at init (w zeros, b 0: lambda 0.5
+  at every pass); at apply a missing gate is the ValueError of `check_params`."""
+  if not (module.is_initializing() or module.has_variable('params', GATE_PARAMS[0])):
+    check_params(module.cfg, {})
+  w = module.param(GATE_PARAMS[0], nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)),
+                   (d_model,), param_dtype)
+  b = module.param(GATE_PARAMS[1], nn.initializers.zeros, (), param_dtype)
+  return w, b
+
+
+def readout(module: nn.Module, embed_VD, gate, head_matrix) -> Readout:
+  """The Readout of the model `module` from its trained params (final norm gain, head via
+  model.head_matrix, the gate's (w, b) or None)."""
+  c, p = module.cfg, module.variables['params']
+  gain = nn.unbox(p['final_norm']['scale']) if c.norm_gain else None
+  head = head_matrix(c, {'embed': embed_VD, 'head': None if c.tie_embeddings else
+                         nn.unbox(p['head'])}, jnp.float32)
+  w, b = gate if gate is not None else (None, None)
+  return Readout(c.exit, c.exit_threshold, c.norm_eps, gain, head, w, b)
+
+
+def normed(x_BTD, gain_D, eps: float):
+  """layers.RMSNorm in float32."""
+  x = x_BTD.astype(jnp.float32)
+  x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+  return x if gain_D is None else x * gain_D.astype(jnp.float32)
+
+
+def pass_logprobs(r: Readout, x_BTD):
+  """log P of a state: log_softmax(norm(x) @ head), float32 [B, T, V]."""
+  return jax.nn.log_softmax(normed(x_BTD, r.gain_D, r.eps) @ r.head_DV.astype(jnp.float32), -1)
+
+
+def pass_lambda(r: Readout, x_BTD):
+  """The gate's exit probability lambda [B, T] of a state."""
+  h = normed(x_BTD, r.gain_D, r.eps)
+  return jax.nn.sigmoid(h @ r.gate_w_D.astype(jnp.float32) + r.gate_b.astype(jnp.float32))
+
+
+def init_aux(r: Readout, x_BTD) -> dict:
+  """The exit state carried through the passes, before pass 1."""
+  bt = x_BTD.shape[:2]
+  aux = {'exited': jnp.zeros(bt, bool), 'passes': jnp.zeros(bt, jnp.int32)}
+  if r.rule == 'kl':
+    aux['logp'] = pass_logprobs(r, x_BTD)
+  else:
+    aux['cdf'] = jnp.zeros(bt, jnp.float32)
+    aux['survive'] = jnp.ones(bt, jnp.float32)
+  return aux
+
+
+def update(r: Readout, aux: dict, y_BTD) -> dict:
+  """The exit state after a pass whose (masked) output is y_BTD."""
+  live = ~aux['exited']
+  out = dict(aux, passes=aux['passes'] + live.astype(jnp.int32))
+  if r.rule == 'kl':
+    logp = pass_logprobs(r, y_BTD)
+    kl = jnp.sum(jnp.exp(logp) * (logp - aux['logp']), axis=-1)
+    fire = kl < r.threshold
+    out['logp'] = logp
+  else:
+    lam = pass_lambda(r, y_BTD)
+    out['cdf'] = aux['cdf'] + lam * aux['survive']
+    out['survive'] = aux['survive'] * (1.0 - lam)
+    fire = out['cdf'] >= r.threshold
+  out['exited'] = aux['exited'] | fire
+  return out
+
+
+def scan_core(stack: nn.Module, args, num_loops: int, per_pass: bool, readout: Readout,
+              broadcast, per_pass_axes):
+  """The core's passes with early exit: (x_BTD, {'exit_passes': passes_BT}). `stack` is the
+  core's (unbound) Stack named 'body', scanned as model.Core scans it (same params and
+  per-pass cache); `args` are Core's (x_BTD, pass_attn, e_BTD, positions_BT, bias)."""
+  x_BTD, pass_attn, e_BTD, positions_BT, bias = args
+
+  def step(mdl, carry, attn_l, e, positions, bias_l):
+    x, aux = carry
+    run = lambda m, h: m(h, attn_l, e, positions, bias_l)[0]
+    y = nn.cond(jnp.all(aux['exited']), lambda m, h: h, run, mdl, x)
+    y = jnp.where(aux['exited'][..., None], x, y)  # exited tokens keep their state
+    return (y, update(readout, aux, y)), None
+
+  scan = nn.scan(step, variable_broadcast=broadcast, variable_axes=per_pass_axes,
+                 split_rngs={'params': False},
+                 in_axes=(0, nn.broadcast, nn.broadcast, 0 if per_pass else nn.broadcast),
+                 length=num_loops)
+  (x_BTD, aux), _ = scan(stack, (x_BTD, init_aux(readout, x_BTD)), pass_attn, e_BTD,
+                         positions_BT, bias)
+  return x_BTD, {'exit_passes': aux['passes']}
+
+
+def extras(passes_BT) -> dict:
+  return {'passes_BT': passes_BT, 'mean_passes': jnp.mean(passes_BT.astype(jnp.float32))}
+
+
+def fill_skipped(core_cache, passes_BT, start):
+  """The core's per-pass cache (leaves [L, B, S, G, K]) with the slots of every pass a token
+  skipped (pass index >= its passes run), at the step's positions [start, start + T), holding
+  its last computed pass's K/V."""
+  t = passes_BT.shape[1]
+
+  def fill(x):
+    win = jax.lax.dynamic_slice_in_dim(x, start, t, axis=2)   # [L, B, T, G, K]
+    idx_LBT = jnp.minimum(jnp.arange(x.shape[0])[:, None, None], passes_BT[None] - 1)
+    win = jnp.take_along_axis(win, idx_LBT[..., None, None], axis=0)
+    return jax.lax.dynamic_update_slice_in_dim(x, win, start, axis=2)
+  return jax.tree.map(fill, core_cache)
+
+
+# The gate's training objective -----------------------------------------------------------------
+
+def exit_distribution(lambda_LBT):
+  """p(t) = lambda_t prod_{j<t} (1 - lambda_j) for t < L; the last pass takes the remaining
+  mass prod_{j<L-1} (1 - lambda_j), so p sums to 1 over the passes. [L, B, T] float32."""
+  lam = lambda_LBT.astype(jnp.float32)
+  survive = jnp.cumprod(1.0 - lam, axis=0)
+  before = jnp.concatenate([jnp.ones_like(survive[:1]), survive[:-1]], axis=0)
+  p = lam * before
+  return p.at[-1].set(before[-1])
+
+
+def gate_objective(nll_LBT, lambda_LBT, entropy_coef: float, mask_BT=None):
+  """Ouro's objective: the mean over tokens of sum_t p(t) nll_t - entropy_coef * H(p), with
+  nll_LBT the per-pass NLL of each token's pass-t readout. Returns (objective, expected
+  loss, entropy), each averaged over unmasked tokens."""
+  p = exit_distribution(lambda_LBT)
+  expected_BT = jnp.sum(p * nll_LBT.astype(jnp.float32), axis=0)
+  entropy_BT = -jnp.sum(p * jnp.log(jnp.maximum(p, 1e-30)), axis=0)
+  mask = jnp.ones_like(expected_BT) if mask_BT is None else mask_BT.astype(jnp.float32)
+  avg = lambda v: jnp.sum(v * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+  loss, ent = avg(expected_BT), avg(entropy_BT)
+  return loss - entropy_coef * ent, loss, ent

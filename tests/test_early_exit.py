@@ -1,0 +1,226 @@
+"""Per-token early exit from the looped core (model.exit 'kl' | 'gate', exit.py).
+
+Checks against invariants and slow references: a threshold that never fires is the no-exit
+model; one that fires after the first pass is the one-pass model; a frozen token keeps its
+exit pass's state; the gate's exit distribution sums to 1 and its objective is the expected
+loss minus the entropy written with explicit loops; decoding at batch 1 (remaining passes
+skipped) is the masked computation of a larger batch; the cache's skipped passes hold the
+exit pass's K/V; bad settings fail naming the key. Tiny configs (tests/helpers.py).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from loopmoe_jax import exit as early_exit
+from loopmoe_jax.config import ModelConfig
+from loopmoe_jax.decode import decode_step, init_cache, mean_passes
+from loopmoe_jax.model import LoopedMoE
+
+from helpers import make_cfg, make_params, tokens
+
+BASE = dict(dispatch='reference', num_loops=3)
+
+
+@functools.lru_cache(maxsize=None)
+def base_cfg(**kw):
+  return make_cfg(**{**BASE, **kw})
+
+
+def params_with_gate(cfg, bias=0.0, seed=3):
+  p = dict(make_params(cfg.replace(exit='none', exit_threshold=0.0)))
+  rng = np.random.default_rng(seed)
+  p['exit_gate_w'] = jnp.asarray(rng.standard_normal(cfg.d_model) / math.sqrt(cfg.d_model),
+                                 jnp.float32)
+  p['exit_gate_b'] = jnp.asarray(bias, jnp.float32)
+  return p
+
+
+def forward(cfg, params, toks, **kw):
+  return LoopedMoE(cfg).apply({'params': params}, toks, **kw)
+
+
+def decode_all(cfg, params, toks, num_loops=None):
+  """Feeds `toks` one at a time; (logits [B, T, V], final cache)."""
+  cache = init_cache(cfg, toks.shape[0], toks.shape[1], num_loops)
+  step = jax.jit(lambda p, c, x: decode_step(cfg, p, c, x, num_loops))
+  outs = []
+  for i in range(toks.shape[1]):
+    logits, cache = step(params, cache, toks[:, i:i + 1])
+    outs.append(logits)
+  return jnp.concatenate(outs, axis=1), cache
+
+
+def never(rule):
+  return dict(exit=rule, exit_threshold=1e-30 if rule == 'kl' else 1.0)
+
+
+def always(rule):
+  return dict(exit=rule, exit_threshold=1e30 if rule == 'kl' else 1e-9)
+
+
+def params_for(cfg):
+  return params_with_gate(cfg) if cfg.exit == 'gate' else make_params(base_cfg())
+
+
+@pytest.mark.parametrize('rule', ['kl', 'gate'])
+def test_threshold_that_never_fires_is_the_no_exit_model(rule):
+  cfg = base_cfg()
+  toks = tokens(cfg)
+  want, _ = forward(cfg, make_params(cfg), toks)
+  ecfg = cfg.replace(**never(rule))
+  p = params_for(ecfg)
+  got, extras = forward(ecfg, p, toks, early_exit=True)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert np.all(np.asarray(extras['exit']['passes_BT']) == cfg.num_loops)
+  assert float(extras['exit']['mean_passes']) == cfg.num_loops
+  dec, cache = decode_all(ecfg, p, toks)
+  np.testing.assert_allclose(np.asarray(dec), np.asarray(want), rtol=1e-4, atol=1e-4)
+  assert float(mean_passes(cache)) == cfg.num_loops
+
+
+@pytest.mark.parametrize('rule', ['kl', 'gate'])
+def test_threshold_that_always_fires_is_the_one_pass_model(rule):
+  cfg = base_cfg()
+  toks = tokens(cfg)
+  want, _ = forward(cfg, make_params(cfg), toks, num_loops=1)
+  ecfg = cfg.replace(**always(rule))
+  p = params_for(ecfg)
+  got, extras = forward(ecfg, p, toks, early_exit=True)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert float(extras['exit']['mean_passes']) == 1.0
+  dec, cache = decode_all(ecfg, p, toks)
+  np.testing.assert_allclose(np.asarray(dec), np.asarray(want), rtol=1e-4, atol=1e-4)
+  assert float(mean_passes(cache)) == 1.0
+
+
+def test_forward_without_early_exit_ignores_the_rule():
+  cfg = base_cfg()
+  toks = tokens(cfg)
+  want, _ = forward(cfg, make_params(cfg), toks)
+  got, extras = forward(cfg.replace(**always('kl')), make_params(cfg), toks)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert 'exit' not in extras
+
+
+def test_frozen_token_keeps_its_exit_pass_state():
+  """With no coda, the final hidden state of a token that ran n passes is the n-pass model's,
+  for every token whose predecessors all ran at least n passes (what it attended to is then
+  the n-pass model's too)."""
+  cfg = base_cfg(coda_layers=0, num_loops=4)
+  p = make_params(cfg)
+  toks = tokens(cfg, batch=4, length=8)
+  ecfg = cfg.replace(exit='kl', exit_threshold=0.05)
+  hid, extras = forward(ecfg, p, toks, early_exit=True, return_hidden=True)
+  passes = np.asarray(extras['exit']['passes_BT'])
+  assert 1 <= passes.min() and passes.min() < cfg.num_loops  # some token exited early
+  by_n = {n: np.asarray(forward(cfg, p, toks, num_loops=n, return_hidden=True)[0])
+          for n in range(1, cfg.num_loops + 1)}
+  checked_early = 0
+  for b in range(passes.shape[0]):
+    for t in range(passes.shape[1]):
+      n = passes[b, t]
+      if np.all(passes[b, :t] >= n):
+        np.testing.assert_allclose(np.asarray(hid[b, t]), by_n[n][b, t], rtol=1e-5, atol=1e-5)
+        checked_early += n < cfg.num_loops
+  assert checked_early > 0
+
+
+def test_decode_batch_one_skipping_equals_masked_batch_and_fills_skipped_slots():
+  """Batch 1 skips the passes after the token's exit; in a batch of 2 the other row keeps the
+  passes running (masked for the exited row): the shared row's logits are the same, and the
+  cache's slots of a skipped pass hold the exit pass's K/V."""
+  cfg = base_cfg(num_loops=4).replace(exit='kl', exit_threshold=0.05)
+  p = make_params(base_cfg(num_loops=4))
+  toks = tokens(cfg, batch=2, length=8, seed=5)
+  one, cache1 = decode_all(cfg, p, toks[:1])
+  two, _ = decode_all(cfg, p, toks)
+  np.testing.assert_allclose(np.asarray(one[0]), np.asarray(two[0]), rtol=1e-4, atol=1e-4)
+  assert 1.0 <= float(mean_passes(cache1)) < cfg.num_loops
+  core = cache1['core']
+  k = jax.tree.leaves(core)[0]  # [L, B, S, G, K]
+  # per token: the slots of passes >= its passes run equal those of its last pass
+  cache_passes = []
+  for t in range(toks.shape[1]):
+    same = [bool(np.array_equal(np.asarray(k[l, 0, t]), np.asarray(k[l - 1, 0, t])))
+            for l in range(1, cfg.num_loops)]
+    cache_passes.append(1 + next((i for i, s in enumerate(same) if all(same[i:])), len(same)))
+  assert min(cache_passes) < cfg.num_loops
+  assert math.isclose(np.mean(cache_passes), float(mean_passes(cache1)), rel_tol=1e-6)
+
+
+def slow_objective(nll_LBT, lam_LBT, coef):
+  """Expected loss minus coef x entropy with explicit loops over tokens and passes."""
+  nll, lam = np.asarray(nll_LBT, np.float64), np.asarray(lam_LBT, np.float64)
+  L, B, T = nll.shape
+  loss = ent = 0.0
+  for b in range(B):
+    for t in range(T):
+      survive = 1.0
+      for p in range(L):
+        prob = survive if p == L - 1 else lam[p, b, t] * survive
+        survive *= 1.0 - lam[p, b, t]
+        loss += prob * nll[p, b, t]
+        ent -= prob * math.log(prob) if prob > 0 else 0.0
+  return (loss - coef * ent) / (B * T), loss / (B * T), ent / (B * T)
+
+
+def test_gate_exit_distribution_sums_to_one_and_objective_matches_slow_reference():
+  key = jax.random.key(0)
+  lam = jax.nn.sigmoid(jax.random.normal(key, (5, 3, 4)) * 2.0)
+  nll = jax.random.uniform(jax.random.key(1), (5, 3, 4), minval=0.5, maxval=4.0)
+  p = early_exit.exit_distribution(lam)
+  np.testing.assert_allclose(np.asarray(p.sum(0)), 1.0, rtol=1e-6)
+  assert np.all(np.asarray(p) >= 0)
+  got = early_exit.gate_objective(nll, lam, 0.1)
+  want = slow_objective(nll, lam, 0.1)
+  np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5)
+
+
+def test_gate_inference_exits_where_the_cumulative_probability_passes_the_threshold():
+  """The passes run per token follow the cdf of exit_distribution over the readout's lambdas
+  of the pass states (recomputed from the no-exit model's states at each pass count, valid
+  for position 0, which attends only to itself)."""
+  cfg = base_cfg(coda_layers=0, num_loops=4)
+  ecfg = cfg.replace(exit='gate', exit_threshold=0.6)
+  p = params_with_gate(cfg, bias=-0.5)
+  toks = tokens(cfg, batch=6, length=3)
+  _, extras = forward(ecfg, p, toks, early_exit=True)
+  states = [forward(cfg, p, toks, num_loops=n, return_hidden=True)[0][:, 0]
+            for n in range(1, cfg.num_loops + 1)]  # final-normed states at position 0
+  lam = np.stack([np.asarray(jax.nn.sigmoid(s @ p['exit_gate_w'] + p['exit_gate_b']))
+                  for s in states])  # [L, B]
+  cdf = np.cumsum(np.asarray(early_exit.exit_distribution(lam[:, :, None]))[:, :, 0], axis=0)
+  want = np.array([1 + next((l for l in range(cfg.num_loops) if cdf[l, b] >= 0.6 - 1e-6),
+                            cfg.num_loops - 1) for b in range(lam.shape[1])])
+  np.testing.assert_array_equal(np.asarray(extras['exit']['passes_BT'][:, 0]), want)
+
+
+@pytest.mark.parametrize('kw, key', [
+    (dict(exit='kl', exit_threshold=0.0), 'model.exit_threshold'),
+    (dict(exit='kl', exit_threshold=-1.0), 'model.exit_threshold'),
+    (dict(exit='kl', exit_threshold=float('inf')), 'model.exit_threshold'),
+    (dict(exit='gate', exit_threshold=0.0), 'model.exit_threshold'),
+    (dict(exit='gate', exit_threshold=1.5), 'model.exit_threshold'),
+    (dict(exit='halt'), 'model.exit'),
+    (dict(exit='kl', exit_threshold=0.1, exit_entropy=-1.0), 'model.exit_entropy'),
+    (dict(exit='kl', exit_threshold=0.1, core_layers=0), 'model.exit'),
+])
+def test_bad_settings_name_the_key(kw, key):
+  with pytest.raises(ValueError, match=key.replace('.', r'\.')):
+    ModelConfig(**{**BASE, **kw})
+
+
+def test_gate_on_a_checkpoint_without_gate_fails_before_compute():
+  cfg = base_cfg()
+  ecfg = cfg.replace(exit='gate', exit_threshold=0.5)
+  p = make_params(cfg)
+  with pytest.raises(ValueError, match=r"model\.exit='gate'.*trained without"):
+    forward(ecfg, p, tokens(cfg), early_exit=True)
+  with pytest.raises(ValueError, match=r"model\.exit='gate'.*trained without"):
+    decode_step(ecfg, p, {'position': jnp.zeros((), jnp.int32)}, tokens(cfg)[:, :1])
