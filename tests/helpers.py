@@ -88,3 +88,24 @@ def apply_fn(cfg: ModelConfig, num_loops=None, routing=False):
   model = LoopedMoE(cfg)
   return jax.jit(lambda p, t: model.apply({'params': p}, t, num_loops=num_loops,
                                           return_routing=routing))
+
+
+@functools.lru_cache(maxsize=None)
+def decode_step_fn(cfg, num_loops=None):
+  """decode_step for `cfg`, jitted once per (config, passes)."""
+  from loopmoe_jax.decode import decode_step  # pylint: disable=import-outside-toplevel
+  return jax.jit(functools.partial(decode_step, cfg, num_loops=num_loops))
+
+
+def decode_all(cfg, params, toks, prefix=1, max_len=None, num_loops=None):
+  """Prefills toks[:, :prefix], then feeds the rest one token at a time into a cache of
+  `max_len` (default: the tokens') slots; (logits [B, T, V], final cache)."""
+  from loopmoe_jax.decode import init_cache  # pylint: disable=import-outside-toplevel
+  cache = init_cache(cfg, toks.shape[0], max_len or toks.shape[1], num_loops)
+  step = decode_step_fn(cfg, num_loops)
+  logits, cache = step(params, cache, toks[:, :prefix])
+  out = [logits]
+  for t in range(prefix, toks.shape[1]):
+    logits, cache = step(params, cache, toks[:, t:t + 1])
+    out.append(logits)
+  return jnp.concatenate(out, axis=1), cache

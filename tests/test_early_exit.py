@@ -19,10 +19,10 @@ import pytest
 
 from loopmoe_jax import exit as early_exit
 from loopmoe_jax.config import ModelConfig
-from loopmoe_jax.decode import decode_step, init_cache, mean_passes
+from loopmoe_jax.decode import decode_step, mean_passes
 from loopmoe_jax.model import LoopedMoE
 
-from helpers import make_cfg, make_params, tokens
+from helpers import decode_all, make_cfg, make_params, tokens
 
 BASE = dict(dispatch='reference', num_loops=3)
 
@@ -45,15 +45,6 @@ def forward(cfg, params, toks, **kw):
   return LoopedMoE(cfg).apply({'params': params}, toks, **kw)
 
 
-def decode_all(cfg, params, toks, num_loops=None):
-  """Feeds `toks` one at a time; (logits [B, T, V], final cache)."""
-  cache = init_cache(cfg, toks.shape[0], toks.shape[1], num_loops)
-  step = jax.jit(lambda p, c, x: decode_step(cfg, p, c, x, num_loops))
-  outs = []
-  for i in range(toks.shape[1]):
-    logits, cache = step(params, cache, toks[:, i:i + 1])
-    outs.append(logits)
-  return jnp.concatenate(outs, axis=1), cache
 
 
 def never(rule):

@@ -10,7 +10,6 @@ forward of tests/reference.py under 'per_pass'. Tiny configs; every test compare
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import flax.linen as nn
@@ -25,7 +24,7 @@ from loopmoe_jax.decode import (cache_bytes, cache_shapes, decode_nll, decode_st
                                 init_cache)
 
 import reference
-from helpers import B, T, apply_fn, make_cfg, make_params, tokens
+from helpers import B, T, apply_fn, decode_all, decode_step_fn, make_cfg, make_params, tokens
 
 SHARED = ('last_pass', 'first_pass')
 # Tied core of 2 passes with GQA, 'add' injection and SMELT's 1/r: everything decode touches.
@@ -142,20 +141,7 @@ def reference_decode(cfg, params, toks, prefix, keep, num_loops=None):
 
 # The library's decoding ----------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
-def step_fn(cfg, num_loops=None):
-  return jax.jit(functools.partial(decode_step, cfg, num_loops=num_loops))
-
-
-def decode_all(cfg, params, toks, prefix, num_loops=None):
-  cache = init_cache(cfg, toks.shape[0], toks.shape[1], num_loops)
-  step = step_fn(cfg, num_loops)
-  logits, cache = step(params, cache, toks[:, :prefix])
-  out = [logits]
-  for t in range(prefix, toks.shape[1]):
-    logits, cache = step(params, cache, toks[:, t:t + 1])
-    out.append(logits)
-  return jnp.concatenate(out, axis=1), cache
+step_fn = decode_step_fn
 
 
 def core_kv(cache, layer=0):

@@ -6,7 +6,6 @@ real init. Configs are tiny; every test compares numbers, never shapes alone.
 """
 from __future__ import annotations
 
-import functools
 
 import flax.linen as nn
 import jax
@@ -16,11 +15,12 @@ import pytest
 
 from loopmoe_jax import accounting
 from loopmoe_jax.config import ModelConfig
-from loopmoe_jax.decode import decode_step, generate, init_cache
+from loopmoe_jax.decode import generate, init_cache
 from loopmoe_jax.model import LoopedMoE, for_init
 
 import reference
-from helpers import B, BASE, T, apply_fn, make_cfg, make_params, param_shapes, tokens
+from helpers import (B, BASE, T, apply_fn, decode_all, decode_step_fn, make_cfg, make_params,
+                     param_shapes, tokens)
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 def assert_close(actual, desired, **tol):
@@ -207,20 +207,7 @@ def test_causality_by_gradients():
 
 # 7. KV-cache decoding == full forward -------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
-def step_fn(cfg, num_loops=None):
-  return jax.jit(functools.partial(decode_step, cfg, num_loops=num_loops))
-
-
-def decode_all(cfg, params, toks, prefix, max_len, num_loops=None):
-  cache = init_cache(cfg, toks.shape[0], max_len, num_loops)
-  step = step_fn(cfg, num_loops)
-  logits, cache = step(params, cache, toks[:, :prefix])
-  out = [logits]
-  for t in range(prefix, toks.shape[1]):
-    logits, cache = step(params, cache, toks[:, t:t + 1])
-    out.append(logits)
-  return jnp.concatenate(out, axis=1), cache
+step_fn = decode_step_fn
 
 
 DECODE_CONFIGS = {'untied_gqa_concat': UNTIED, 'tied_gqa_add': TIED_GQA}

@@ -72,32 +72,13 @@ def test_smelt_report_recovers_a_known_law_per_architecture(tmp_path, monkeypatc
   from loopmoe_jax.scaling import smelt_analysis
   laws = {'baseline': dict(E=1.9, A=60.0, b=0.6, a=0.3, K=300.0, c=0.35),
           'looped': dict(E=1.9, A=45.0, b=0.6, a=0.3, K=300.0, c=0.35)}
-
-  def fake_sweep(cfg, grid, out, log):
-    p = laws[os.path.basename(out)]
-    rows = []
-    for w in grid['model.d_model']:
-      for e in grid['model.core_experts']:
-        for s in grid['train.steps']:
-          f, sp, d = 2e3 * w ** 2, 1 - 4.0 / e, s * 1024.0
-          row = {'steps': s, 'D': d, 'F': f, 'S': sp, 'C': 3 * f * d,
-                 'loss': p['E'] + p['A'] * (1 - sp) ** p['b'] / f ** p['a']
-                         + p['K'] / d ** p['c']}
-          rows.append(row | {'model.d_model': w, 'model.core_experts': e,
-                             'workdir': f'{out}/w{w}_e{e}_s{s}'})
-    return rows
-  probed = {}
-
-  def fake_probes(pair_dirs, log):  # the real probes are tested in test_probes.py
-    probed.update(pair_dirs)
-    return {v: {'workdir': d, 'probes': {'qkv_cosine': {'q': [[[1.0, 0.9], [0.9, 1.0]]]
-                                                        if v == 'looped' else [[[1.0]]]},
-                                         'sink_mass': {'core': [[0.1, 0.2]]}},
+  probes = {v: {'probes': {'qkv_cosine': {'q': [[[1.0, 0.9], [0.9, 1.0]]]
+                                           if v == 'looped' else [[[1.0]]]},
+                            'sink_mass': {'core': [[0.1, 0.2]]}},
                 'dyck': {'0': {'accuracy': 0.25}, '32': {'refused': 'too long'}}}
-            for v, d in pair_dirs.items()}
-  monkeypatch.setattr(reproduce.common, '_sweep', fake_sweep)
-  monkeypatch.setattr(reproduce.smelt, 'smelt_probes', fake_probes)
-  monkeypatch.setitem(reproduce.SMELT_RESAMPLES, 'cpu', 8)
+            for v in laws}  # the real probes are tested in test_probes.py
+  probed = {}
+  _smelt_fakes(monkeypatch, laws, probes, seen=probed)
   res = reproduce.run('smelt', str(tmp_path), 'cpu', log=lambda *_: None)
   # the probes see the compute-matched pair (each config's own width and experts), longest run
   from loopmoe_jax.experiment import load_config
@@ -124,9 +105,10 @@ def test_unknown_replication_and_scale_are_errors(tmp_path):
     reproduce.run('foil', str(tmp_path), 'tpu')
 
 
-def _smelt_fakes(monkeypatch, laws, probes):
+def _smelt_fakes(monkeypatch, laws, probes, seen=None):
   """The smelt pipeline's runs stubbed: losses from `laws` per architecture over its grid
-  (F from the width, S from the experts), and `probes` as the probes' answer."""
+  (F from the width, S from the experts), and `probes` as the probes' answer (the pair's
+  workdirs they were asked about recorded in `seen`)."""
   def fake_sweep(cfg, grid, out, log):
     p = laws[os.path.basename(out)]
     rows = []
@@ -140,10 +122,13 @@ def _smelt_fakes(monkeypatch, laws, probes):
                        'model.d_model': w, 'model.core_experts': e,
                        'workdir': f'{out}/w{w}_e{e}_s{s}'})
     return rows
+
+  def fake_probes(pair_dirs, log):
+    if seen is not None:
+      seen.update(pair_dirs)
+    return {v: {'workdir': d, **probes[v]} for v, d in pair_dirs.items()}
   monkeypatch.setattr(reproduce.common, '_sweep', fake_sweep)
-  monkeypatch.setattr(reproduce.smelt, 'smelt_probes',
-                      lambda pair_dirs, log: {v: {'workdir': d, **probes[v]}
-                                              for v, d in pair_dirs.items()})
+  monkeypatch.setattr(reproduce.smelt, 'smelt_probes', fake_probes)
   monkeypatch.setitem(reproduce.SMELT_RESAMPLES, 'cpu', 6)
 
 
