@@ -124,6 +124,9 @@ def run(out: str, scale: str, log=print, resamples: int = 1000) -> tuple[dict, s
                f"{', '.join(ranked['indistinguishable'])} against it cover 0, so this grid "
                'cannot tell them apart; no winner is named.')
   size_counts = sorted({int(v) for v in data['N_active_pass']})
+  d_note = (' (with two token counts the data term\'s B and beta are identified only together:'
+            ' its effect between the two counts is, while r* and the IsoFLOP curves extrapolate'
+            ' it along D)' if len(set(data['D'])) == 2 else '')
   report = f"""# Loop scaling laws, mini-replication ({scale} scale)
 
 Grid: {' x '.join(f'`{k}` {v}' for k, v in sweeps.items())} on
@@ -134,7 +137,7 @@ tokens): read the ranking, not the constants.
 
 Shortcuts taken: the expert-interaction terms {', '.join(ZERO_TERMS)} are held at 0 and Clark's
 expansion at its unsaturated limit (E_start = 1, E_max = inf, so Ê = E/k): three expert
-counts cannot identify them; every other term, the data term included, is fitted; one seed
+counts cannot identify them; every other term, the data term included, is fitted{d_note}; one seed
 per point (no seed variance in the intervals); the intervals resample the held-out points
 (paired across forms), not the refits.
 
