@@ -19,8 +19,11 @@ with coda layers this is the distribution the model would give if the coda were 
   'exit_gate_b' [], top level of the model); the exit distribution over passes is
   p(t) = lambda_t prod_{j<t} (1 - lambda_j), the last pass taking the remaining mass
   (`exit_distribution`); training minimises sum_t p(t) L_t - exit_entropy * H(p)
-  (`gate_objective`); at inference a token exits once its cumulative exit probability
-  sum_{j<=t} p(j) >= model.exit_threshold (in (0, 1]).
+  (`gate_objective`, wired in objective.gate_lm_loss: L_t the NLL of the output a token
+  exiting after pass t gets, its core state through the coda, final norm and head,
+  `pass_outputs`; lambda read from the normed core state as at inference); at inference a
+  token exits once its cumulative exit probability sum_{j<=t} p(j) >= model.exit_threshold
+  (in (0, 1]).
 
 KV cache (decode.py): a pass a token skipped writes nothing to its slots; `fill_skipped` then
 fills the slots of its skipped passes (at the positions of the step) with the K/V of its last
@@ -204,3 +207,58 @@ def gate_objective(nll_LBT, lambda_LBT, entropy_coef: float, mask_BT=None):
   avg = lambda v: jnp.sum(v * mask) / jnp.maximum(jnp.sum(mask), 1.0)
   loss, ent = avg(expected_BT), avg(entropy_BT)
   return loss - entropy_coef * ent, loss, ent
+
+
+# Gate training: the per-pass readouts of the training forward ----------------------------------
+
+def scan_core_states(stack: nn.Module, args, num_loops: int, per_pass: bool, broadcast,
+                     per_pass_axes):
+  """The core's passes as model.Core scans them (same params, same per-pass inputs), also
+  returning every pass's output state: (x_BTD, stats, states_LBTD)."""
+  x_BTD, pass_attn, e_BTD, positions_BT, bias = args
+
+  def step(mdl, x, attn_l, e, positions, bias_l):
+    y, s = mdl(x, attn_l, e, positions, bias_l)
+    return y, (s, y)
+
+  scan = nn.scan(step, variable_broadcast=broadcast, variable_axes=per_pass_axes,
+                 split_rngs={'params': False},
+                 in_axes=(0, nn.broadcast, nn.broadcast, 0 if per_pass else nn.broadcast),
+                 length=num_loops)
+  x_BTD, (stats, states_LBTD) = scan(stack, x_BTD, pass_attn, e_BTD, positions_BT, bias)
+  return x_BTD, stats, states_LBTD
+
+
+def pass_outputs(states_LBTD, final_BTD, coda, norm):
+  """The final normed hidden state [L, B, T, D] the model outputs for a token that exits after
+  pass t = 1..L: `coda` (a function of [N, T, D] states, or None without coda layers) then
+  `norm` (the final RMSNorm) applied to each pass's core state; the last pass's is
+  `final_BTD`, the plain forward's (its coda statistics are the forward's; the earlier passes'
+  coda visits run as one batch of (L - 1) x B rows and count in no aux loss). This is what an
+  exited token reads at inference (its frozen state goes through the coda), not the
+  coda-less `pass_logprobs` the KL rule compares (the same without coda layers)."""
+  n, b, t, d = states_LBTD.shape
+  if n == 1:
+    return final_BTD[None]
+  early = states_LBTD[:-1].reshape((n - 1) * b, t, d)
+  if coda is not None:
+    early = coda(early)
+  early = norm(early).reshape(n - 1, b, t, d)
+  return jnp.concatenate([early, final_BTD[None].astype(early.dtype)], axis=0)
+
+
+def gate_metrics(nll_LBT, lambda_LBT, entropy_coef: float, mask_BT=None):
+  """(objective, metrics) of gate training: the objective is `gate_objective`'s; the metrics
+  'loss' (the expected per-token NLL under the exit distribution, what the objective trains
+  without its entropy term), 'lm_loss_last' (the last pass's NLL: the plain model's loss),
+  'exit_entropy' (H of the exit distribution) and 'exit_mean_passes' (the expected exit pass,
+  1-based), each averaged over unmasked tokens."""
+  obj, expected, ent = gate_objective(nll_LBT, lambda_LBT, entropy_coef, mask_BT)
+  p = exit_distribution(lambda_LBT)
+  mask = (jnp.ones(nll_LBT.shape[1:], jnp.float32) if mask_BT is None
+          else mask_BT.astype(jnp.float32))
+  avg = lambda v: jnp.sum(v * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+  passes = jnp.arange(1, p.shape[0] + 1, dtype=jnp.float32)[:, None, None]
+  return obj, {'loss': expected, 'lm_loss_last': avg(nll_LBT[-1].astype(jnp.float32)),
+               'exit_entropy': ent,
+               'exit_mean_passes': jax.lax.stop_gradient(avg(jnp.sum(p * passes, axis=0)))}

@@ -137,11 +137,12 @@ class Core(nn.Module):
 
   @nn.compact
   def __call__(self, x_BTD, positions_BT, num_loops: int, bias=None, backprop_loops: int = 0,
-               readout=None):
+               readout=None, states: bool = False):
     """`bias`: the core's router bias, [C, E] ('shared') or [trained L, D, E] ('per_pass';
     a forward with more passes than trained reuses the last pass's bias), or None.
     `readout` (exit.Readout): per-token early exit (exit.py); the statistics are then
-    {'exit_passes': passes_BT} only."""
+    {'exit_passes': passes_BT} only. `states` (gate training): the statistics also hold every
+    pass's output state under 'pass_states' ([L, B, T, D], exit.scan_core_states)."""
     c = self.cfg
     per_pass = bias is not None and bias.ndim == 3
     if per_pass:
@@ -168,6 +169,14 @@ class Core(nn.Module):
       return early_exit_lib.scan_core(body(**kw, name='body'),
                                       (x_BTD, pass_attn, e_BTD, positions_BT, bias), num_loops,
                                       per_pass, readout, BROADCAST, PER_PASS)
+    if states and not self.is_initializing():  # gate training: always the scan
+      if split or self.decode:
+        raise ValueError(f'backprop_loops={backprop_loops}: gate training (model.exit=\'gate\') '
+                         'backpropagates through every pass (backprop_loops=0) and does not decode')
+      x_BTD, stats, states_LBTD = early_exit_lib.scan_core_states(
+          body(**kw, name='body'), (x_BTD, pass_attn, e_BTD, positions_BT, bias), num_loops,
+          per_pass, BROADCAST, PER_PASS)
+      return x_BTD, dict(stats, pass_states=states_LBTD)
     if c.loop_impl == 'scan' or self.decode:
       scan = lambda length: nn.scan(
           body, variable_broadcast=BROADCAST, variable_axes=PER_PASS,
@@ -235,20 +244,29 @@ class LoopedMoE(nn.Module):
   @nn.compact
   def __call__(self, tokens_BT=None, *, num_loops: int | None = None,
                return_routing: bool = False, x_BTD=None, return_hidden: bool = False,
-               backprop_loops: int = 0, early_exit: bool | None = None):
+               backprop_loops: int = 0, early_exit: bool | None = None,
+               pass_outputs: bool = False):
     """(logits_BTV float32, extras); with `return_hidden` (hidden_BTD, extras): the final
     normed states, for a loss that applies the head itself (`head_matrix`, objective.py).
     `backprop_loops` = k > 0: gradient through the core's last k passes only (truncated
     backprop, `Core`; a training setting, train.backprop_loops); the forward is unchanged.
     `early_exit`: apply model.exit's per-token early exit (exit.py; default: when decoding);
-    extras['exit'] then holds the passes each token ran."""
+    extras['exit'] then holds the passes each token ran. `pass_outputs` (gate training,
+    model.exit='gate', with `return_hidden`): extras['pass_hidden'] [L, B, T, D], the final
+    normed states a token exiting after each pass outputs (exit.pass_outputs; the last is the
+    returned one), and extras['pass_lambda'] [L, B, T], the gate's lambda after each pass."""
     c = self.cfg
     dt = DTYPES[c.dtype]
     num_loops = self._check_loops(num_loops)
+    pass_outputs = pass_outputs and not self.is_initializing()
+    if pass_outputs and (c.exit != 'gate' or not c.core_layers or not return_hidden or
+                         early_exit or self.decode):
+      raise ValueError("pass_outputs=True is gate training: it needs model.exit='gate', "
+                       'model.core_layers >= 1, return_hidden=True and no early_exit')
     exiting = (c.exit != 'none' and c.core_layers > 0 and not self.is_initializing() and
                (self.decode if early_exit is None else early_exit))
     gate = early_exit_lib.gate_params(self, c.d_model, DTYPES[c.param_dtype]) if (
-        exiting and c.exit == 'gate') else None  # a missing gate fails here, before compute
+        (exiting or pass_outputs) and c.exit == 'gate') else None  # a missing gate fails here
     if not 0 <= backprop_loops <= num_loops:
       raise ValueError(f'backprop_loops={backprop_loops}: must lie in [0, {num_loops}], the '
                        'passes this forward runs (0: all of them)')
@@ -278,13 +296,16 @@ class LoopedMoE(nn.Module):
     readout = early_exit_lib.readout(self, embed_VD, gate, head_matrix) if exiting else None
     if c.core_layers:
       x_BTD, per_visit['core'] = Core(c, **seg_kw, name='core')(
-          x_BTD, positions_BT, num_loops, bias.get('core'), backprop_loops, readout)
+          x_BTD, positions_BT, num_loops, bias.get('core'), backprop_loops, readout,
+          pass_outputs)
     passes_BT = per_visit.get('core', {}).pop('exit_passes', None)
-    if c.coda_layers:
-      x_BTD, per_visit['coda'] = stack(c, c.coda_layers, c.coda_experts, **seg_kw,
-                                       name='coda')(x_BTD, None, None, positions_BT,
-                                                    bias.get('coda'))
-    x_BTD = RMSNorm(c.norm_gain, c.norm_eps, c.param_dtype, name='final_norm')(x_BTD)
+    states_LBTD = per_visit.get('core', {}).pop('pass_states', None)
+    coda = stack(c, c.coda_layers, c.coda_experts, **seg_kw, name='coda') if (
+        c.coda_layers) else None
+    if coda is not None:
+      x_BTD, per_visit['coda'] = coda(x_BTD, None, None, positions_BT, bias.get('coda'))
+    final_norm = RMSNorm(c.norm_gain, c.norm_eps, c.param_dtype, name='final_norm')
+    x_BTD = final_norm(x_BTD)
     head_DV = None if c.tie_embeddings else param(
         self, 'head', (c.d_model, c.vocab_size), ('embed', 'vocab'), fan_in_init([0], [1]),
         DTYPES[c.param_dtype])
@@ -293,6 +314,13 @@ class LoopedMoE(nn.Module):
     extras = _extras(per_visit, return_routing)
     if passes_BT is not None:
       extras['exit'] = early_exit_lib.extras(passes_BT)
+    if states_LBTD is not None:
+      n = states_LBTD.shape[0]
+      coda_fn = None if coda is None else (lambda h: coda(
+          h, None, None, jnp.tile(positions_BT, (n - 1, 1)), bias.get('coda'))[0])
+      extras['pass_hidden'] = early_exit_lib.pass_outputs(states_LBTD, x_BTD, coda_fn, final_norm)
+      extras['pass_lambda'] = early_exit_lib.pass_lambda(
+          early_exit_lib.readout(self, embed_VD, gate, head_matrix), states_LBTD)
     if return_hidden:
       return x_BTD, extras
     logits_BTV = x_BTD @ head_matrix(c, {'embed': embed_VD, 'head': head_DV})

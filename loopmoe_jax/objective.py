@@ -14,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from loopmoe_jax import exit as early_exit
 from loopmoe_jax import sharding
 from loopmoe_jax.layers import DTYPES
 from loopmoe_jax.model import head_matrix, variables
@@ -74,6 +75,13 @@ def chunked_nll_sum(h_BTD, head_DV, targets_BT, mask_BT, chunk: int):
 
 
 def _chunked_fwd(h_BTD, head_DV, targets_BT, mask_BT, chunk):
+  nll_BT, lse = _chunked_lse(h_BTD, head_DV, targets_BT, chunk)
+  mask = mask_BT.astype(jnp.float32)
+  return jnp.sum(nll_BT * mask), (h_BTD, head_DV, targets_BT, mask, lse)
+
+
+def _chunked_lse(h_BTD, head_DV, targets_BT, chunk):
+  """(per-token NLL, per-token log-sum-exp), [B, T] float32, over vocabulary chunks."""
   cols, n = _vocab_chunks(head_DV.shape[1], chunk)
   padded_DV = _pad_cols(head_DV, cols)
 
@@ -91,8 +99,7 @@ def _chunked_fwd(h_BTD, head_DV, targets_BT, mask_BT, chunk):
   init = (jnp.full(shape, -jnp.inf), jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
   (m, l, tgt), _ = jax.lax.scan(step, init, jnp.arange(n))
   lse = m + jnp.log(l)
-  mask = mask_BT.astype(jnp.float32)
-  return jnp.sum((lse - tgt) * mask), (h_BTD, head_DV, targets_BT, mask, lse)
+  return lse - tgt, lse
 
 
 def _chunked_bwd(chunk, res, g):
@@ -119,6 +126,40 @@ def _chunked_bwd(chunk, res, g):
 chunked_nll_sum.defvjp(_chunked_fwd, _chunked_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def chunked_token_nll(h_BTD, head_DV, targets_BT, chunk: int):
+  """Per-token NLL [B, T] (float32) of the head over vocabulary chunks (`chunked_nll_sum`'s
+  forward and backward, the cotangent per token instead of one scalar)."""
+  return _chunked_token_fwd(h_BTD, head_DV, targets_BT, chunk)[0]
+
+
+def _chunked_token_fwd(h_BTD, head_DV, targets_BT, chunk):
+  nll_BT, lse = _chunked_lse(h_BTD, head_DV, targets_BT, chunk)
+  return nll_BT, (h_BTD, head_DV, targets_BT, jnp.ones(targets_BT.shape, jnp.float32), lse)
+
+
+def _chunked_token_bwd(chunk, res, g_BT):
+  dh, dw, _, _ = _chunked_bwd(chunk, res, g_BT)
+  return dh, dw, None
+
+
+chunked_token_nll.defvjp(_chunked_token_fwd, _chunked_token_bwd)
+
+
+def _token_nll_whole(h_BTD, head_DV, targets_BT):
+  logits = jnp.dot(h_BTD, head_DV.astype(h_BTD.dtype), preferred_element_type=jnp.float32)
+  return token_nll_of_logits(logits, targets_BT)
+
+
+def head_token_nll(h_BTD, head_DV, targets_BT, chunk: int, remat: bool = False):
+  """Per-token NLL [B, T] (float32) of the head on hidden states, as `head_nll` runs it
+  (vocabulary chunks with `chunk`, else the whole logits, rematerialised with `remat`)."""
+  if chunk and chunk < head_DV.shape[1]:
+    return chunked_token_nll(h_BTD, head_DV, targets_BT, chunk)
+  fn = jax.checkpoint(_token_nll_whole) if remat else _token_nll_whole
+  return fn(h_BTD, head_DV, targets_BT)
+
+
 def head_nll(h_BTD, head_DV, targets_BT, mask_BT, chunk: int, remat: bool = False):
   """(summed NLL, token count) of the output head `head_DV` [D, V] (any dtype; the matmuls run
   in the hidden states' dtype with float32 results) on the final hidden states: with `chunk`
@@ -139,27 +180,56 @@ def token_nll(params, model, batch, num_loops: int | None = None, router_bias=No
   c = model.cfg
   h_BTD, extras = model.apply(variables(params, router_bias=router_bias), batch['inputs'],
                               num_loops=num_loops, return_hidden=True)
-  # in the parameters' dtype: the chunked loss casts chunk by chunk, and its head gradient
-  # stays in that dtype
-  head_DV = head_matrix(c, variables(params)['params'], DTYPES[c.param_dtype])
-  # gathered whole over its width (a parameter gather): the hidden states stay where they are
-  head_DV = sharding.constrain(head_DV, (None, 'vocab'))
+  head_DV = _head(c, params)
   total, count = head_nll(h_BTD, head_DV, batch['targets'], batch.get('mask'),
                           c.loss_chunk, remat=c.remat != 'none')
   return total, count, extras
+
+
+def _head(c, params):
+  """The head [D, V] as the loss applies it: in the parameters' dtype (the chunked loss casts
+  chunk by chunk, and its head gradient stays in that dtype), gathered whole over its width
+  (a parameter gather: the hidden states stay where they are)."""
+  head_DV = head_matrix(c, variables(params)['params'], DTYPES[c.param_dtype])
+  return sharding.constrain(head_DV, (None, 'vocab'))
+
+
+def gate_lm_loss(params, model, batch, num_loops: int | None = None, router_bias=None):
+  """Gate training's LM term (model.exit='gate'; Ouro, Zhu et al. 2025): the per-token NLL of
+  the output a token exiting after each pass t = 1..L would give (exit.pass_outputs: its core
+  state through the coda, the final norm and the head), combined under the gate's exit
+  distribution as exit.gate_objective (expected NLL - model.exit_entropy x entropy, mean over
+  unmasked tokens). Returns (objective, metrics of exit.gate_metrics, the model's extras).
+  The head and loss run per pass as run.loss_chunk and run.remat say (`head_token_nll`)."""
+  c = model.cfg
+  _, extras = model.apply(variables(params, router_bias=router_bias), batch['inputs'],
+                          num_loops=num_loops, return_hidden=True, pass_outputs=True)
+  h_LBTD, lam_LBT = extras.pop('pass_hidden'), extras.pop('pass_lambda')
+  head_DV = _head(c, params)
+  nll_LBT = jnp.stack([head_token_nll(h, head_DV, batch['targets'], c.loss_chunk,
+                                      remat=c.remat != 'none') for h in h_LBTD])
+  obj, metrics = early_exit.gate_metrics(nll_LBT, lam_LBT, c.exit_entropy, batch.get('mask'))
+  return obj, metrics, extras
 
 
 def loss_fn(params, model, batch, lb_coef: float = 0.01, z_coef: float = 0.001,
             num_loops: int | None = None, router_bias=None):
   """Returns (total objective, metrics). batch: 'inputs', 'targets' [B, T], optional 'mask'.
   With `router_bias` (model.router_bias; not differentiated) the metrics also hold the expert
-  loads per segment under 'load' ({segment: [D, E] or the core's [L, D, E]})."""
+  loads per segment under 'load' ({segment: [D, E] or the core's [L, D, E]}).
+  With model.exit='gate' the LM term is `gate_lm_loss`'s objective; 'loss' is then the
+  expected NLL under the exit distribution, and the metrics add 'lm_loss_last' (the plain
+  model's loss, the last pass's), 'exit_entropy' and 'exit_mean_passes'."""
   if router_bias is not None:
     router_bias = jax.lax.stop_gradient(router_bias)
-  total_nll, count, extras = token_nll(params, model, batch, num_loops, router_bias)
-  lm = total_nll / jnp.maximum(count, 1.0)
-  total = lm + lb_coef * extras['load_balance'] + z_coef * extras['z_loss']
-  metrics = {'loss': lm, 'load_balance': extras['load_balance'], 'z_loss': extras['z_loss'],
+  if model.cfg.exit == 'gate':
+    lm_term, gate, extras = gate_lm_loss(params, model, batch, num_loops, router_bias)
+  else:
+    total_nll, count, extras = token_nll(params, model, batch, num_loops, router_bias)
+    lm_term = total_nll / jnp.maximum(count, 1.0)
+    gate = {'loss': lm_term}
+  total = lm_term + lb_coef * extras['load_balance'] + z_coef * extras['z_loss']
+  metrics = {**gate, 'load_balance': extras['load_balance'], 'z_loss': extras['z_loss'],
              'objective': total, 'dropped': extras['dropped'].astype(jnp.float32)}
   if router_bias is not None:
     metrics['load'] = {seg: s['load'] for seg, s in extras['per_visit'].items()}

@@ -5,12 +5,17 @@ model; one that fires after the first pass is the one-pass model; a frozen token
 exit pass's state; the gate's exit distribution sums to 1 and its objective is the expected
 loss minus the entropy written with explicit loops; decoding at batch 1 (remaining passes
 skipped) is the masked computation of a larger batch; the cache's skipped passes hold the
-exit pass's K/V; bad settings fail naming the key. Tiny configs (tests/helpers.py).
+exit pass's K/V; bad settings fail naming the key. Gate training: the train loss is the
+objective over the model run at every pass count (a slow reference), its gradient reaches the
+gate and the model, a closed gate gives the last pass's loss, and the trainer moves the gate.
+Tiny configs (tests/helpers.py).
 """
 from __future__ import annotations
 
 import functools
+import json
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +26,12 @@ from loopmoe_jax import exit as early_exit
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.decode import decode_step, mean_passes
 from loopmoe_jax.model import LoopedMoE
+from loopmoe_jax.objective import loss_fn
+from loopmoe_jax.train.run import RunDir
+from loopmoe_jax.train.step import _Truncated
+from loopmoe_jax.train.trainer import train
 
-from helpers import decode_all, make_cfg, make_params, tokens
+from helpers import decode_all, make_cfg, make_params, tiny, tokens
 
 BASE = dict(dispatch='reference', num_loops=3)
 
@@ -215,3 +224,109 @@ def test_gate_on_a_checkpoint_without_gate_fails_before_compute():
     forward(ecfg, p, tokens(cfg), early_exit=True)
   with pytest.raises(ValueError, match=r"model\.exit='gate'.*trained without"):
     decode_step(ecfg, p, {'position': jnp.zeros((), jnp.int32)}, tokens(cfg)[:, :1])
+
+
+# Gate training (objective.gate_lm_loss) --------------------------------------------------------
+
+def gate_batch(cfg, seed=5):
+  toks = tokens(cfg, seed=seed, batch=3, length=5)
+  targets = tokens(cfg, seed=seed + 1, batch=3, length=5)
+  mask = jnp.asarray(np.random.default_rng(seed).random((3, 5)) > 0.3, jnp.float32)
+  return {'inputs': toks, 'targets': targets, 'mask': mask}
+
+
+def slow_gate_loss(cfg, p, batch, coef):
+  """The model at num_loops = 1..L: the NLL of its output (through the coda), the gate's lambda
+  of its normed core state (the coda-less twin's final-normed state); combined with loops."""
+  nocoda = cfg.replace(coda_layers=0, exit='none', exit_threshold=0.0)
+  plain = cfg.replace(exit='none', exit_threshold=0.0)
+  tg, mask = np.asarray(batch['targets']), np.asarray(batch['mask'], np.float64)
+  nll, lam = [], []
+  for n in range(1, cfg.num_loops + 1):
+    logits = np.asarray(forward(plain, p, batch['inputs'], num_loops=n)[0], np.float64)
+    lse = np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1)) + logits.max(-1)
+    nll.append(lse - np.take_along_axis(logits, tg[..., None], -1)[..., 0])
+    s = np.asarray(forward(nocoda, p, batch['inputs'], num_loops=n, return_hidden=True)[0],
+                   np.float64)
+    w, b = np.asarray(p['exit_gate_w'], np.float64), float(p['exit_gate_b'])
+    lam.append(1.0 / (1.0 + np.exp(-(s @ w + b))))
+  L = cfg.num_loops
+  obj = exp = ent = passes = 0.0
+  for bi in range(tg.shape[0]):
+    for ti in range(tg.shape[1]):
+      if not mask[bi, ti]:
+        continue
+      survive = 1.0
+      for l in range(L):
+        prob = survive if l == L - 1 else lam[l][bi, ti] * survive
+        survive *= 1.0 - lam[l][bi, ti]
+        exp += prob * nll[l][bi, ti]
+        ent -= prob * math.log(prob) if prob > 0 else 0.0
+        passes += prob * (l + 1)
+  n = mask.sum()
+  last = float((nll[-1] * mask).sum() / n)
+  return (exp - coef * ent) / n, exp / n, ent / n, passes / n, last
+
+
+def gate_cfg(**kw):
+  return base_cfg(**{'exit': 'gate', 'exit_threshold': 0.5, 'exit_entropy': 0.1, **kw})
+
+
+@pytest.mark.parametrize('kw', [dict(), dict(coda_layers=0, loss_chunk=10)])
+def test_gate_training_loss_matches_slow_reference(kw):
+  """The LM term is Ouro's objective over the model's output at every pass count (through the
+  coda), per token, with the mask; 'loss' the expected NLL, 'lm_loss_last' the plain model's
+  loss; aux losses are the plain forward's. The chunked per-token loss (run.loss_chunk) agrees."""
+  cfg = gate_cfg(**kw)
+  p = params_with_gate(cfg, bias=0.3)
+  batch = gate_batch(cfg)
+  total, m = loss_fn(p, LoopedMoE(cfg), batch, 0.0, 0.0)
+  obj, exp, ent, passes, last = slow_gate_loss(cfg, p, batch, cfg.exit_entropy)
+  np.testing.assert_allclose(float(total), obj, rtol=1e-5)
+  np.testing.assert_allclose([float(m[k]) for k in ('loss', 'exit_entropy', 'exit_mean_passes',
+                                                   'lm_loss_last')],
+                             [exp, ent, passes, last], rtol=1e-5)
+  _, plain = loss_fn(p, LoopedMoE(cfg.replace(exit='none', exit_threshold=0.0)), batch)
+  np.testing.assert_allclose(float(m['lm_loss_last']), float(plain['loss']), rtol=1e-5)
+  total2, m2 = loss_fn(p, LoopedMoE(cfg), batch, 0.01, 0.001)
+  np.testing.assert_allclose(float(total2 - total), float(0.01 * plain['load_balance'] +
+                                                          0.001 * plain['z_loss']), rtol=1e-4)
+
+
+def test_gate_training_gradient_reaches_the_gate_and_the_model():
+  cfg = gate_cfg()
+  p = params_with_gate(cfg, bias=0.3)
+  grads = jax.grad(lambda q: loss_fn(q, LoopedMoE(cfg), gate_batch(cfg))[0])(p)
+  norms = {k: float(sum(jnp.sum(jnp.abs(x)) for x in jax.tree.leaves(v)))
+           for k, v in grads.items()}
+  for k in ('exit_gate_w', 'exit_gate_b', 'core', 'coda', 'prelude', 'head', 'final_norm',
+            'embed'):
+    assert norms[k] > 0 and math.isfinite(norms[k]), (k, norms)
+
+
+def test_gate_training_without_entropy_and_a_closed_gate_is_the_last_pass_loss():
+  cfg = gate_cfg(exit_entropy=0.0)
+  p = params_with_gate(cfg, bias=-40.0)   # lambda ~ 4e-18 at every pass
+  total, m = loss_fn(p, LoopedMoE(cfg), gate_batch(cfg), 0.0, 0.0)
+  np.testing.assert_allclose(float(total), float(m['lm_loss_last']), rtol=1e-6)
+  np.testing.assert_allclose(float(m['exit_mean_passes']), cfg.num_loops, rtol=1e-6)
+
+
+def test_gate_training_refuses_truncated_backprop():
+  cfg = gate_cfg()
+  with pytest.raises(ValueError, match='gate training'):
+    loss_fn(params_with_gate(cfg), _Truncated(LoopedMoE(cfg), 1), gate_batch(cfg))
+
+
+def test_gate_training_run_trains_the_gate(tmp_path):
+  """The trainer with model.exit='gate' (tests/helpers' tiny run): the gate's params (made
+  zero at init) move, and the metrics carry the gate's statistics."""
+  cfg = tiny(steps=3)
+  cfg.model.exit, cfg.model.exit_threshold, cfg.model.exit_entropy = 'gate', 0.5, 0.05
+  train(cfg, str(tmp_path))
+  params = RunDir(str(tmp_path)).load().params
+  p = params.get('params', params)
+  assert float(jnp.sum(jnp.abs(p['exit_gate_w']))) > 0 and float(p['exit_gate_b']) != 0
+  rows = [json.loads(l) for l in open(os.path.join(str(tmp_path), 'metrics.jsonl'))]
+  row = [r for r in rows if 'exit_mean_passes' in r][-1]
+  assert 1.0 <= row['exit_mean_passes'] <= 2.0 and math.isfinite(row['lm_loss_last'])
