@@ -4,7 +4,7 @@
     res = scaling.fit('chinchilla', {'N': ..., 'D': ..., 'loss': ...})
     res.params, res.rmse
 
-Modules: forms (law forms, N_eff mappings, the expert expansion), fitting (Huber/L-BFGS fit,
+Modules: forms (law forms, the expert expansion), mappings (the loop laws' N_eff mappings), fitting (Huber/L-BFGS fit,
 bootstrap, held-out RMSE, comparison table, ranking with paired intervals), design (compute-/memory-optimal and joint
 choices, the effective-parameter multiplier, IsoFLOP curves, compute efficiency), matching
 (SMELT's FLOPs/params/KV matching), smelt_analysis (SMELT's frontier exponent, optimum, tokens
