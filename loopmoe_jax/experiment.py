@@ -110,6 +110,10 @@ def check_adaptive_depth(mc: ModelConfig, tc: TrainConfig):
   bias hold model.num_loops passes; tied attention runs up to model.MAX_LOOPS_FACTOR times
   that), and the passes with gradient must not outnumber the passes run."""
   from loopmoe_jax.model import MAX_LOOPS_FACTOR  # pylint: disable=import-outside-toplevel
+  if mc.exit == 'gate' and tc.backprop_loops:
+    raise ValueError(f"train.backprop_loops={tc.backprop_loops}: model.exit='gate' trains on "
+                     "every pass's readout, so every pass needs its gradient; set "
+                     "--config.train.backprop_loops=0 or train without the gate")
   if not (tc.sampled or tc.backprop_loops):
     return
   key = 'loops_sampler' if tc.sampled else 'backprop_loops'

@@ -223,6 +223,8 @@ def _exp(model=None, **train_kw):
     (None, dict(loops_sampler='poisson_lognormal', loops_mean=-1.0),
      ('train.loops_mean=-1.0', '> 0')),
     (None, dict(loops_sampler='gaussian'), ("train.loops_sampler='gaussian'", 'uniform')),
+    (dict(exit='gate', exit_threshold=0.5), dict(backprop_loops=1),
+     ('train.backprop_loops=1', "model.exit='gate'", 'backprop_loops=0')),
     (dict(core_layers=0, num_loops=1), dict(loops_sampler='uniform'),
      ('train.loops_sampler', 'model.core_layers')),
 ])
