@@ -245,12 +245,14 @@ def rank(forms: Sequence[str], data, holdouts: Sequence[tuple[str, float]],
   intervals cover the spread of the held-out points, not the refits' own variability.
 
   Returns {'table': rows (form, n_params, rmse, heldout {axis: rmse}, score, diff_lo, diff_hi)
-  by score, 'heldout': {form: {label: rmse}}, 'fits': {form: Fit on every point}, 'best', 'indistinguishable': forms whose
-  interval covers 0, 'distinguishable': whether no other form's interval covers 0}.
+  by score, 'heldout': {form: {axis: rmse}}, 'fits': {form: Fit on every point}, 'best',
+  'indistinguishable': forms whose interval covers 0, 'distinguishable': whether no other form's interval covers 0}.
   """
   check_identified(forms, data, holdouts, fit_kw.get('fixed'))
   cols = as_columns(data)
-  labels = [f'{axis}={value:g}' for axis, value in holdouts]
+  # keyed by the axis (by axis=value when an axis is held out at more than one value)
+  axes = [axis for axis, _ in holdouts]
+  labels = [axis if axes.count(axis) == 1 else f'{axis}={value:g}' for axis, value in holdouts]
   errs, rows, fits = {}, [], {}
   for name in forms:
     f = fits[get_form(name).name] = fit(name, cols, **fit_kw)
