@@ -43,7 +43,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-EXITS = ('none', 'kl', 'gate')
 GATE_PARAMS = ('exit_gate_w', 'exit_gate_b')
 
 

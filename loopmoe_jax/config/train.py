@@ -75,7 +75,11 @@ class TrainConfig:
               'eps': (self.eps > 0, '> 0'), 'weight_decay': (self.weight_decay >= 0, '>= 0'),
               'final_lr_fraction': (0 <= self.final_lr_fraction <= 1, 'in [0, 1]'),
               'lb_coef': (self.lb_coef >= 0, '>= 0'), 'z_coef': (self.z_coef >= 0, '>= 0'),
-              'bias_rate': (self.bias_rate >= 0, '>= 0')}
+              'bias_rate': (self.bias_rate >= 0, '>= 0'),
+              'loops_high': (self.loops_high >= 0, '>= 0 (0: model.num_loops)'),
+              'loops_mean': (self.loops_mean >= 0, '>= 0 (0 when unused; > 0 with '
+                                                   'poisson_lognormal)'),
+              'backprop_loops': (self.backprop_loops >= 0, '>= 0 (0: every pass)')}
     for name, (ok, want) in checks.items():
       value = getattr(self, name)
       if not (ok and math.isfinite(value)):  # NaN fails every comparison
@@ -89,7 +93,8 @@ class TrainConfig:
                        f'train.steps={self.steps}')
 
   def _check_loops(self):
-    """The sampler's own keys; the checks against the model (untied attention, a per-pass
+    """The sampler's keys against each other (their ranges are in __post_init__'s table); the
+    checks against the model (untied attention, a per-pass
     router bias, the trained count) are experiment.check_adaptive_depth's."""
     if self.loops_sampler not in LOOPS_SAMPLERS:
       raise ValueError(f'train.loops_sampler={self.loops_sampler!r}: must be one of '
@@ -97,22 +102,13 @@ class TrainConfig:
     if self.loops_low < 1:
       raise ValueError(f'train.loops_low={self.loops_low}: must be >= 1 (a step runs at least '
                        'one pass); set --config.train.loops_low=1 or more')
-    if self.loops_high < 0:
-      raise ValueError(f'train.loops_high={self.loops_high}: must be >= 1, or 0 for '
-                       'model.num_loops')
     if self.loops_high and self.loops_low > self.loops_high:
       raise ValueError(f'train.loops_low={self.loops_low} exceeds train.loops_high='
                        f'{self.loops_high}: set loops_low <= loops_high')
-    if not (math.isfinite(self.loops_mean) and self.loops_mean >= 0):
-      raise ValueError(f'train.loops_mean={self.loops_mean}: must be finite and > 0 (the mean '
-                       'pass count of poisson_lognormal; 0 when unused)')
     if self.loops_sampler == 'poisson_lognormal' and not self.loops_mean > 0:
       raise ValueError(f'train.loops_mean={self.loops_mean}: must be > 0 with '
                        "train.loops_sampler='poisson_lognormal' (Huginn's mean recurrence; "
                        'e.g. --config.train.loops_mean=4)')
-    if self.backprop_loops < 0:
-      raise ValueError(f'train.backprop_loops={self.backprop_loops}: must be >= 0 (0: '
-                       'backpropagate through every pass)')
     if self.sampled and self.backprop_loops > self.loops_low:
       raise ValueError(f'train.backprop_loops={self.backprop_loops} exceeds train.loops_low='
                        f'{self.loops_low}: a step drawing the fewest passes could not '
