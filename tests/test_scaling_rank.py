@@ -42,11 +42,23 @@ def test_the_true_form_is_picked_when_the_grid_separates_the_forms():
 
 
 def test_paired_intervals_resample_the_same_points_for_every_form():
+  # bounded and sparse_bounded err alike point by point: drawing the same held-out points for
+  # both (paired) must give a narrower interval of their difference than independent draws
   data = _grid('loop_bounded', MAPPING_TRUTH['loop_bounded'], seed=3)
-  res = fitting.rank(['loop_bounded', 'loop_bounded'], data, [('r', 8.0)], resamples=200,
-                     fixed=FIXED)
-  # a form against itself: every paired resample differs by exactly 0
-  assert all(r['diff_lo'] == r['diff_hi'] == 0.0 for r in res['table'])
+  forms, hold = ['loop_bounded', 'loop_sparse_bounded'], [('r', 8.0)]
+  res = fitting.rank(forms, data, hold, resamples=400, fixed=FIXED)
+  other = res['table'][1]
+  errs = {f: np.subtract(*fitting.heldout_predictions(f, data, 'r', 8.0, fixed=FIXED))
+          for f in forms}
+  rng = np.random.default_rng(0)
+  rmse = lambda e: np.sqrt(np.mean(e[rng.integers(0, len(e), (400, len(e)))] ** 2, axis=1))
+  indep = rmse(errs[other['key']]) - rmse(errs[res['best']])
+  width = other['diff_hi'] - other['diff_lo']
+  assert 0 < width < 0.5 * (np.percentile(indep, 97.5) - np.percentile(indep, 2.5))
+  with pytest.raises(ValueError, match='resamples=0'):
+    fitting.rank(forms, data, hold, resamples=0, fixed=FIXED)
+  with pytest.raises(ValueError, match='level=1.5'):
+    fitting.rank(forms, data, hold, level=1.5, fixed=FIXED)
 
 
 def test_a_grid_too_small_for_the_free_parameters_is_refused():

@@ -248,6 +248,10 @@ def rank(forms: Sequence[str], data, holdouts: Sequence[tuple[str, float]],
   by score, 'heldout': {form: {axis: rmse}}, 'fits': {form: Fit on every point}, 'best',
   'indistinguishable': forms whose interval covers 0, 'distinguishable': whether no other form's interval covers 0}.
   """
+  if resamples < 1:
+    raise ValueError(f'resamples={resamples}: need >= 1')
+  if not 0.0 < level < 1.0:
+    raise ValueError(f'level={level}: must lie in (0, 1)')
   check_identified(forms, data, holdouts, fit_kw.get('fixed'))
   cols = as_columns(data)
   # keyed by the axis (by axis=value when an axis is held out at more than one value)
