@@ -176,7 +176,7 @@ def bootstrap(form, data, n: int = 100, seed: int = 0, base: Fit | None = None,
   cols = as_columns(data)
   base = base or fit(form, cols, **fit_kw)
   fixed = fit_kw.pop('fixed', None)
-  free = [i for i, k in enumerate(form.raw) if k not in form.raw_of(dict(fixed or {}))]
+  free = free_indices(form, fixed)
   rng = np.random.default_rng(seed)
   m = len(cols['loss'])
   samples = {k: [] for k in base.params}
@@ -210,11 +210,16 @@ def heldout_rmse(form, data, axis: str, value: float, **fit_kw) -> float:
   return float(np.sqrt(np.mean((pred - obs) ** 2)))
 
 
-def free_parameters(form, fixed: Mapping[str, float] | None = None) -> int:
-  """How many raw parameters of `form` a fit with `fixed` named values adjusts."""
+def free_indices(form, fixed: Mapping[str, float] | None = None) -> list[int]:
+  """The raw parameters of `form` a fit with `fixed` named values adjusts (their indices)."""
   form = get_form(form)
   held = form.raw_of(dict(fixed or {}))
-  return sum(n not in held for n in form.raw)
+  return [i for i, n in enumerate(form.raw) if n not in held]
+
+
+def free_parameters(form, fixed: Mapping[str, float] | None = None) -> int:
+  """How many raw parameters of `form` a fit with `fixed` named values adjusts."""
+  return len(free_indices(form, fixed))
 
 
 def check_identified(forms: Sequence[str], data, holdouts: Sequence[tuple[str, float]],
