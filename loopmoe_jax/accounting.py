@@ -14,6 +14,10 @@ Conventions:
   per layer, the core's shared by its passes, under 'last_pass' / 'first_pass' (decode.py;
   Huginn, Geiping et al. 2025; Mixture-of-Recursions, Bae et al. 2025). Equals the real
   decode cache (decode.cache_shapes; tested).
+- model.exit='gate' adds the gate's d + 1 parameters ('exit_gate') and, in training only,
+  `gate_train_flops_per_token`: the forward FLOPs of the readout of every pass but the last
+  (exit.pass_outputs: the coda's layers with their attention, and the head) and the gate's
+  dot at every pass (objective.gate_lm_loss).
 - SMELT sparsity S = 1 - active / total over non-embedding parameters.
 - Foil counts over the core: E_real = E*D, E_comp = D*L*k, E_eq = E*D*L.
 """
@@ -59,11 +63,19 @@ def count(c: ModelConfig, context: int = 2048) -> dict[str, Any]:
     if seg == 'core':
       br['injection'] += inject
     active += passes * (layers * (attn + ffn['active']) + (inject if seg == 'core' else 0))
+  if c.exit == 'gate' and c.core_layers:
+    br['exit_gate'] = d + 1
   total = sum(br.values())
   embed_stored = br['embeddings']
   nonembed_total = total - embed_stored
   nonembed_active = active - c.vocab_size * d
   attn_flops = 4 * context * c.num_heads * c.head_size * c.executed_layers
+  gate_flops = 0
+  if c.exit == 'gate' and c.core_layers:
+    coda = c.coda_layers * (attn + _ffn(c, c.coda_experts)['active'])
+    coda_attn = 4 * context * c.num_heads * c.head_size * c.coda_layers
+    gate_flops = (c.num_loops - 1) * (2 * (coda + c.vocab_size * d) + coda_attn) + \
+        c.num_loops * 2 * d
   e, dl = c.core_experts, c.core_layers
   return {
       'params_total': total,
@@ -72,6 +84,7 @@ def count(c: ModelConfig, context: int = 2048) -> dict[str, Any]:
       'params_active_nonembedding': nonembed_active,
       'breakdown': br,
       'flops_per_token': 2 * active + attn_flops,
+      'gate_train_flops_per_token': gate_flops,
       'context': context,
       'kv_per_token': cached_layers(c) * 2 * c.kv_heads * c.head_size,
       'cached_layers': cached_layers(c),

@@ -84,8 +84,10 @@ def step_flops(cfg_dict) -> int:
 def analytic_flops(exp, mesh) -> int:
   """Training FLOPs per device and step: 3 x the forward's (6 x N_active per token plus
   attention's 12 x context x heads x head size per executed layer, accounting.py's convention,
-  no causal discount) x the batch's tokens, over the devices."""
-  per_token = accounting.count(exp.model, exp.data.seq_len)['flops_per_token']
+  no causal discount; with model.exit='gate' also the early passes' readouts,
+  `gate_train_flops_per_token`) x the batch's tokens, over the devices."""
+  acc = accounting.count(exp.model, exp.data.seq_len)
+  per_token = acc['flops_per_token'] + acc['gate_train_flops_per_token']
   return int(3 * per_token * exp.data.batch_size * exp.data.seq_len // mesh.size)
 
 

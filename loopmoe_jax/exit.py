@@ -43,6 +43,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from loopmoe_jax.layers import rms_norm
+
 GATE_PARAMS = ('exit_gate_w', 'exit_gate_b')
 
 
@@ -94,21 +96,14 @@ def readout(module: nn.Module, embed_VD, gate, head_matrix) -> Readout:
   return Readout(c.exit, c.exit_threshold, c.norm_eps, gain, head, w, b)
 
 
-def normed(x_BTD, gain_D, eps: float):
-  """layers.RMSNorm in float32."""
-  x = x_BTD.astype(jnp.float32)
-  x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-  return x if gain_D is None else x * gain_D.astype(jnp.float32)
-
-
 def pass_logprobs(r: Readout, x_BTD):
   """log P of a state: log_softmax(norm(x) @ head), float32 [B, T, V]."""
-  return jax.nn.log_softmax(normed(x_BTD, r.gain_D, r.eps) @ r.head_DV.astype(jnp.float32), -1)
+  return jax.nn.log_softmax(rms_norm(x_BTD, r.gain_D, r.eps) @ r.head_DV.astype(jnp.float32), -1)
 
 
 def pass_lambda(r: Readout, x_BTD):
   """The gate's exit probability lambda [B, T] of a state."""
-  h = normed(x_BTD, r.gain_D, r.eps)
+  h = rms_norm(x_BTD, r.gain_D, r.eps)
   return jax.nn.sigmoid(h @ r.gate_w_D.astype(jnp.float32) + r.gate_b.astype(jnp.float32))
 
 
@@ -142,12 +137,12 @@ def update(r: Readout, aux: dict, y_BTD) -> dict:
   return out
 
 
-def scan_core(stack: nn.Module, args, num_loops: int, per_pass: bool, readout: Readout,
-              broadcast, per_pass_axes):
+def scan_core(scan_passes, stack: nn.Module, args, readout: Readout):
   """The core's passes with early exit: (x_BTD, {'exit_passes': passes_BT}). `stack` is the
-  core's (unbound) Stack named 'body', scanned as model.Core scans it (same params and
-  per-pass cache); `args` are Core's (x_BTD, pass_attn, e_BTD, positions_BT, bias)."""
-  x_BTD, pass_attn, e_BTD, positions_BT, bias = args
+  core's Stack named 'body', run through `scan_passes` (core.Core's, a function of the step)
+  as the plain forward runs it (same params and per-pass cache); `args` are the scan's
+  (x_BTD, pass_attn, e_BTD, positions_BT, bias)."""
+  x_BTD, *rest = args
 
   def step(mdl, carry, attn_l, e, positions, bias_l):
     x, aux = carry
@@ -156,12 +151,7 @@ def scan_core(stack: nn.Module, args, num_loops: int, per_pass: bool, readout: R
     y = jnp.where(aux['exited'][..., None], x, y)  # exited tokens keep their state
     return (y, update(readout, aux, y)), None
 
-  scan = nn.scan(step, variable_broadcast=broadcast, variable_axes=per_pass_axes,
-                 split_rngs={'params': False},
-                 in_axes=(0, nn.broadcast, nn.broadcast, 0 if per_pass else nn.broadcast),
-                 length=num_loops)
-  (x_BTD, aux), _ = scan(stack, (x_BTD, init_aux(readout, x_BTD)), pass_attn, e_BTD,
-                         positions_BT, bias)
+  (x_BTD, aux), _ = scan_passes(step)(stack, (x_BTD, init_aux(readout, x_BTD)), *rest)
   return x_BTD, {'exit_passes': aux['passes']}
 
 
@@ -198,35 +188,12 @@ def exit_distribution(lambda_LBT):
 def gate_objective(nll_LBT, lambda_LBT, entropy_coef: float, mask_BT=None):
   """Ouro's objective: the mean over tokens of sum_t p(t) nll_t - entropy_coef * H(p), with
   nll_LBT the per-pass NLL of each token's pass-t readout. Returns (objective, expected
-  loss, entropy), each averaged over unmasked tokens."""
-  p = exit_distribution(lambda_LBT)
-  expected_BT = jnp.sum(p * nll_LBT.astype(jnp.float32), axis=0)
-  entropy_BT = -jnp.sum(p * jnp.log(jnp.maximum(p, 1e-30)), axis=0)
-  mask = jnp.ones_like(expected_BT) if mask_BT is None else mask_BT.astype(jnp.float32)
-  avg = lambda v: jnp.sum(v * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-  loss, ent = avg(expected_BT), avg(entropy_BT)
-  return loss - entropy_coef * ent, loss, ent
+  loss, entropy), each averaged over unmasked tokens (`gate_metrics`'s)."""
+  obj, m = gate_metrics(nll_LBT, lambda_LBT, entropy_coef, mask_BT)
+  return obj, m['loss'], m['exit_entropy']
 
 
 # Gate training: the per-pass readouts of the training forward ----------------------------------
-
-def scan_core_states(stack: nn.Module, args, num_loops: int, per_pass: bool, broadcast,
-                     per_pass_axes):
-  """The core's passes as model.Core scans them (same params, same per-pass inputs), also
-  returning every pass's output state: (x_BTD, stats, states_LBTD)."""
-  x_BTD, pass_attn, e_BTD, positions_BT, bias = args
-
-  def step(mdl, x, attn_l, e, positions, bias_l):
-    y, s = mdl(x, attn_l, e, positions, bias_l)
-    return y, (s, y)
-
-  scan = nn.scan(step, variable_broadcast=broadcast, variable_axes=per_pass_axes,
-                 split_rngs={'params': False},
-                 in_axes=(0, nn.broadcast, nn.broadcast, 0 if per_pass else nn.broadcast),
-                 length=num_loops)
-  x_BTD, (stats, states_LBTD) = scan(stack, x_BTD, pass_attn, e_BTD, positions_BT, bias)
-  return x_BTD, stats, states_LBTD
-
 
 def pass_outputs(states_LBTD, final_BTD, coda, norm):
   """The final normed hidden state [L, B, T, D] the model outputs for a token that exits after
@@ -247,17 +214,20 @@ def pass_outputs(states_LBTD, final_BTD, coda, norm):
 
 
 def gate_metrics(nll_LBT, lambda_LBT, entropy_coef: float, mask_BT=None):
-  """(objective, metrics) of gate training: the objective is `gate_objective`'s; the metrics
-  'loss' (the expected per-token NLL under the exit distribution, what the objective trains
-  without its entropy term), 'lm_loss_last' (the last pass's NLL: the plain model's loss),
-  'exit_entropy' (H of the exit distribution) and 'exit_mean_passes' (the expected exit pass,
-  1-based), each averaged over unmasked tokens."""
-  obj, expected, ent = gate_objective(nll_LBT, lambda_LBT, entropy_coef, mask_BT)
+  """(objective, metrics) of gate training: the objective is Ouro's, the mean over unmasked
+  tokens of sum_t p(t) nll_t - entropy_coef * H(p) (p = `exit_distribution`, nll_LBT the
+  per-pass NLL of each token's pass-t readout); the metrics 'loss' (the expected per-token
+  NLL under p, what the objective trains without its entropy term), 'lm_loss_last' (the last
+  pass's NLL: the plain model's loss), 'exit_entropy' (H(p)) and 'exit_mean_passes' (the
+  expected exit pass, 1-based), each averaged over unmasked tokens."""
   p = exit_distribution(lambda_LBT)
-  mask = (jnp.ones(nll_LBT.shape[1:], jnp.float32) if mask_BT is None
+  nll = nll_LBT.astype(jnp.float32)
+  mask = (jnp.ones(nll.shape[1:], jnp.float32) if mask_BT is None
           else mask_BT.astype(jnp.float32))
   avg = lambda v: jnp.sum(v * mask) / jnp.maximum(jnp.sum(mask), 1.0)
   passes = jnp.arange(1, p.shape[0] + 1, dtype=jnp.float32)[:, None, None]
-  return obj, {'loss': expected, 'lm_loss_last': avg(nll_LBT[-1].astype(jnp.float32)),
-               'exit_entropy': ent,
-               'exit_mean_passes': jax.lax.stop_gradient(avg(jnp.sum(p * passes, axis=0)))}
+  loss = avg(jnp.sum(p * nll, axis=0))
+  entropy = avg(-jnp.sum(p * jnp.log(jnp.maximum(p, 1e-30)), axis=0))
+  return loss - entropy_coef * entropy, {
+      'loss': loss, 'lm_loss_last': avg(nll[-1]), 'exit_entropy': entropy,
+      'exit_mean_passes': jax.lax.stop_gradient(avg(jnp.sum(p * passes, axis=0)))}

@@ -109,7 +109,7 @@ def check_adaptive_depth(mc: ModelConfig, tc: TrainConfig):
   counts a run may draw must all run on its weights (untied attention and a per-pass router
   bias hold model.num_loops passes; tied attention runs up to model.MAX_LOOPS_FACTOR times
   that), and the passes with gradient must not outnumber the passes run."""
-  from loopmoe_jax.model import MAX_LOOPS_FACTOR  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.model import MAX_LOOPS_FACTOR, check_loops  # pylint: disable=import-outside-toplevel
   if mc.exit == 'gate' and tc.backprop_loops:
     raise ValueError(f"train.backprop_loops={tc.backprop_loops}: model.exit='gate' trains on "
                      "every pass's readout, so every pass needs its gradient; set "
@@ -132,19 +132,17 @@ def check_adaptive_depth(mc: ModelConfig, tc: TrainConfig):
   if low > high:
     raise ValueError(f'train.loops_low={low} exceeds {high_key}: set '
                      f'--config.train.loops_high to at least {low}')
-  if not mc.tie_attention and high > L:
-    raise ValueError(f'{high_key}: untied attention (model.tie_attention=False) has '
-                     f'weights for model.num_loops={L} passes, so it may sample at most {L}; '
-                     f'set --config.train.loops_high={L} or lower, or tie the attention')
   if mc.router_bias == 'per_pass' and high > L:
     raise ValueError(f"{high_key}: model.router_bias='per_pass' has a bias for "
                      f'model.num_loops={L} passes, and passes past them would reuse the last '
                      f"one's without training theirs; set --config.train.loops_high={L} or "
                      "lower, or use model.router_bias='shared'")
-  if high > MAX_LOOPS_FACTOR * L:
-    raise ValueError(f'{high_key} exceeds {MAX_LOOPS_FACTOR} x model.num_loops={L}, '
-                     f'the most passes a forward runs: set it to at most {MAX_LOOPS_FACTOR * L} '
-                     'or raise model.num_loops')
+  try:  # the most passes a forward runs on these weights (model.check_loops)
+    check_loops(mc, high)
+  except ValueError as e:
+    most = L if not mc.tie_attention else MAX_LOOPS_FACTOR * L
+    raise ValueError(f'{high_key}: every count the run draws must run on the weights, and '
+                     f'{e}; set --config.train.loops_high to at most {most}') from None
 
 
 # How the same parameters run, not what they are: the same results up to float summation order

@@ -57,14 +57,16 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    dtype = x.dtype
-    x = x.astype(jnp.float32)
-    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-    if self.use_gain:
-      gain = param(self, 'scale', (x.shape[-1],), ('embed',), nn.initializers.ones,
-                   DTYPES[self.param_dtype])
-      x = x * gain.astype(jnp.float32)
-    return x.astype(dtype)
+    gain = param(self, 'scale', (x.shape[-1],), ('embed',), nn.initializers.ones,
+                 DTYPES[self.param_dtype]) if self.use_gain else None
+    return rms_norm(x, gain, self.eps).astype(x.dtype)
+
+
+def rms_norm(x, gain, eps: float):
+  """x / rms(x) (times `gain` when not None), in float32 (RMSNorm's arithmetic)."""
+  x = x.astype(jnp.float32)
+  x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+  return x if gain is None else x * gain.astype(jnp.float32)
 
 
 def rope(x_BTHK, positions_BT, theta: float):

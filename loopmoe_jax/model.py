@@ -1,239 +1,24 @@
 """The looped MoE language model: embed -> prelude -> core x L -> coda -> norm -> head.
 
-The core's C layers run L times through `nn.scan` with `variable_broadcast='params'`, so its
-shared weights appear once in the param tree. With untied attention ("Foil") the core owns
-one attention set per pass, stacked along a leading `loops` axis, and feeds pass l its slice
-as the scanned input; experts and routers stay shared. The KV cache is scanned per pass, so
-there is one slot per executed (pass, layer).
-
+The looped core and its layers are core.py's (`Core`, `Stack`, `Layer`, the remat policies).
 `apply` returns (logits_BTV, extras): extras holds the aux losses averaged over every MoE
 visit of the unrolled depth ('load_balance', 'z_loss'), the per-visit values under
-'per_visit' ({segment: {'load_balance', 'z_loss', 'load', 'dropped'}}; core arrays are [L, C] and
-the expert loads [L, C, E]), and with
-`return_routing=True` the routing records under 'routing' ({segment: {'experts', 'logits'}}).
+'per_visit' ({segment: {'load_balance', 'z_loss', 'load', 'dropped'}}; core arrays are [L, C]
+and the expert loads [L, C, E]), and with `return_routing=True` the routing records under
+'routing' ({segment: {'experts', 'logits'}}).
 """
 from __future__ import annotations
 
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from loopmoe_jax import exit as early_exit_lib
-from loopmoe_jax import sharding
-from loopmoe_jax.attention import Attention, AttentionWeights
 from loopmoe_jax.config import ModelConfig
-from loopmoe_jax.core_once import core_once
-from loopmoe_jax.layers import DTYPES, DenseMLP, RMSNorm, fan_in_init, param
-from loopmoe_jax.moe import MoE
+from loopmoe_jax.core import ACTIVATION, Core, Stack, remat
+from loopmoe_jax.layers import DTYPES, RMSNorm, fan_in_init, param
 from loopmoe_jax.sharding import constrain
-
-ACTIVATION = ('batch', 'length', 'act_embed')  # the residual stream's logical axes
-
-# Variable collections the core's scan shares across passes (the weights, and read-only
-# per-layer inputs such as the expert masks of analysis/masking.py) and those it stacks
-# per pass (the KV cache, and values sown for probes under 'intermediates').
-BROADCAST = ('params', 'routing_mask')
-PER_PASS = {'cache': 0, 'intermediates': 0}
-
-_save = jax.checkpoint_policies.save_only_these_names
-# run.remat: what the backward keeps of the forward; everything else it recomputes. Every
-# layer (prelude, core passes, coda) is rematerialised per layer stack (one core pass), and
-# the head and LM loss with it (objective.py). Named checkpoints: 'attn_qkv' (q, k, v after
-# RoPE), 'attention' (the attention output, and chunked attention's log-sum-exp), 'router' (router
-# logits), 'expert_out' (the combined expert output: named, but no backward reads it, so no
-# policy keeps it; the expert FFN's intermediates are recomputed), 'exchange' (the rows each
-# expert-parallel all-to-all delivers). Measured memory and recompute per policy: README, scripts/dry_run.py.
-REMAT = {
-    'full': None,                      # keep each stack's input only
-    'dots': jax.checkpoint_policies.checkpoint_dots,
-    'dots_no_batch': jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-    'pass_input': _save('exchange'),   # each pass's input, and what the exchange delivered
-    # chunked attention: no attention forward recomputed (its output and log-sum-exp are
-    # kept); xla, cudnn and splash keep q, k, v and the output but rerun their forward
-    'attention': _save('exchange', 'attn_qkv', 'attention'),
-    'named': _save('exchange', 'attn_qkv', 'attention', 'router', 'expert_out'),
-}
-
-
-def remat(module_cls, c: ModelConfig):
-  """`module_cls` rematerialised under run.remat (unchanged with 'none')."""
-  if c.remat == 'none':
-    return module_cls
-  return nn.remat(module_cls, policy=REMAT[c.remat], prevent_cse=False)
-
-
-class Layer(nn.Module):
-  """Pre-norm attention + feed-forward; each write scaled by `scale` (1/r inside SMELT loops)."""
-  cfg: ModelConfig
-  num_experts: int
-  scale: float = 1.0
-  decode: bool = False
-  record: bool = False
-
-  @nn.compact
-  def __call__(self, x_BTD, positions_BT, attn_w=None, bias_E=None):
-    c = self.cfg
-    if attn_w is None:
-      attn_w = AttentionWeights(c, name='attn')()
-    norm = lambda name: RMSNorm(c.norm_gain, c.norm_eps, c.param_dtype, name=name)
-    h = Attention(c, self.decode, name='attention')(norm('attn_norm')(x_BTD), positions_BT, attn_w)
-    x_BTD = x_BTD + self.scale * h
-    u = norm('mlp_norm')(x_BTD)
-    if self.num_experts:
-      h, stats = MoE(c, self.num_experts, self.record, name='moe')(u, bias_E)
-    else:
-      h, stats = DenseMLP(c.expert_width, c.param_dtype, name='mlp')(u), {}
-    return constrain(x_BTD + self.scale * h, ACTIVATION), stats
-
-
-class Stack(nn.Module):
-  """One pass over `num_layers` layers. Attention weights come from the layers themselves, or,
-  when `pass_attn` is given (untied core), from it: one weight dict per layer."""
-  cfg: ModelConfig
-  num_layers: int
-  num_experts: int
-  scale: float = 1.0
-  injection: str = 'none'
-  decode: bool = False
-  record: bool = False
-
-  @nn.compact
-  def __call__(self, x_BTD, pass_attn, e_BTD, positions_BT, bias_CE=None):
-    c = self.cfg
-    if self.injection == 'add':
-      x_BTD = x_BTD + e_BTD
-    elif self.injection == 'concat':
-      w = param(self, 'inject', (2, c.d_model, c.d_model), ('inject_src', 'embed_in', 'embed'),
-                fan_in_init([0, 1], [2]), DTYPES[c.param_dtype]).astype(x_BTD.dtype)
-      x_BTD = x_BTD @ w[0] + e_BTD @ w[1]
-    stats = []
-    for i in range(self.num_layers):
-      layer = Layer(c, self.num_experts, self.scale, self.decode, self.record, name=f'layer_{i}')
-      x_BTD, s = layer(x_BTD, positions_BT, None if pass_attn is None else pass_attn[i],
-                       None if bias_CE is None else bias_CE[i])
-      stats.append(s)
-    stacked = jax.tree.map(lambda *a: jnp.stack(a), *stats) if stats[0] else {}
-    return x_BTD, stacked
-
-
-class Core(nn.Module):
-  """D shared layers applied `num_loops` times (default: the trained count). Under a mesh the
-  scan runs through `core_once` (collectives once per step, core_once.py) when it applies.
-
-  With `backprop_loops` = k (0 < k < num_loops) the backward is truncated (Huginn's truncated
-  backprop, Geiping et al. 2025, "Scaling up test-time compute with latent reasoning"): the
-  first n - k passes run as one scan, their carry and statistics pass through
-  `jax.lax.stop_gradient`, and the last k run as a second scan over the same weights, so
-  neither the carry nor any parameter gets gradient from the early passes (and the backward
-  keeps nothing of them); the forward values are those of one scan of n passes. Pass l keeps
-  its own per-pass router bias and untied attention slice in either part. The prelude's
-  output reaches the last k passes through the input injection only (model.injection, as in
-  Huginn): without one the prelude gets no gradient through the core."""
-  cfg: ModelConfig
-  decode: bool = False
-  record: bool = False
-
-  @nn.compact
-  def __call__(self, x_BTD, positions_BT, num_loops: int, bias=None, backprop_loops: int = 0,
-               readout=None, states: bool = False):
-    """`bias`: the core's router bias, [C, E] ('shared') or [trained L, D, E] ('per_pass';
-    a forward with more passes than trained reuses the last pass's bias), or None.
-    `readout` (exit.Readout): per-token early exit (exit.py); the statistics are then
-    {'exit_passes': passes_BT} only. `states` (gate training): the statistics also hold every
-    pass's output state under 'pass_states' ([L, B, T, D], exit.scan_core_states)."""
-    c = self.cfg
-    per_pass = bias is not None and bias.ndim == 3
-    if per_pass:
-      bias = bias[jnp.minimum(jnp.arange(num_loops), bias.shape[0] - 1)]
-    scale = residual_scale(c, num_loops)
-    pass_attn = None
-    if not c.tie_attention:
-      stacked = [AttentionWeights(c, stack=c.num_loops, name=f'pass_attn_{i}')()
-                 for i in range(c.core_layers)]
-      pass_attn = jax.tree.map(lambda w: w[:num_loops], stacked)
-    body = remat(Stack, c)
-    kw = dict(cfg=c, num_layers=c.core_layers, num_experts=c.core_experts, scale=scale,
-              injection=c.injection, decode=self.decode, record=self.record)
-    e_BTD = x_BTD if c.injection != 'none' else None
-    # the first pass with gradient (0: all of them)
-    split = num_loops - backprop_loops if 0 < backprop_loops < num_loops else 0
-    if split and (self.decode or self.is_mutable_collection('intermediates')):
-      raise ValueError(f'backprop_loops={backprop_loops} is a training setting: decoding and '
-                       'probes run every pass with gradient (backprop_loops=0)')
-    if readout is not None:  # early exit: always the scan (an inference setting)
-      if split:
-        raise ValueError(f'backprop_loops={backprop_loops}: early exit (model.exit) is an '
-                         'inference setting; use backprop_loops=0')
-      return early_exit_lib.scan_core(body(**kw, name='body'),
-                                      (x_BTD, pass_attn, e_BTD, positions_BT, bias), num_loops,
-                                      per_pass, readout, BROADCAST, PER_PASS)
-    if states and not self.is_initializing():  # gate training: always the scan
-      if split or self.decode:
-        raise ValueError(f'backprop_loops={backprop_loops}: gate training (model.exit=\'gate\') '
-                         'backpropagates through every pass (backprop_loops=0) and does not decode')
-      x_BTD, stats, states_LBTD = early_exit_lib.scan_core_states(
-          body(**kw, name='body'), (x_BTD, pass_attn, e_BTD, positions_BT, bias), num_loops,
-          per_pass, BROADCAST, PER_PASS)
-      return x_BTD, dict(stats, pass_states=states_LBTD)
-    if c.loop_impl == 'scan' or self.decode:
-      scan = lambda length: nn.scan(
-          body, variable_broadcast=BROADCAST, variable_axes=PER_PASS,
-          split_rngs={'params': False},
-          in_axes=(0, nn.broadcast, nn.broadcast, 0 if per_pass else nn.broadcast),
-          length=length)
-      args = (x_BTD, pass_attn, e_BTD, positions_BT, bias)
-      once = self._collectives_once(x_BTD.shape[0])
-      if split and not self.is_initializing():
-        return self._truncated(scan, kw, args, split, num_loops, per_pass, once)
-      if once:
-        return core_once(scan(num_loops)(**kw), self.variables['params']['body'], args)
-      return scan(num_loops)(**kw, name='body')(*args)
-    stack = body(**kw, name='body')
-    stats = []
-    for l in range(num_loops):
-      if split and l == split:
-        x_BTD, stats = jax.lax.stop_gradient((x_BTD, stats))
-      attn_l = None if pass_attn is None else jax.tree.map(lambda w: w[l], pass_attn)
-      x_BTD, s = stack(x_BTD, attn_l, e_BTD, positions_BT, bias[l] if per_pass else bias)
-      stats.append(s)
-    return x_BTD, jax.tree.map(lambda *a: jnp.stack(a), *stats)
-
-  def _truncated(self, scan, kw, args, split, num_loops, per_pass, once):
-    """Passes [0, split), stop_gradient, then passes [split, num_loops): two scans applied to
-    the one set of weights under 'body' (each through core_once when `once`), each pass with
-    its own slice of the per-pass inputs; the statistics of both parts joined by pass."""
-    x_BTD, pass_attn, e_BTD, positions_BT, bias = args
-    weights = {col: self.variables[col]['body'] for col in BROADCAST
-               if 'body' in self.variables.get(col, {})}
-    stats = []
-    for lo, hi in ((0, split), (split, num_loops)):
-      part = lambda t: None if t is None else jax.tree.map(lambda a: a[lo:hi], t)
-      part_args = (x_BTD, part(pass_attn), e_BTD, positions_BT,
-                   part(bias) if per_pass else bias)
-      scanned = scan(hi - lo)(**kw)
-      if once:
-        x_BTD, s = core_once(scanned, weights['params'], part_args)
-      else:
-        x_BTD, s = scanned.apply(weights, *part_args)
-      if lo == 0:  # no gradient to the carry, the statistics or the weights of these passes
-        x_BTD, s = jax.lax.stop_gradient((x_BTD, s))
-      stats.append(s)
-    return x_BTD, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *stats)
-
-  def _collectives_once(self, batch: int) -> bool:
-    """run.core_collectives='once' applies: a multi-device mesh without `tensor` (heads and
-    expert widths would need manual collectives) whose batch shards split the sequences,
-    training or evaluation (not decoding, routing records, probes or expert masks), params
-    already made. Otherwise the loop runs as a plain scan under XLA's partitioning."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return (self.cfg.core_collectives == 'once' and not mesh.empty and mesh.size > 1 and
-            not sharding.is_manual(mesh) and mesh.shape['tensor'] == 1 and
-            batch % sharding.batch_size_of(mesh) == 0 and not self.decode and
-            not self.record and not self.is_initializing() and
-            'routing_mask' not in self.variables and
-            not self.is_mutable_collection('intermediates'))
 
 
 class LoopedMoE(nn.Module):
@@ -403,16 +188,6 @@ def bias_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
       per_pass = seg == 'core' and c.router_bias == 'per_pass'
       out[seg] = (passes, layers, experts) if per_pass else (layers, experts)
   return out
-
-
-def residual_scale(c: ModelConfig, num_loops: int) -> float:
-  """SMELT's 1/r on every write inside the core (`model.residual_scale='inverse_loops'`), with
-  r the trained pass count or, with `model.scale_passes='executed'`, the count this forward
-  runs (the paper does not fix which: an option, docs/formulas.md, 'SMELT'); 1 otherwise. The
-  two agree at the trained count."""
-  if c.residual_scale != 'inverse_loops':
-    return 1.0
-  return 1.0 / (num_loops if c.scale_passes == 'executed' else c.num_loops)
 
 
 # Test-time recurrence runs at most this many times the trained passes: a count beyond it is

@@ -174,12 +174,15 @@ def head_nll(h_BTD, head_DV, targets_BT, mask_BT, chunk: int, remat: bool = Fals
   return fn(h_BTD, head_DV, targets_BT, mask_BT), count
 
 
-def token_nll(params, model, batch, num_loops: int | None = None, router_bias=None):
+def token_nll(params, model, batch, num_loops: int | None = None, router_bias=None,
+              backprop_loops: int = 0):
   """(summed NLL over the batch's unmasked targets, their count, the model's extras), the head
-  and loss as run.loss_chunk and run.remat say."""
+  and loss as run.loss_chunk and run.remat say; `backprop_loops` > 0: gradient through the
+  core's last that many passes only (truncated backprop, core.Core)."""
   c = model.cfg
   h_BTD, extras = model.apply(variables(params, router_bias=router_bias), batch['inputs'],
-                              num_loops=num_loops, return_hidden=True)
+                              num_loops=num_loops, return_hidden=True,
+                              backprop_loops=backprop_loops)
   head_DV = _head(c, params)
   total, count = head_nll(h_BTD, head_DV, batch['targets'], batch.get('mask'),
                           c.loss_chunk, remat=c.remat != 'none')
@@ -194,7 +197,8 @@ def _head(c, params):
   return sharding.constrain(head_DV, (None, 'vocab'))
 
 
-def gate_lm_loss(params, model, batch, num_loops: int | None = None, router_bias=None):
+def gate_lm_loss(params, model, batch, num_loops: int | None = None, router_bias=None,
+                 backprop_loops: int = 0):
   """Gate training's LM term (model.exit='gate'; Ouro, Zhu et al. 2025): the per-token NLL of
   the output a token exiting after each pass t = 1..L would give (exit.pass_outputs: its core
   state through the coda, the final norm and the head), combined under the gate's exit
@@ -203,29 +207,36 @@ def gate_lm_loss(params, model, batch, num_loops: int | None = None, router_bias
   The head and loss run per pass as run.loss_chunk and run.remat say (`head_token_nll`)."""
   c = model.cfg
   _, extras = model.apply(variables(params, router_bias=router_bias), batch['inputs'],
-                          num_loops=num_loops, return_hidden=True, pass_outputs=True)
+                          num_loops=num_loops, return_hidden=True, pass_outputs=True,
+                          backprop_loops=backprop_loops)  # > 0 is refused (core.Core)
   h_LBTD, lam_LBT = extras.pop('pass_hidden'), extras.pop('pass_lambda')
   head_DV = _head(c, params)
-  nll_LBT = jnp.stack([head_token_nll(h, head_DV, batch['targets'], c.loss_chunk,
-                                      remat=c.remat != 'none') for h in h_LBTD])
+  n, b, t, d = h_LBTD.shape  # the passes' readouts as one batch of L x B rows
+  nll_LBT = head_token_nll(h_LBTD.reshape(n * b, t, d), head_DV,
+                           jnp.tile(batch['targets'], (n, 1)), c.loss_chunk,
+                           remat=c.remat != 'none').reshape(n, b, t)
   obj, metrics = early_exit.gate_metrics(nll_LBT, lam_LBT, c.exit_entropy, batch.get('mask'))
   return obj, metrics, extras
 
 
 def loss_fn(params, model, batch, lb_coef: float = 0.01, z_coef: float = 0.001,
-            num_loops: int | None = None, router_bias=None):
+            num_loops: int | None = None, router_bias=None, backprop_loops: int = 0):
   """Returns (total objective, metrics). batch: 'inputs', 'targets' [B, T], optional 'mask'.
   With `router_bias` (model.router_bias; not differentiated) the metrics also hold the expert
   loads per segment under 'load' ({segment: [D, E] or the core's [L, D, E]}).
   With model.exit='gate' the LM term is `gate_lm_loss`'s objective; 'loss' is then the
   expected NLL under the exit distribution, and the metrics add 'lm_loss_last' (the plain
-  model's loss, the last pass's), 'exit_entropy' and 'exit_mean_passes'."""
+  model's loss, the last pass's), 'exit_entropy' and 'exit_mean_passes'.
+  `backprop_loops` > 0: truncated backprop (token_nll; refused with the gate, which trains
+  every pass's readout)."""
   if router_bias is not None:
     router_bias = jax.lax.stop_gradient(router_bias)
   if model.cfg.exit == 'gate':
-    lm_term, gate, extras = gate_lm_loss(params, model, batch, num_loops, router_bias)
+    lm_term, gate, extras = gate_lm_loss(params, model, batch, num_loops, router_bias,
+                                         backprop_loops)
   else:
-    total_nll, count, extras = token_nll(params, model, batch, num_loops, router_bias)
+    total_nll, count, extras = token_nll(params, model, batch, num_loops, router_bias,
+                                         backprop_loops)
     lm_term = total_nll / jnp.maximum(count, 1.0)
     gate = {'loss': lm_term}
   total = lm_term + lb_coef * extras['load_balance'] + z_coef * extras['z_loss']

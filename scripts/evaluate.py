@@ -30,110 +30,6 @@ _THRESH = flags.DEFINE_list('thresholds', [], 'model.exit_threshold values for -
 _OUT = flags.DEFINE_string('out', None, 'PNG of loss against average passes (--exit).')
 
 
-def exit_tradeoff(workdir, rule, thresholds, num_loops, step, out=None) -> dict:
-  """{'rows': [{threshold, loss, mean_passes}]} on the validation batches (the full forward
-  with early_exit=True, exited tokens frozen; the no-exit model as threshold None), and the
-  PNG of loss against average passes at `out`."""
-  import jax
-  import numpy as np
-  from loopmoe_jax.data import pipeline
-  from loopmoe_jax.model import LoopedMoE, variables
-  from loopmoe_jax.objective import token_nll_of_logits
-  from loopmoe_jax.train.run import as_loaded
-  if not thresholds:
-    raise ValueError('--exit needs --thresholds=a,b,c (model.exit_threshold values)')
-  try:
-    values = [float(t) for t in thresholds]
-  except ValueError:
-    raise ValueError(f'--thresholds={",".join(thresholds)}: must be numbers') from None
-  loaded = as_loaded(workdir, step)
-  base = loaded.model_cfg
-  configs = [(None, base.replace(exit='none'))] + [
-      (t, base.replace(exit=rule, exit_threshold=t)) for t in values]  # bad ones fail here
-  batches = pipeline.validation_batches(loaded.exp.data, base.vocab_size)
-  if not batches:
-    raise ValueError(f'{loaded.workdir}: the run has no validation data (data.val_path is empty)')
-  rows = []
-  for t, cfg in configs:
-    fn = jax.jit(lambda p, b, x, cfg=cfg: LoopedMoE(cfg).apply(
-        variables(p, router_bias=b), x, num_loops=num_loops, early_exit=t is not None))
-    total = passes = count = 0.0
-    for b in batches:
-      logits, extras = fn(loaded.params, loaded.router_bias, b['inputs'])
-      mask = np.asarray(b['mask'], np.float64)
-      total += float(np.sum(np.asarray(token_nll_of_logits(logits, b['targets'])) * mask))
-      n = np.asarray(extras['exit']['passes_BT']) if 'exit' in extras else num_loops or \
-          base.num_loops
-      passes += float(np.sum(n * mask))
-      count += float(mask.sum())
-    rows.append({'threshold': t, 'loss': total / max(count, 1.0),
-                 'mean_passes': passes / max(count, 1.0)})
-  for r in rows:
-    print(f"{rule if r['threshold'] is not None else 'none':>5} threshold="
-          f"{r['threshold'] if r['threshold'] is not None else '-':<10} "
-          f"loss={r['loss']:.4f} mean_passes={r['mean_passes']:.3f}")
-  if out:
-    from loopmoe_jax.scaling.plots import _pyplot
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(5.5, 4))
-    ex = [r for r in rows if r['threshold'] is not None]
-    ax.plot([r['mean_passes'] for r in ex], [r['loss'] for r in ex], 'o-', label=f'exit={rule}')
-    for r in ex:
-      ax.annotate(f"{r['threshold']:g}", (r['mean_passes'], r['loss']), fontsize=8)
-    ax.scatter([rows[0]['mean_passes']], [rows[0]['loss']], color='k', marker='s',
-               label='no exit', zorder=3)
-    ax.set_xlabel('average passes per token')
-    ax.set_ylabel('validation loss (nats)')
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-  return {'step': loaded.step, 'exit': rule, 'rows': rows, 'plot': out}
-
-
-def kv_cache_losses(workdir, layouts, num_loops, step, scale_passes) -> dict:
-  """{'full_forward': loss, 'decode': {layout: loss}} per pass count: the mean next-token
-  NLL over the validation batches' unmasked targets, the text fed token by token."""
-  import jax
-  import numpy as np
-  from loopmoe_jax.data import pipeline
-  from loopmoe_jax.decode import decode_nll
-  from loopmoe_jax.model import LoopedMoE, check_loops, variables
-  from loopmoe_jax.objective import token_nll_of_logits
-  from loopmoe_jax.train.run import as_loaded
-  loaded = as_loaded(workdir, step)
-  cfg, params, bias = loaded.model_cfg, loaded.params, loaded.router_bias
-  if scale_passes:
-    cfg = cfg.replace(scale_passes=scale_passes)
-  configs = {k: cfg.replace(kv_cache=k) for k in layouts}  # a bad layout fails here, naming it
-  for n in num_loops:
-    check_loops(cfg, n)
-  batches = pipeline.validation_batches(loaded.exp.data, cfg.vocab_size)
-  if not batches:
-    raise ValueError(f'{loaded.workdir}: the run has no validation data (data.val_path is empty)')
-  forward = jax.jit(lambda p, b, t, n: LoopedMoE(cfg).apply(variables(p, router_bias=b), t,
-                                                            num_loops=n)[0],
-                    static_argnums=3)
-
-  def mean(nll_fn):
-    total = count = 0.0
-    for b in batches:
-      mask = np.asarray(b['mask'], np.float64)
-      total += float(np.sum(np.asarray(nll_fn(b), np.float64) * mask))
-      count += float(mask.sum())
-    return total / max(count, 1.0)
-
-  out = {'step': loaded.step, 'tokens': int(sum(np.asarray(b['mask']).sum() for b in batches))}
-  for n in num_loops:
-    row = {'full_forward': mean(lambda b: token_nll_of_logits(
-        forward(params, bias, b['inputs'], n), b['targets']))}
-    row['decode'] = {k: mean(lambda b, c=c: decode_nll(c, params, b['inputs'], b['targets'], n,
-                                                       bias))
-                     for k, c in configs.items()}
-    out[str(n or cfg.num_loops)] = row
-  return out
-
-
 def main(argv):
   del argv
   from loopmoe_jax.train.evaluation import evaluate_checkpoint
@@ -142,11 +38,14 @@ def main(argv):
   except ValueError:
     raise ValueError(f'--num_loops={",".join(_LOOPS.value)}: pass counts must be integers') from None
   if _EXIT.value:
-    out = {}
-    for n in loops:
-      out[str(n or 'trained')] = exit_tradeoff(_WORKDIR.value, _EXIT.value, _THRESH.value, n,
-                                               _STEP.value, _OUT.value)
+    from loopmoe_jax.train import depth_eval
+    out = depth_eval.exit_tradeoff(_WORKDIR.value, _EXIT.value, _THRESH.value, loops,
+                                   _STEP.value)
+    print(depth_eval.tradeoff_table(out))
+    if _OUT.value:
+      out['plot'] = depth_eval.plot_tradeoff(out, _OUT.value)
   elif _KV.value:
+    from loopmoe_jax.train.depth_eval import kv_cache_losses
     out = kv_cache_losses(_WORKDIR.value, _KV.value, loops, _STEP.value, _SCALE.value)
   else:
     out = evaluate_checkpoint(_WORKDIR.value, loops, _STEP.value, _SCALE.value)

@@ -75,6 +75,7 @@ EXTRA = {
     'unroll_untied_concat': dict(loop_impl='unroll', tie_attention=False, injection='concat'),
     'remat_untied': dict(remat='full', tie_attention=False),
     'no_core': dict(core_layers=0, num_loops=1),
+    'exit_gate': dict(exit='gate', exit_threshold=0.5),
     'core_only': dict(prelude_layers=0, coda_layers=0, num_loops=4),
     'everything': dict(tie_attention=False, injection='concat', num_shared_experts=1,
                        num_kv_heads=2, tie_embeddings=True, norm_gain=False, core_experts=6,

@@ -22,13 +22,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from loopmoe_jax import dry_run, sharding
 from loopmoe_jax import exit as early_exit
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.decode import decode_step, mean_passes
+from loopmoe_jax.experiment import build
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.objective import loss_fn
+from loopmoe_jax.train import depth_eval
+from loopmoe_jax.train.evaluation import evaluate_checkpoint
 from loopmoe_jax.train.run import RunDir
-from loopmoe_jax.train.step import _Truncated
 from loopmoe_jax.train.trainer import train
 
 from helpers import decode_all, make_cfg, make_params, tiny, tokens
@@ -315,7 +318,7 @@ def test_gate_training_without_entropy_and_a_closed_gate_is_the_last_pass_loss()
 def test_gate_training_refuses_truncated_backprop():
   cfg = gate_cfg()
   with pytest.raises(ValueError, match='gate training'):
-    loss_fn(params_with_gate(cfg), _Truncated(LoopedMoE(cfg), 1), gate_batch(cfg))
+    loss_fn(params_with_gate(cfg), LoopedMoE(cfg), gate_batch(cfg), backprop_loops=1)
 
 
 def test_gate_training_run_trains_the_gate(tmp_path):
@@ -330,3 +333,32 @@ def test_gate_training_run_trains_the_gate(tmp_path):
   rows = [json.loads(l) for l in open(os.path.join(str(tmp_path), 'metrics.jsonl'))]
   row = [r for r in rows if 'exit_mean_passes' in r][-1]
   assert 1.0 <= row['exit_mean_passes'] <= 2.0 and math.isfinite(row['lm_loss_last'])
+  # scripts/evaluate.py --exit on the run: a threshold that never fires (cdf >= 1 before the
+  # last pass) gives the no-exit loss and every pass; one that always fires after pass 1
+  # gives the one-pass model's validation loss (evaluate_checkpoint) and one pass
+  got = depth_eval.exit_tradeoff(str(tmp_path), 'gate', ['1.0', '1e-9'])
+  none, never, always = got['passes']['2']
+  assert never['loss'] == none['loss'] and never['mean_passes'] == none['mean_passes'] == 2.0
+  one = evaluate_checkpoint(str(tmp_path), [1])['val_loss']['1']
+  assert always['mean_passes'] == 1.0 and abs(always['loss'] - one) < 1e-5, (always, one)
+  # --kv_cache: at one pass the shared layouts hold what the per-pass one holds; at two the
+  # shared one reads other K/V (the losses differ)
+  kv = depth_eval.kv_cache_losses(str(tmp_path), ['per_pass', 'last_pass'], [1, 2])
+  assert abs(kv['1']['decode']['last_pass'] - kv['1']['decode']['per_pass']) < 1e-6, kv
+  assert abs(kv['2']['decode']['last_pass'] - kv['2']['decode']['per_pass']) > 1e-4, kv
+
+
+def test_gate_training_flops_are_counted_by_the_dry_run():
+  """accounting's gate_train_flops_per_token (the early passes' readouts through the coda
+  and head, and the gate) is what the gate adds to the lowered train step's matmul FLOPs
+  (dry_run.step_flops, read from the HLO), within 5%; the gate's params are counted."""
+  got = {}
+  for rule in ('none', 'gate'):
+    cfg = tiny()
+    cfg.model.update(coda_layers=1, coda_experts=4, num_loops=3, exit=rule, exit_threshold=0.5)
+    exp = build(cfg.to_dict())
+    got[rule] = (dry_run.step_flops(cfg.to_dict()),
+                 dry_run.analytic_flops(exp, sharding.make_mesh(exp.mesh)))
+  compiled = got['gate'][0] - got['none'][0]
+  analytic = got['gate'][1] - got['none'][1]
+  assert compiled > 0 and abs(compiled / analytic - 1) < 0.05, (compiled, analytic)

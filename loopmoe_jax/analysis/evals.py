@@ -177,9 +177,8 @@ def recurrence(workdir, max_loops: int, step: int | None = None, examples: int =
 
 def plot_recurrence(result: dict, path: str) -> str:
   """Validation loss and task accuracy against passes (PNG)."""
-  import matplotlib
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
+  from loopmoe_jax.plotting import pyplot  # pylint: disable=import-outside-toplevel
+  plt = pyplot()
   passes = result['passes']
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
   ax1.plot(passes, [result['val_loss'][str(n)] for n in passes], 'o-')

@@ -2,11 +2,9 @@
 and pass (matplotlib, Agg backend)."""
 from __future__ import annotations
 
-import matplotlib
+import numpy as np
 
-matplotlib.use('Agg')
-import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
-import numpy as np  # pylint: disable=wrong-import-position
+from loopmoe_jax.plotting import pyplot
 
 
 def load_heatmap(path: str, shares: dict, title: str) -> None:
@@ -16,6 +14,7 @@ def load_heatmap(path: str, shares: dict, title: str) -> None:
   vmax = max(float(p.max()) for _, _, p in panels)
   width = max(6, 0.5 * max(p.shape[1] for *_, p in panels) + 3)
   heights = [p.shape[0] + 1.5 for *_, p in panels]
+  plt = pyplot()
   fig, axes = plt.subplots(len(panels), 1, figsize=(width, 1.0 + 0.45 * sum(heights)),
                            squeeze=False, gridspec_kw={'height_ratios': heights})
   for ax, (seg, d, q_LE) in zip(axes[:, 0], panels):
@@ -35,6 +34,7 @@ def load_heatmap(path: str, shares: dict, title: str) -> None:
 def mmr_heatmap(path: str, mmr_CL, title: str) -> None:
   """MMR [C, L] of the core: rows the layers, columns the passes, values written in the cells."""
   m = np.asarray(mmr_CL, np.float64)
+  plt = pyplot()
   fig, ax = plt.subplots(figsize=(2.0 + 1.1 * m.shape[1], max(2.8, 1.5 + 0.8 * m.shape[0])))
   im = ax.imshow(m, aspect='auto', cmap='magma')
   for (d, l), v in np.ndenumerate(m):

@@ -138,9 +138,8 @@ def _span(losses: dict) -> str:
 
 def plot_comparison(result: dict, path: str, labels=('A', 'B')) -> str:
   """Both loss curves on shared steps (window shaded) and their difference (PNG)."""
-  import matplotlib
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
+  from loopmoe_jax.plotting import pyplot  # pylint: disable=import-outside-toplevel
+  plt = pyplot()
   cv = result['curves']
   steps, a, b = np.array(cv['steps']), np.array(cv['a']), np.array(cv['b'])
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))

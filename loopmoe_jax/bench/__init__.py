@@ -61,6 +61,7 @@ TARGETS = {
     'step_time_r8_over_r2': ('>=', 2.5),          # a step's cost follows the sampled count
     'decode_exit_over_full': 0.65,
     'compiled_programs': 8,
+    'compiled_programs_over_counts_drawn': 1.0,   # one program per count drawn
 }
 
 

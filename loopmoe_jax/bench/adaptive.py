@@ -13,8 +13,9 @@ One function per figure (`bench_adaptive` joins them):
   configs/default.py:smoke compiled (the trainer's summary), train.loops_mean 3 (its
   model.num_loops) clipped to [1, 8]: at most 8, one per count drawn.
   `compiled_programs_steps` says how many steps the run had (200; 20 with --quick), and
-  `counts_drawn` the distinct counts `sample_loops` gives for those steps (the same number
-  when the trainer makes one program per count).
+  `counts_drawn` the distinct counts `sample_loops` gives for those steps, and
+  `compiled_programs_over_counts_drawn` their ratio (target <= 1: one program per count
+  drawn, none compiled twice; the clip alone keeps `compiled_programs` <= 8).
 - decode_exit_over_full (`decode_exit_ratio`): decode seconds per token at batch 1 under
   per-token early exit (model.exit='kl', exit.py) over the same model running every pass
   (model.exit='none'), a random-init model of 8 passes whose looped core dominates the step;
@@ -98,6 +99,7 @@ def compiled_programs(quick: bool, steps: int | None = None) -> dict[str, Any]:
   drawn = {depth.sample_loops(exp.train, exp.model.num_loops, s) for s in range(steps)}
   made = out.getvalue().count('compiling train program')
   return {'compiled_programs': summary['compiled_programs'], 'compiled_programs_steps': steps,
+          'compiled_programs_over_counts_drawn': summary['compiled_programs'] / len(drawn),
           'compiled_programs_printed': made, 'counts_drawn': len(drawn),
           'counts': json.dumps(sorted(drawn))}
 

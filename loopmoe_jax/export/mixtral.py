@@ -19,7 +19,7 @@ import math
 import numpy as np
 
 from loopmoe_jax.config import ModelConfig
-from loopmoe_jax.model import residual_scale
+from loopmoe_jax.core import residual_scale
 
 ARCHITECTURE = 'MixtralForCausalLM'
 SAFETENSORS_HINT = 'export it with --format safetensors instead'

@@ -10,21 +10,15 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from loopmoe_jax.plotting import pyplot
 from loopmoe_jax.scaling.fitting import Fit, as_columns
-
-
-def _pyplot():
-  import matplotlib
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
-  return plt
 
 
 def plot_fits(data, fits: Mapping[str, Fit], path: str, x: str = 'N', group: str | None = None,
               title: str = '') -> str:
   """Left: observed loss against column `x` (one series per value of `group`) with each
   law's prediction; right: predicted against observed loss. Writes `path` (PNG)."""
-  plt = _pyplot()
+  plt = pyplot()
   cols = as_columns(data)
   xs, loss = cols[x], cols['loss']
   groups = np.unique(cols[group]) if group else [None]
@@ -65,7 +59,7 @@ def plot_isoflop(curves: Sequence[Mapping], path: str, title: str = '') -> str:
   curve's minimum (N_opt, loss_opt). Writes `path` (PNG)."""
   if not curves:
     raise ValueError('no IsoFLOP curves to plot')
-  plt = _pyplot()
+  plt = pyplot()
   fig, ax = plt.subplots(figsize=(6.5, 4.5))
   for i, c in enumerate(curves):
     ax.plot(c['N'], c['loss'], color=f'C{i}', lw=1.4, label=f"r={c['r']:g}")

@@ -26,9 +26,7 @@ def evaluate_checkpoint(workdir, num_loops=(None,), step: int | None = None,
     cfg = cfg.replace(scale_passes=scale_passes)
   for n in num_loops:  # every count checked before any is evaluated
     check_loops(cfg, n)
-  batches = pipeline.validation_batches(run.exp.data, cfg.vocab_size)
-  if not batches:
-    raise ValueError(f'{run.workdir}: the run has no validation data (data.val_path is empty)')
+  batches = validation_batches(run)
   batch_sh = sharding.batch_sharding(sharding.make_mesh(sharding.MeshConfig(data=1),
                                                        jax.devices()[:1]))
   out = {'step': s, 'scale_passes': cfg.scale_passes, 'val_loss': {}}
@@ -37,6 +35,15 @@ def evaluate_checkpoint(workdir, num_loops=(None,), step: int | None = None,
     loss = steps.evaluate(steps.make_eval_step(model, n), params, batches, batch_sh, bias)
     out['val_loss'][str(n or cfg.num_loops)] = loss
   return out
+
+
+def validation_batches(run) -> list[dict]:
+  """The validation batches of a loaded run (run.Loaded), or a ValueError naming it when it
+  has none."""
+  batches = pipeline.validation_batches(run.exp.data, run.model_cfg.vocab_size)
+  if not batches:
+    raise ValueError(f'{run.workdir}: the run has no validation data (data.val_path is empty)')
+  return batches
 
 
 def _check_length(cfg, prompt_len: int, tokens: int, train_len: int, num_loops) -> None:

@@ -7,7 +7,9 @@ Per device (shard shapes of the abstract train state, `sharding.bytes_per_device
     microbatch): with run.remat='none' each executed layer's inputs, attention q, k, v and
     output, routed rows and SwiGLU intermediates (and the 'xla' attention's probabilities);
     with a remat policy each rematerialised stack's input (the prelude, every core pass, the
-    coda) plus one stack's recompute.
+    coda) plus one stack's recompute;
+  + with model.exit='gate', every pass's core state and (without remat) the early passes'
+    coda visits that gate training's readouts keep.
 This is a floor (attention scores, expert buffers and the optimizer update come on top), so a
 config it refuses cannot fit; one it passes may still not (scripts/dry_run.py measures). The
 device's memory: its `memory_stats()['bytes_limit']` on GPU/TPU; on CPU the host's available
@@ -91,6 +93,12 @@ def estimate(exp, mesh, state) -> dict:
     act = np.dtype(mc.dtype).itemsize
     per_seg = {seg: passes * tokens * mc.d_model * act for seg, (n, passes, b) in layers.items()}
     per_seg['recompute'] = max(n * b for n, _, b in layers.values())
+  if mc.exit == 'gate' and 'core' in layers:  # gate training: every pass's state, and the
+    # early passes' coda visits (exit.pass_outputs), are kept for the backward
+    n_coda, _, coda_b = layers.get('coda', (0, 0, 0))
+    passes = layers['core'][1]
+    per_seg['exit_readouts'] = passes * tokens * mc.d_model * np.dtype(mc.dtype).itemsize + (
+        (passes - 1) * n_coda * coda_b if mc.remat == 'none' else 0)
   activations = sum(per_seg.values())
   return {'params': params, 'optimizer': per_dev(state['opt_state']), 'gradients': params,
           'activations': activations, 'core_activations': per_seg.get('core', 0),

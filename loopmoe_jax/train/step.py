@@ -226,18 +226,6 @@ def with_replay(value_and_grad, model):
   return fn
 
 
-class _Truncated:
-  """`model` whose forward backpropagates through the core's last `backprop_loops` passes
-  only (LoopedMoE's call argument), for objective.loss_fn, which reads `cfg` and calls
-  `apply`."""
-
-  def __init__(self, model, backprop_loops: int):
-    self.model, self.cfg, self.backprop_loops = model, model.cfg, backprop_loops
-
-  def apply(self, variables, *args, **kw):
-    return self.model.apply(variables, *args, backprop_loops=self.backprop_loops, **kw)
-
-
 def loss_and_grads(params, model, batch, lb_coef, z_coef, microbatches: int = 1,
                    router_bias=None, num_loops: int | None = None, backprop_loops: int = 0):
   """(metrics, grads) of the objective; with `microbatches` > 1 the mean over equal
@@ -247,10 +235,9 @@ def loss_and_grads(params, model, batch, lb_coef, z_coef, microbatches: int = 1,
   loads ('load', with `router_bias`) are the whole batch's (summed). `num_loops`: the core's
   passes (None: the trained count); `backprop_loops` > 0: gradient through the last that
   many only (truncated backprop, model.Core)."""
-  wrap = (lambda m: _Truncated(m, backprop_loops)) if backprop_loops else (lambda m: m)
   value_and_grad = jax.value_and_grad(
-      lambda p, m, b: loss_fn(p, wrap(m), b, lb_coef, z_coef, num_loops, router_bias),
-      has_aux=True)
+      lambda p, m, b: loss_fn(p, m, b, lb_coef, z_coef, num_loops, router_bias,
+                              backprop_loops), has_aux=True)
   grad_fn = with_replay(value_and_grad, model)
   if microbatches == 1:
     (_, metrics), grads = grad_fn(params, model, batch)
