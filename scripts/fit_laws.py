@@ -18,7 +18,7 @@ import json
 from absl import flags
 
 from loopmoe_jax.cli import run
-from loopmoe_jax.replicate.common import _json_default
+from loopmoe_jax.replicate.common import json_default
 
 _DATA = flags.DEFINE_string('data', None, 'CSV of points.', required=True)
 _FORMAT = flags.DEFINE_enum('format', 'sweep', ['sweep', 'epoch'], 'CSV layout.')
@@ -85,7 +85,7 @@ def main(argv):
     print(f'plot: {_PLOT.value}')
   if _JSON.value:
     with open(_JSON.value, 'w') as f:
-      json.dump(out, f, indent=1, default=_json_default)  # bootstrap samples as lists
+      json.dump(out, f, indent=1, default=json_default)  # bootstrap samples as lists
 
 
 def _smelt_analysis(scaling, data):

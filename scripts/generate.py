@@ -22,15 +22,9 @@ _KV = flags.DEFINE_string('kv_cache', None, "The core's KV-cache layout, model.k
 
 def main(argv):
   del argv
-  import dataclasses
   from loopmoe_jax.train.evaluation import sample_text
-  from loopmoe_jax.train.run import as_loaded
-  loaded = as_loaded(_WORKDIR.value, _STEP.value)
-  if _KV.value:  # a decoding option: the same params under another cache layout
-    exp = loaded.exp._replace(model=loaded.model_cfg.replace(kv_cache=_KV.value))
-    loaded = dataclasses.replace(loaded, exp=exp)
-  print(sample_text(loaded, _PROMPT.value, _TOKENS.value, _TEMP.value, _SEED.value,
-                    _LOOPS.value, None, _SCALE.value))
+  print(sample_text(_WORKDIR.value, _PROMPT.value, _TOKENS.value, _TEMP.value, _SEED.value,
+                    _LOOPS.value, _STEP.value, _SCALE.value, _KV.value))
 
 
 if __name__ == '__main__':

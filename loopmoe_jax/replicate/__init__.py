@@ -28,7 +28,7 @@ import json
 import os
 import time
 
-from loopmoe_jax.replicate.common import SCALES, SMELT_RESAMPLES, _json_default, _training_seconds
+from loopmoe_jax.replicate.common import SCALES, SMELT_RESAMPLES, json_default, _training_seconds
 from loopmoe_jax.replicate import foil, loop_laws, smelt
 
 __all__ = ['PIPELINES', 'SCALES', 'SMELT_RESAMPLES', 'run']
@@ -48,7 +48,7 @@ def run(name: str, out: str, scale: str = 'cpu', log=print) -> dict:
   train_s = _training_seconds(out)
   results = {'name': name, 'scale': scale, 'wall_s': wall, 'training_s': train_s, **results}
   with open(os.path.join(out, 'results.json'), 'w') as f:
-    json.dump(results, f, indent=1, default=_json_default)
+    json.dump(results, f, indent=1, default=json_default)
   with open(os.path.join(out, 'report.md'), 'w') as f:
     f.write(report + f'\nTraining time (sum over the points\' runs): {train_s / 60:.1f} min; this '
             f'invocation: {wall / 60:.1f} min (finished points are skipped).\n')

@@ -41,7 +41,7 @@ def _mean(x) -> float:
   return float(np.mean(x)) if x is not None else float('nan')
 
 
-def _json_default(x: Any):
+def json_default(x: Any):
   if isinstance(x, (np.floating, np.integer)):
     return x.item()
   if isinstance(x, np.ndarray):

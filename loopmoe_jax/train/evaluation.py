@@ -60,11 +60,16 @@ def _check_length(cfg, prompt_len: int, tokens: int, train_len: int, num_loops) 
 
 def sample_text(workdir: str, prompt: str, tokens: int, temperature: float, seed: int,
                 num_loops: int | None = None, step: int | None = None,
-                scale_passes: str | None = None) -> str:
+                scale_passes: str | None = None, kv_cache: str | None = None) -> str:
+  """Text continuing `prompt` from a checkpoint (a workdir or a run.Loaded); `scale_passes`
+  and `kv_cache` override the model's model.scale_passes and model.kv_cache (decoding options:
+  the same params)."""
   run = as_loaded(workdir, step)
   cfg, params, bias = run.model_cfg, run.params, run.router_bias
   if scale_passes:
     cfg = cfg.replace(scale_passes=scale_passes)
+  if kv_cache:
+    cfg = cfg.replace(kv_cache=kv_cache)
   check_loops(cfg, num_loops)
   if tokens < 1:
     raise ValueError(f'--tokens={tokens}: must be >= 1')
