@@ -15,5 +15,9 @@ setup(
         'ml-collections', 'absl-py', 'numpy', 'tokenizers', 'tensorboardX', 'scipy',
         'matplotlib', 'threadpoolctl',
     ],
-    extras_require={'test': ['pytest', 'pytest-xdist', 'filelock']},
+    # the offline LM-harness task pack (analysis/lm_harness.py) ships its rows inside the package
+    package_data={'loopmoe_jax.lm_tasks': ['*.yaml', '*.jsonl', 'build.json']},
+    # lm_eval: the LM Evaluation Harness adapter (scripts/lm_eval.py), optional
+    extras_require={'test': ['pytest', 'pytest-xdist', 'filelock'],
+                    'lm_eval': ['lm-eval==0.4.13']},
 )

@@ -1,0 +1,56 @@
+"""The LM Evaluation Harness (lm-eval) on a checkpoint, at each pass count.
+
+    pip install lm-eval==0.4.13      # or: pip install -e '.[lm_eval]'
+    python scripts/lm_eval.py --workdir=/tmp/loopmoe_default --tasks=loopmoe_next_line \
+        --num_loops=1,2,3,4 [--limit=100] [--batch_size=16] --out=/tmp/lm_eval
+
+Writes OUT/results.json ({passes: the harness's results}, with the chance level of each
+multiple-choice task and the wall seconds per pass count) and OUT/table.md (task x passes).
+Tasks: the harness's own (they download their data) and the offline pack loopmoe_jax/lm_tasks/
+(loopmoe_next_line: the true next line of a held-out source among 4). The adapter, its lengths
+and batching: loopmoe_jax/analysis/lm_harness.py.
+"""
+import json
+import os
+import sys
+
+# This file's name is the harness package's: with scripts/ first on sys.path (how Python runs a
+# script), `import lm_eval` would import this file. The package comes from site-packages.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+from absl import flags  # pylint: disable=wrong-import-position
+
+from loopmoe_jax.cli import run  # pylint: disable=wrong-import-position
+
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory.', required=True)
+_TASKS = flags.DEFINE_list('tasks', [], 'Harness task names (e.g. loopmoe_next_line).')
+_LOOPS = flags.DEFINE_list('num_loops', [], 'Pass counts to evaluate (default: trained).')
+_LIMIT = flags.DEFINE_integer('limit', None, 'Documents per task (default: all).')
+_BATCH = flags.DEFINE_integer('batch_size', 16, 'Rows per batch.')
+_STEP = flags.DEFINE_integer('step', None, 'Checkpoint step (default: latest readable).')
+_OUT = flags.DEFINE_string('out', None, 'Output directory.', required=True)
+
+
+def main(argv):
+  del argv
+  try:
+    loops = [int(n) for n in _LOOPS.value] or [None]
+  except ValueError:
+    raise ValueError(f'--num_loops={",".join(_LOOPS.value)}: pass counts must be integers') from None
+  if _LIMIT.value is not None and _LIMIT.value < 1:
+    raise ValueError(f'--limit={_LIMIT.value}: must be >= 1')
+  from loopmoe_jax.analysis import lm_harness
+  out = lm_harness.evaluate(_WORKDIR.value, _TASKS.value, loops, _LIMIT.value, _BATCH.value,
+                            _STEP.value)
+  os.makedirs(_OUT.value, exist_ok=True)
+  with open(os.path.join(_OUT.value, 'results.json'), 'w') as f:
+    json.dump(out, f, indent=1)
+  text = lm_harness.table(out)
+  with open(os.path.join(_OUT.value, 'table.md'), 'w') as f:
+    f.write(text)
+  print(text, end='')
+
+
+if __name__ == '__main__':
+  run(main)
