@@ -389,3 +389,25 @@ def test_programs_are_built_once_per_configuration():
   with ops.lowering_for('tpu'):
     for_tpu = programs(exp.train, exp.model)
   assert for_tpu[1] is not first[1] and for_tpu[2] is not first[2]
+
+
+def test_profile_steps_trace_exactly_those_steps(tmp_path):
+  """train.profile_steps='2:4' writes a jax.profiler trace under RUN/profile whose step marks
+  are steps 2 and 3 (the Perfetto trace read back), beside TensorBoard's xplane file; the
+  losses are those of the run without it; bad ranges name the key."""
+  import gzip
+  import glob
+  cfg = tiny(steps=4)
+  cfg.train.profile_steps = '2:4'
+  train(cfg, str(tmp_path / 'p'))
+  trace = glob.glob(str(tmp_path / 'p/profile/plugins/profile/*/perfetto_trace.json.gz'))
+  assert len(trace) == 1 and glob.glob(str(tmp_path / 'p/profile/plugins/profile/*/*.xplane.pb'))
+  events = json.load(gzip.open(trace[0]))
+  events = events['traceEvents'] if isinstance(events, dict) else events
+  marked = sorted(int(e['args']['step_num']) for e in events if e.get('name') == 'train')
+  assert marked == [2, 3]
+  train(tiny(steps=4), str(tmp_path / 'plain'))
+  assert losses(str(tmp_path / 'p')) == losses(str(tmp_path / 'plain'))
+  for bad, needle in (('4:2', '1 <= A < B'), ('2-4', 'expected A:B'), ('9:12', 'train.steps=6')):
+    with pytest.raises(ValueError, match=f"train.profile_steps='{bad}'.*{needle}"):
+      TrainConfig(profile_steps=bad, steps=6)

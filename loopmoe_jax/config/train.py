@@ -55,6 +55,8 @@ class TrainConfig:
                                  # rate's mean; a count's mean is loops_mean + 1 before the clip)
   backprop_loops: int = 0        # truncated backprop: gradient through the last k passes only
                                  # (0: all passes)
+  profile_steps: str = ''        # 'A:B': a jax.profiler trace of steps A..B-1 into RUN/profile
+                                 # (train/profile.py; '' none)
 
   def __post_init__(self):
     if self.steps < 1:
@@ -87,6 +89,7 @@ class TrainConfig:
     if self.keep_every < 0:
       raise ValueError(f'train.keep_every={self.keep_every}: must be >= 0 (0: none)')
     self.kept_steps  # pylint: disable=pointless-statement  (validates train.keep_steps)
+    self.profile_range  # pylint: disable=pointless-statement  (validates train.profile_steps)
     self._check_loops()
     if self.schedule_steps and self.schedule_steps < self.steps:
       raise ValueError(f'train.schedule_steps={self.schedule_steps} is shorter than '
@@ -133,6 +136,24 @@ class TrainConfig:
     if any(v < 1 for v in steps):
       raise ValueError(f'train.keep_steps={self.keep_steps!r}: steps must be >= 1')
     return steps
+
+  @property
+  def profile_range(self) -> tuple[int, int] | None:
+    """train.profile_steps 'A:B' as (A, B), 1 <= A < B; None when ''."""
+    if not str(self.profile_steps).strip():
+      return None
+    try:
+      a, b = (int(v) for v in str(self.profile_steps).split(':'))
+    except ValueError:
+      raise ValueError(f'train.profile_steps={self.profile_steps!r}: expected A:B, the steps '
+                       'A..B-1 to trace, e.g. 20:25') from None
+    if not 1 <= a < b:
+      raise ValueError(f'train.profile_steps={self.profile_steps!r}: needs 1 <= A < B (steps '
+                       'A..B-1 are traced)')
+    if a > self.steps:
+      raise ValueError(f'train.profile_steps={self.profile_steps!r} starts after the last step, '
+                       f'train.steps={self.steps}')
+    return a, b
 
   @property
   def total_steps(self) -> int:

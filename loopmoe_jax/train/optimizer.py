@@ -54,7 +54,7 @@ def decay_mask(params):
 NOT_OPTIMIZER = ('seed', 'lb_coef', 'z_coef', 'bias_rate', 'log_every', 'eval_every',
                  'save_every', 'keep', 'keep_every', 'keep_steps', 'async_save', 'routing_every',
                  'final_window', 'peak_flops', 'sample_tokens', 'sample_prompt', 'init_from',
-                 'init_step', 'microbatches')
+                 'init_step', 'microbatches', 'profile_steps')
 
 
 def make_optimizer(cfg: TrainConfig):

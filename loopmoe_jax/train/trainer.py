@@ -37,6 +37,7 @@ from loopmoe_jax.train import metrics as metrics_lib
 from loopmoe_jax.train.metrics import Writer
 from loopmoe_jax.train.run import METRICS, ROUTING, SUMMARY, RunDir
 from loopmoe_jax.train.optimizer import make_optimizer
+from loopmoe_jax.train.profile import StepProfiler
 
 PEAK_FLOPS = {'TPU v4': 275e12, 'TPU v5 lite': 197e12, 'TPU v5p': 459e12, 'TPU v6 lite': 918e12,
               'H100': 989e12, 'H200': 989e12, 'A100': 312e12, 'B200': 2250e12}
@@ -197,6 +198,7 @@ def _train(cfg, exp, workdir: str, force: bool = False, start_over: bool = False
     writer.progress(s, m)
     t_log, tok_log, flops_log = time.time(), 0, 0.0
 
+  profiler = StepProfiler(tc.profile_range, os.path.join(workdir, 'profile'), quiet=proc != 0)
   try:
     with _StopFlag() as stop:
       for step in range(start, tc.steps):
@@ -206,7 +208,9 @@ def _train(cfg, exp, workdir: str, force: bool = False, start_over: bool = False
         if len(programs) > made and tc.sampled and proc == 0:
           print(f'step {step + 1}: {n} passes, compiling train program {len(programs)}',
                 flush=True)
-        state, metrics = train_step(state, batch)
+        with profiler.step(step + 1):
+          state, metrics = train_step(state, batch)
+        profiler.after(step + 1, metrics)
         checkpoint.check_background(mngr)  # an asynchronous save that failed stops the run
         if pending:
           handle(pending)
@@ -234,6 +238,7 @@ def _train(cfg, exp, workdir: str, force: bool = False, start_over: bool = False
       final = int(jax.device_get(state['step']))
       checkpoint.check_background(mngr, wait=True)
   finally:
+    profiler.close()
     try:
       mngr.wait_until_finished()
     except Exception:  # pylint: disable=broad-except  (reported by check_background)
