@@ -14,6 +14,8 @@ setup(
         'jax>=0.10', 'flax>=0.12', 'optax', 'orbax-checkpoint', 'grain', 'tensorstore',
         'ml-collections', 'absl-py', 'numpy', 'tokenizers', 'tensorboardX', 'scipy',
         'matplotlib', 'threadpoolctl',
+        # scripts/prepare_data.py: parquet and Hugging Face arrow inputs, .zst inputs
+        'pyarrow>=14', 'zstandard>=0.22',
     ],
     # the offline LM-harness task pack (analysis/lm_harness.py) ships its rows inside the package
     package_data={'loopmoe_jax.lm_tasks': ['*.yaml', '*.jsonl', 'build.json']},

@@ -41,6 +41,8 @@ TARGETS = {
     # data
     'checkpoint_save_over_unchecked': 1.15,
     'checkpoint_restore_over_unchecked': 1.15,
+    'prepare_tokens_per_s_2w_over_1w': ('>=', 1.7),   # parallel preparation scales
+    'manifest_batches_over_steps': ('>=', 20),        # data never stalls training
     # kernels (CPU, then GPU time ratios)
     'cpu_tiled_E64_over_E8': 1.3,
     'cpu_tiled_over_dense': 1.3,

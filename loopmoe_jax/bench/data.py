@@ -8,15 +8,31 @@ checkpoint_save_over_unchecked / checkpoint_restore_over_unchecked: seconds to s
 synchronously) and restore a train state of `checkpoint_mib` float32 MiB with the checksums
 (train/checkpoint.py) over the same Orbax save / restore without them (median of 3; target
 <= 1.15).
+
+prepare_tokens_per_s_2w_over_1w: tokens/s of scripts/prepare_data.py's preparation
+(data/prepare.py, whole runs: pool start-up, reading, tokenizing, writing shards) with 2 worker
+processes over 1 (target >= 1.7). The input is the embedded corpus repeated `prepare_repeats`
+times (2; 1 with --quick) so that the workers' start-up (a spawned interpreter each) is paid
+over seconds of work, tokenized by a BPE of 2048 trained on the corpus's first 200 documents
+(the byte tokenizer costs next to nothing, so it would time the reading and writing alone);
+median of `prepare_trials` alternating runs. Needs 2 idle cores: `prepare_load_average_1m` and
+the workers' CPU seconds (`prepare_worker_cpu_s_*`, about equal when the work is split and not
+repeated) tell a busy machine from poor scaling.
+
+manifest_batches_per_s / main_job_steps_per_s = manifest_batches_over_steps: batches/s of the
+Grain pipeline over the embedded corpus prepared as a sharded manifest (data.source=manifest,
+shards of 2**21 tokens) over the default config's (the README main job's) train steps/s
+(target >= 20: data never stalls training).
 """
 from __future__ import annotations
 
+import dataclasses
+import os
+import resource
+import tempfile
 import time
 
 import jax
-
-import os
-import tempfile
 
 import jax.numpy as jnp
 import numpy as np
@@ -24,7 +40,9 @@ import orbax.checkpoint as ocp
 
 from loopmoe_jax.bench import register
 from loopmoe_jax import DEFAULT_CONFIG
-from loopmoe_jax.data import pipeline
+from loopmoe_jax.data import corpus, pipeline
+from loopmoe_jax.data.prepare import prepare
+from loopmoe_jax.data.tokenizers import train_bpe
 from loopmoe_jax.experiment import build, load_config
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax import sharding
@@ -67,8 +85,57 @@ def bench_data(quick: bool = False):
   step_tps = n_steps * tokens_per_batch / (time.perf_counter() - t)
   res = {'data_tokens_per_s': data_tps, 'step_tokens_per_s': step_tps,
          'data_over_step_throughput': data_tps / step_tps}
+  res.update(manifest_throughput(dc, mc.vocab_size, n_batches, step_tps / tokens_per_batch))
+  res.update(prepare_scaling(1 if quick else 2, 1 if quick else 3))
   res.update(checkpoint_seconds(16 if quick else 256, 1 if quick else 3))
   return res
+
+
+def manifest_throughput(dc, model_vocab: int, n_batches: int, steps_per_s: float) -> dict:
+  """Batches/s of the pipeline over the embedded corpus prepared as a sharded manifest, beside
+  the main job's train steps/s."""
+  with tempfile.TemporaryDirectory() as tmp:
+    info = prepare(['embedded'], tmp, tokenizer=dc.tokenizer, shard_tokens=1 << 21)
+    cfg = dataclasses.replace(dc, source='manifest', path=tmp, val_path='')
+    it = pipeline.train_iterator(cfg, model_vocab, n_batches + 1)
+    next(it)
+    t = time.perf_counter()
+    for _ in range(n_batches):
+      next(it)
+    batches_per_s = n_batches / (time.perf_counter() - t)
+  return {'manifest_shards': info['shards']['train'], 'manifest_batches_per_s': batches_per_s,
+          'main_job_steps_per_s': steps_per_s,
+          'manifest_batches_over_steps': batches_per_s / steps_per_s}
+
+
+def prepare_scaling(repeats: int, trials: int) -> dict:
+  """Tokens/s of preparing the embedded corpus (`repeats` times over, a BPE of 2048) with 1 and
+  2 worker processes, alternating, median of `trials`."""
+  def children_cpu_s():
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+  times, cpu = {1: [], 2: []}, {1: [], 2: []}
+  load = os.getloadavg()[0]
+  with tempfile.TemporaryDirectory() as tmp:
+    bpe = os.path.join(tmp, 'bpe.json')
+    train_bpe([text for _, text in corpus.documents()[:200]], 2048, bpe)
+    for trial in range(trials):
+      for workers in (1, 2):
+        out = os.path.join(tmp, f'w{workers}-{trial}')
+        c, t = children_cpu_s(), time.perf_counter()
+        info = prepare(['embedded'] * repeats, out, tokenizer=bpe, workers=workers,
+                       shard_tokens=1 << 22)
+        times[workers].append(time.perf_counter() - t)
+        cpu[workers].append(children_cpu_s() - c)
+  tps = {w: info['num_tokens'] / float(np.median(t)) for w, t in times.items()}
+  # the workers' CPU seconds: about equal when the work is split, not repeated; with the
+  # load average (other processes on the machine) they tell contention from poor scaling
+  return {'prepare_repeats': repeats, 'prepare_trials': trials,
+          'prepare_tokens': info['num_tokens'], 'prepare_load_average_1m': load,
+          'prepare_worker_cpu_s_1w': float(np.median(cpu[1])),
+          'prepare_worker_cpu_s_2w': float(np.median(cpu[2])),
+          'prepare_tokens_per_s_1w': tps[1], 'prepare_tokens_per_s_2w': tps[2],
+          'prepare_tokens_per_s_2w_over_1w': tps[2] / tps[1]}
 
 
 def checkpoint_seconds(mib: int, repeats: int) -> dict:

@@ -6,16 +6,22 @@ import dataclasses
 
 from loopmoe_jax.config.model import from_mapping
 
-SOURCES = ('embedded', 'tokens', 'zarr', 'synthetic')
-PATH_SOURCES = ('tokens', 'zarr')  # the sources that read data.path / data.val_path
+SOURCES = ('embedded', 'tokens', 'zarr', 'manifest', 'synthetic')
+PATH_SOURCES = ('tokens', 'zarr', 'manifest')  # the sources that read data.path / data.val_path
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  source: str = 'embedded'   # embedded | tokens (flat file) | zarr (tensorstore) | synthetic
-  path: str = ''             # token file, or zarr path / kvstore JSON spec
-  val_path: str = ''         # validation source of the same kind ('' : embedded split only)
-  tokenizer: str = 'byte'    # 'byte' or a tokenizers JSON file (embedded source)
+  # embedded | tokens (flat file) | zarr (tensorstore) | manifest (prepare_data.py's sharded
+  # DIR: its shards read as one source) | synthetic
+  source: str = 'embedded'
+  path: str = ''             # token file, zarr path / kvstore JSON spec, or DIR[/manifest.json]
+  # validation source of the same kind ('': none, or the embedded split; a manifest source
+  # uses the 'val' split of data.path's manifest if it has one); a val_path manifest gives
+  # its 'val' split, or its 'train' split when it has no 'val'
+  val_path: str = ''
+  # 'byte' or a tokenizers JSON file (embedded source; a manifest must have been made with it)
+  tokenizer: str = 'byte'
   val_fraction: float = 0.02
   seq_len: int = 128
   batch_size: int = 16       # global batch, split over processes
@@ -36,7 +42,7 @@ class DataConfig:
         if getattr(self, name):
           raise ValueError(f'data.{name}={getattr(self, name)!r} is read only by data.source in '
                            f'{PATH_SOURCES}, not data.source={self.source!r}: set '
-                           'data.source=tokens (a token file) or zarr, or drop the path')
+                           'data.source=tokens (a token file), zarr or manifest, or drop the path')
     if not 0.0 < self.val_fraction < 1.0:
       raise ValueError(f'data.val_fraction={self.val_fraction}: must lie in (0, 1) (the '
                        'embedded corpus needs documents in both splits)')

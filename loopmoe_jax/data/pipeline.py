@@ -16,7 +16,7 @@ import grain
 import numpy as np
 
 from loopmoe_jax.config.data import DataConfig  # noqa: F401  (pipeline.DataConfig)
-from loopmoe_jax.data import corpus, sources, synthetic
+from loopmoe_jax.data import corpus, manifest, sources, synthetic
 from loopmoe_jax.data.tokenizers import load_tokenizer
 
 
@@ -50,6 +50,8 @@ def open_source(cfg: DataConfig, split: str):
   if split == 'train' and not path:
     raise ValueError(f'data.path is empty: data.source={cfg.source!r} needs a path '
                      '(--config.data.path=...)')
+  if cfg.source == 'manifest':
+    return manifest.open_split(cfg.path, cfg.val_path, cfg.tokenizer, split)
   if not path:
     return None
   return sources.TokenFile(path) if cfg.source == 'tokens' else sources.ZarrTokens(path)

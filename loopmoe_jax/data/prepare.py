@@ -1,52 +1,444 @@
-"""Turns text and JSONL files into token files (see sources.py for the formats)."""
+"""Prepares a corpus: reads the inputs (readers.py), tokenizes them in worker processes and writes
+sharded output with a manifest (manifest.py, shards.py), or one token file / zarr array.
+
+Order and determinism: documents are numbered in input order (each glob's matches sorted);
+every document is followed by EOS; a document goes to the 'val' split when a hash of its
+number falls below `val_fraction` (`is_validation`), else to 'train'. Each split's stream of
+documents is cut into shards at the first document end where a shard reaches `shard_tokens`
+(the last shard holds the rest). Workers tokenize chunks of documents that are collected in
+order, so the shards depend only on the inputs, the tokenizer, `shard_tokens` and
+`val_fraction`, never on the number of workers.
+
+Resumable: each shard is written under a temporary name and renamed when complete, then a
+record of it (tokens, documents, checksum) goes to DIR/.prepare/; the manifest is written last
+and DIR/.prepare removed. Run again after an interruption with the same arguments: shards whose
+record verifies (the file's tokens hash to its checksum) are kept, tokenizing restarts at the
+first document of the first missing shard, and the result is byte-identical to an
+uninterrupted run. A finished preparation run again is verified and left as it is.
+
+Workers are `spawn`ed processes that import this module (no JAX) and never the caller's
+script; each exits if the preparing process dies.
+"""
 from __future__ import annotations
 
+import collections
+import contextlib
+import dataclasses
+import hashlib
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
+import shutil
+import signal
+import sys
+import threading
+import time
+import types
 
 import numpy as np
 
-from loopmoe_jax.data import corpus, sources
+from loopmoe_jax.data import manifest as manifests
+from loopmoe_jax.data import readers, shards, sources
 from loopmoe_jax.data.tokenizers import load_tokenizer, train_bpe
+
+STATE_DIR = '.prepare'         # records of finished shards while a preparation runs
+CHUNK_CHARS = 1 << 18          # a worker's task: documents up to this many characters ...
+CHUNK_DOCS = 512               # ... or this many documents
+KILL_ENV = 'LOOPMOE_PREPARE_KILL_AT'  # 'N:tmp' | 'N:renamed': SIGKILL at this run's Nth shard
+SINGLE_SUFFIXES = ('.bin', '.zarr')
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepareConfig:
+  inputs: tuple[str, ...]          # paths, globs, or 'embedded'
+  output: str                      # DIR (sharded, with manifest.json), or FILE.bin / X.zarr
+  format: str = 'tokens'           # tokens | zarr | array_record (shards.FORMATS)
+  tokenizer: str = 'byte'          # 'byte' or a tokenizers JSON file
+  train_vocab: int = 0             # train a BPE of this vocabulary to `tokenizer` first
+  text_field: str = 'text'         # JSONL field / parquet or arrow column
+  workers: int = 0                 # tokenizing processes (0: in this process)
+  shard_tokens: int = 1 << 27      # a shard ends at the first document end past this
+  val_fraction: float = 0.0        # share of documents held out in the 'val' split
+  progress: bool = False           # a progress line on stderr
+
+  def __post_init__(self):
+    if self.format not in shards.FORMATS:
+      raise ValueError(f'--format={self.format!r}: must be one of {shards.FORMATS}')
+    if self.workers < 0:
+      raise ValueError(f'--workers={self.workers}: must be >= 0 (0: tokenize in this process)')
+    if self.shard_tokens < 1:
+      raise ValueError(f'--shard_tokens={self.shard_tokens}: must be >= 1')
+    if not 0.0 <= self.val_fraction < 1.0:
+      raise ValueError(f'--val_fraction={self.val_fraction}: must lie in [0, 1)')
+    if self.single and self.val_fraction:
+      raise ValueError(f'--val_fraction={self.val_fraction} needs a directory --output (one '
+                       f'file {self.output!r} holds one split)')
+    if self.single and self.format == 'array_record':
+      raise ValueError(f'--format=array_record writes a directory of shards: give '
+                       f'--output=DIR, not {self.output!r}')
+
+  @property
+  def single(self) -> bool:
+    """One token file / zarr array (the output ends in .bin / .zarr, or is a kvstore spec or
+    URL) rather than a directory of shards with a manifest."""
+    out = self.output.rstrip('/')
+    return (out.endswith(SINGLE_SUFFIXES) or self.output.lstrip().startswith('{')
+            or '://' in self.output) and not self.output.endswith('/')
+
+
+def is_validation(doc_ids, fraction: float) -> np.ndarray:
+  """Whether each document number goes to the 'val' split (splitmix64 of the number)."""
+  z = np.asarray(doc_ids, np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+  z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+  z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+  z ^= z >> np.uint64(31)
+  return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53) < fraction
+
+
+# Tokenizing (in workers or in this process) -----------------------------------------------------
+
+class _Tokenize:
+  """chunk (first document number, [Doc]) -> (first, lengths incl. EOS, tokens incl. EOS)."""
+
+  def __init__(self, tokenizer: str, field: str):
+    self.tok, self.field = load_tokenizer(tokenizer), field
+    self.dtype = sources.token_dtype(self.tok.vocab_size)
+    self.eos = np.asarray([self.tok.eos_id], np.int32)
+
+  def __call__(self, chunk):
+    first, docs = chunk
+    pieces, lengths = [], np.empty(len(docs), np.int64)
+    for i, doc in enumerate(docs):
+      ids = self.tok.encode(readers.text_of(doc, self.field))
+      pieces += [ids, self.eos]
+      lengths[i] = len(ids) + 1
+    return first, lengths, np.concatenate(pieces).astype(self.dtype)
+
+
+_WORKER: _Tokenize | None = None
+
+
+def _init_worker(tokenizer: str, field: str):
+  global _WORKER
+  os.environ['TOKENIZERS_PARALLELISM'] = 'false'  # one core per worker
+  parent = multiprocessing.parent_process()
+  if parent is not None:  # exit with the preparing process, even when it is killed
+    threading.Thread(target=_exit_with, args=(parent.sentinel,), daemon=True).start()
+  _WORKER = _Tokenize(tokenizer, field)
+
+
+def _exit_with(sentinel):
+  multiprocessing.connection.wait([sentinel])
+  os._exit(1)  # pylint: disable=protected-access
+
+
+def _run_chunk(chunk):
+  return _WORKER(chunk)
+
+
+@contextlib.contextmanager
+def _pool(workers: int, tokenizer: str, field: str):
+  """`workers` spawned processes. While they start, __main__ is a blank module, so they do not
+  re-import the caller's script (which may import JAX, or run a benchmark)."""
+  ctx = multiprocessing.get_context('spawn')
+  main = sys.modules.get('__main__')
+  sys.modules['__main__'] = types.ModuleType('__main__')
+  try:
+    pool = ctx.Pool(workers, _init_worker, (tokenizer, field))
+  finally:
+    sys.modules['__main__'] = main
+  try:
+    yield pool
+  finally:
+    pool.terminate()
+    pool.join()
+
+
+def _chunks(docs, start: int):
+  """(first document number, documents) in order, from document number `start` on."""
+  batch, chars, first = [], 0, start
+  for i, doc in enumerate(docs):
+    if i < start:
+      continue
+    batch.append(doc)
+    chars += len(doc.payload) if isinstance(doc.payload, str) else 0  # (null: an error later)
+    if chars >= CHUNK_CHARS or len(batch) >= CHUNK_DOCS:
+      yield first, batch
+      first, batch, chars = i + 1, [], 0
+  if batch:
+    yield first, batch
+
+
+def tokenized(cfg: PrepareConfig, tokenizer: str, inputs, start: int = 0):
+  """(document numbers, lengths, tokens) per chunk, in document order, from `start` on."""
+  chunks = _chunks(readers.documents(inputs, cfg.text_field), start)
+  with contextlib.ExitStack() as stack:
+    if cfg.workers:
+      pool = stack.enter_context(_pool(cfg.workers, tokenizer, cfg.text_field))
+      results = _ordered(pool, chunks, 2 * cfg.workers + 2)
+    else:
+      results = map(_Tokenize(tokenizer, cfg.text_field), chunks)
+    for first, lengths, tokens in results:
+      yield first + np.arange(len(lengths)), lengths, tokens
+
+
+def _ordered(pool, chunks, window: int):
+  """pool results in submission order, at most `window` chunks in flight."""
+  pending = collections.deque()
+  for chunk in chunks:
+    pending.append(pool.apply_async(_run_chunk, (chunk,)))
+    if len(pending) >= window:
+      yield pending.popleft().get()
+  while pending:
+    yield pending.popleft().get()
+
+
+class _Progress:
+  """A progress line on stderr: documents, tokens, their rates, shards written."""
+
+  def __init__(self, enabled: bool):
+    self.enabled, self.t0, self.last = enabled, time.perf_counter(), 0.0
+    self.docs = self.tokens = self.shards = 0
+
+  def update(self, docs: int = 0, tokens: int = 0, shards_: int = 0, final: bool = False):
+    self.docs, self.tokens, self.shards = (self.docs + docs, self.tokens + tokens,
+                                           self.shards + shards_)
+    now = time.perf_counter()
+    if not self.enabled or (now - self.last < 0.5 and not final):
+      return
+    self.last, dt = now, max(now - self.t0, 1e-9)
+    print(f'\rprepare: {self.docs:,} documents ({self.docs / dt:,.0f}/s), {self.tokens:,} '
+          f'tokens ({self.tokens / dt:,.0f}/s), {self.shards} shards, {dt:.1f}s',
+          end='\n' if final else '', file=sys.stderr, flush=True)
+
+
+# Shards, records, resuming ----------------------------------------------------------------------
+
+def _kill_point(count: int, point: str):
+  """The test hook: SIGKILL this process at shard `count` of this run, at `point`."""
+  spec = os.environ.get(KILL_ENV, '')
+  if spec and spec == f'{count}:{point}':
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _write_json(path: str, obj):
+  with open(path + '.tmp', 'w') as f:
+    json.dump(obj, f, indent=1)
+  os.replace(path + '.tmp', path)
+
+
+class _SplitWriter:
+  """Cuts one split's documents into shards, writes each, then its record."""
+
+  def __init__(self, cfg: PrepareConfig, tok, split: str, records: list, progress: _Progress):
+    self.cfg, self.tok, self.split, self.progress = cfg, tok, split, progress
+    self.records, self.pending, self.n = list(records), [], 0
+
+  def add(self, ids, lengths, tokens):
+    if len(ids):
+      self.pending.append((ids, lengths, tokens))
+      self.n += tokens.size
+    while self.n >= self.cfg.shard_tokens:
+      self._cut()
+
+  def finish(self):
+    if self.n:
+      self._cut(final=True)
+
+  def _cut(self, final: bool = False):
+    ids, lengths, tokens = (np.concatenate(p) for p in zip(*self.pending))
+    cum = np.cumsum(lengths)
+    k = len(ids) if final else int(np.searchsorted(cum, self.cfg.shard_tokens)) + 1
+    n = int(cum[k - 1])
+    self._write(ids[:k], tokens[:n])
+    self.pending = [(ids[k:], lengths[k:], tokens[n:])] if k < len(ids) else []
+    self.n = tokens.size - n
+
+  def _write(self, ids, tokens):
+    out, fmt = self.cfg.output, self.cfg.format
+    name = f'{self.split}-{len(self.records):05d}{shards.SUFFIX[fmt]}'
+    count = self.progress.shards
+    shards.write(fmt, os.path.join(out, name), tokens, self.tok.vocab_size, self.tok.name,
+                 before_rename=lambda: _kill_point(count, 'tmp'))
+    _kill_point(count, 'renamed')
+    record = {'file': name, 'num_tokens': int(tokens.size), 'num_documents': int(ids.size),
+              'sha256': shards.sha256(tokens, sources.token_dtype(self.tok.vocab_size)),
+              'documents': [int(ids[0]), int(ids[-1]) + 1]}
+    _write_json(os.path.join(out, STATE_DIR, f'{name}.json'), record)
+    self.records.append(record)
+    self.progress.update(shards_=1)
+
+
+def _verified(cfg: PrepareConfig, tok, record: dict) -> bool:
+  path = os.path.join(cfg.output, record['file'])
+  if not os.path.exists(path):
+    return False
+  try:
+    src = shards.open_shard(cfg.format, path, record['num_tokens'], tok.vocab_size, tok.name,
+                            check=False)
+    tokens = shards.read_all(src)
+  except (OSError, ValueError):
+    return False
+  return shards.sha256(tokens, sources.token_dtype(tok.vocab_size)) == record['sha256']
+
+
+def _settings(cfg: PrepareConfig, tok, inputs) -> dict:
+  """What the shards depend on; a resumed preparation must have the same."""
+  def size(inp):
+    if inp.kind == 'embedded':
+      return None
+    files = readers.hf_files(inp.path) if inp.kind == 'hf' else [inp.path]
+    return sum(os.path.getsize(f) for f in files)
+  tok_hash = 'byte'
+  if tok.name != 'byte':
+    with open(tok.name, 'rb') as f:
+      tok_hash = hashlib.sha256(f.read()).hexdigest()
+  return {'inputs': [[os.path.abspath(i.path) if i.kind != 'embedded' else i.path, size(i)]
+                     for i in inputs],
+          'tokenizer': tok.name, 'tokenizer_sha256': tok_hash, 'vocab_size': tok.vocab_size,
+          'eos_id': int(tok.eos_id), 'format': cfg.format, 'shard_tokens': cfg.shard_tokens,
+          'val_fraction': cfg.val_fraction, 'text_field': cfg.text_field,
+          'record_tokens': shards.RECORD_TOKENS if cfg.format == 'array_record' else None}
+
+
+def _check_same(out: str, old: dict, new: dict):
+  for key in sorted(set(old) | set(new)):
+    if old.get(key) != new.get(key):
+      raise ValueError(f'--output={out} holds a preparation with other settings ({key}: '
+                       f'{old.get(key)!r} there, {new.get(key)!r} now): use another --output '
+                       'or remove it')
+
+
+def _finished(cfg: PrepareConfig, tok, settings: dict, splits) -> tuple[dict, bool]:
+  """({split: the records of its verified finished shards}, whether the manifest is whole)."""
+  out, state = cfg.output, os.path.join(cfg.output, STATE_DIR)
+  file = os.path.join(out, manifests.MANIFEST)
+  if os.path.exists(file):
+    m = manifests.load(file)
+    _check_same(out, m.get('settings', {}), settings)
+    records = {s: m['splits'].get(s, {'shards': []})['shards'] for s in splits}
+    if all(_verified(cfg, tok, r) for rs in records.values() for r in rs):
+      return records, True
+    os.makedirs(state, exist_ok=True)
+    _write_json(os.path.join(state, 'settings.json'), settings)
+    for rs in records.values():
+      for r in rs:
+        _write_json(os.path.join(state, f'{r["file"]}.json'), r)
+    os.remove(file)
+  os.makedirs(state, exist_ok=True)
+  settings_file = os.path.join(state, 'settings.json')
+  if os.path.exists(settings_file):
+    with open(settings_file) as f:
+      _check_same(out, json.load(f), settings)
+  else:
+    _write_json(settings_file, settings)
+  records = {}
+  for s in splits:
+    records[s] = []
+    while True:
+      rec_file = os.path.join(state, f'{s}-{len(records[s]):05d}{shards.SUFFIX[cfg.format]}.json')
+      if not os.path.exists(rec_file):
+        break
+      with open(rec_file) as f:
+        record = json.load(f)
+      if not _verified(cfg, tok, record):
+        break
+      records[s].append(record)
+  return records, False
+
+
+def _remove_temporaries(out: str):
+  for name in os.listdir(out):
+    if name.endswith('.tmp'):
+      path = os.path.join(out, name)
+      shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def _manifest(cfg: PrepareConfig, tok, settings: dict, records: dict) -> dict:
+  return {'version': manifests.VERSION, 'format': cfg.format, 'tokenizer': tok.name,
+          'vocab_size': tok.vocab_size, 'eos_id': int(tok.eos_id),
+          'dtype': np.dtype(sources.token_dtype(tok.vocab_size)).name,
+          'record_tokens': settings['record_tokens'], 'settings': settings,
+          'splits': {s: {'num_tokens': sum(r['num_tokens'] for r in rs),
+                         'num_documents': sum(r['num_documents'] for r in rs), 'shards': rs}
+                     for s, rs in records.items()}}
+
+
+def _prepare_dir(cfg: PrepareConfig, tok, tok_spec: str, inputs) -> dict:
+  out = cfg.output
+  os.makedirs(out, exist_ok=True)
+  splits = ('train', 'val') if cfg.val_fraction else ('train',)
+  settings = _settings(cfg, tok, inputs)
+  done, whole = _finished(cfg, tok, settings, splits)
+  resumed = sum(len(r) for r in done.values())
+  if not whole:
+    _remove_temporaries(out)
+    progress = _Progress(cfg.progress)
+    writers = {s: _SplitWriter(cfg, tok, s, done[s], progress) for s in splits}
+    next_doc = {s: done[s][-1]['documents'][1] if done[s] else 0 for s in splits}
+    for ids, lengths, tokens in tokenized(cfg, tok_spec, inputs, min(next_doc.values())):
+      val = is_validation(ids, cfg.val_fraction)
+      for s in splits:
+        keep = (val if s == 'val' else ~val) & (ids >= next_doc[s])
+        writers[s].add(ids[keep], lengths[keep], tokens[np.repeat(keep, lengths)])
+      progress.update(len(ids), tokens.size)
+    for w in writers.values():
+      w.finish()
+    progress.update(final=True)
+    done = {s: w.records for s, w in writers.items()}
+    if not done['train']:
+      raise ValueError(f'no training documents in {list(cfg.inputs)}')
+    manifests.write(out, _manifest(cfg, tok, settings, done))
+    shutil.rmtree(os.path.join(out, STATE_DIR), ignore_errors=True)
+  m = _manifest(cfg, tok, settings, done)
+  return {'output': out, 'manifest': os.path.join(out, manifests.MANIFEST),
+          'format': cfg.format, 'num_tokens': m['splits']['train']['num_tokens'],
+          'val_tokens': m['splits'].get('val', {}).get('num_tokens', 0),
+          'shards': {s: len(r) for s, r in done.items()}, 'resumed_shards': resumed,
+          'vocab_size': tok.vocab_size, 'tokenizer': tok.name}
+
+
+def _prepare_single(cfg: PrepareConfig, tok, tok_spec: str, inputs) -> dict:
+  progress = _Progress(cfg.progress)
+  pieces = []
+  for ids, _, tokens in tokenized(cfg, tok_spec, inputs):
+    pieces.append(tokens)
+    progress.update(len(ids), tokens.size)
+  progress.update(final=True)
+  if not pieces:
+    raise ValueError(f'no documents in {list(cfg.inputs)}')
+  tokens = np.concatenate(pieces)
+  if cfg.format == 'zarr':
+    sources.write_zarr(cfg.output, tokens, tok.vocab_size, tok.name)
+  else:
+    sources.write_token_file(cfg.output, tokens, tok.vocab_size, tok.name)
+  return {'output': cfg.output, 'format': cfg.format, 'num_tokens': int(tokens.size),
+          'vocab_size': tok.vocab_size, 'tokenizer': tok.name}
 
 
 def read_texts(paths, field: str = 'text'):
-  """Yields documents: a whole .txt file, each JSONL line's `field`, or the embedded corpus."""
-  for path in paths:
-    if path == 'embedded':
-      yield from (text for _, text in corpus.documents())
-      continue
-    if not os.path.exists(path):
-      raise FileNotFoundError(f'input file {path!r} does not exist')
-    with open(path, encoding='utf-8') as f:
-      if path.endswith('.jsonl'):
-        for n, line in enumerate(f, 1):
-          if line.strip():
-            try:
-              yield json.loads(line)[field]
-            except (ValueError, KeyError, TypeError):
-              raise ValueError(f'{path}:{n}: not a JSON object with a {field!r} field') from None
-      else:
-        yield f.read()
+  """Yields the documents' texts of `paths` (files, globs or 'embedded'), in order."""
+  for doc in readers.documents(readers.expand(paths), field):
+    yield readers.text_of(doc, field)
+
+
+def run(cfg: PrepareConfig) -> dict:
+  """Prepares `cfg.inputs` into `cfg.output`; returns a summary dict."""
+  inputs = readers.expand(cfg.inputs)
+  if cfg.train_vocab:
+    if cfg.tokenizer in ('', 'byte'):
+      raise ValueError('--train_bpe needs --tokenizer=PATH.json to save the tokenizer to')
+    tok = train_bpe(read_texts(cfg.inputs, cfg.text_field), cfg.train_vocab, cfg.tokenizer)
+  else:
+    tok = load_tokenizer(cfg.tokenizer)
+  if cfg.single:
+    return _prepare_single(cfg, tok, cfg.tokenizer, inputs)
+  return _prepare_dir(cfg, tok, cfg.tokenizer, inputs)
 
 
 def prepare(inputs, output: str, fmt: str = 'tokens', tokenizer: str = 'byte',
-            train_vocab: int = 0, field: str = 'text') -> dict:
-  if train_vocab:
-    if tokenizer in ('', 'byte'):
-      raise ValueError('--train_bpe needs --tokenizer=PATH.json to save the tokenizer to')
-    tok = train_bpe(read_texts(inputs, field), train_vocab, tokenizer)
-  else:
-    tok = load_tokenizer(tokenizer)
-  pieces = []
-  for text in read_texts(inputs, field):
-    pieces += [tok.encode(text), np.asarray([tok.eos_id], np.int32)]
-  if not pieces:
-    raise ValueError(f'no documents in {inputs}')
-  tokens = np.concatenate(pieces)
-  if fmt == 'zarr':
-    sources.write_zarr(output, tokens, tok.vocab_size, tok.name)
-  else:
-    sources.write_token_file(output, tokens, tok.vocab_size, tok.name)
-  return {'output': output, 'format': fmt, 'num_tokens': int(tokens.size),
-          'vocab_size': tok.vocab_size, 'tokenizer': tok.name}
+            train_vocab: int = 0, field: str = 'text', **kw) -> dict:
+  """`run` with PrepareConfig's fields as arguments (kw: workers, shard_tokens, val_fraction,
+  progress)."""
+  return run(PrepareConfig(tuple(inputs), output, fmt, tokenizer, train_vocab, field, **kw))
