@@ -25,6 +25,15 @@ def fail(message: str):
   sys.exit(1)
 
 
+def pass_counts(values) -> list:
+  """A --num_loops list as ints ([None]: the trained count when empty), or a ValueError
+  naming the flag."""
+  try:
+    return [int(n) for n in values] or [None]
+  except ValueError:
+    raise ValueError(f'--num_loops={",".join(values)}: pass counts must be integers') from None
+
+
 INTERRUPTED = 130  # the shell's status for a command stopped by SIGINT
 
 

@@ -13,7 +13,7 @@ import json
 
 from absl import flags
 
-from loopmoe_jax.cli import run
+from loopmoe_jax.cli import pass_counts, run
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory.', required=True)
 _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step (default: latest readable).')
@@ -33,10 +33,7 @@ _OUT = flags.DEFINE_string('out', None, 'PNG of loss against average passes (--e
 def main(argv):
   del argv
   from loopmoe_jax.train.evaluation import evaluate_checkpoint
-  try:
-    loops = [int(n) for n in _LOOPS.value] or [None]
-  except ValueError:
-    raise ValueError(f'--num_loops={",".join(_LOOPS.value)}: pass counts must be integers') from None
+  loops = pass_counts(_LOOPS.value)
   if _EXIT.value:
     from loopmoe_jax.train import depth_eval
     out = depth_eval.exit_tradeoff(_WORKDIR.value, _EXIT.value, _THRESH.value, loops,

@@ -21,7 +21,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 from absl import flags  # pylint: disable=wrong-import-position
 
-from loopmoe_jax.cli import run  # pylint: disable=wrong-import-position
+from loopmoe_jax.cli import pass_counts, run  # pylint: disable=wrong-import-position
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory.', required=True)
 _TASKS = flags.DEFINE_list('tasks', [], 'Harness task names (e.g. loopmoe_next_line).')
@@ -34,10 +34,7 @@ _OUT = flags.DEFINE_string('out', None, 'Output directory.', required=True)
 
 def main(argv):
   del argv
-  try:
-    loops = [int(n) for n in _LOOPS.value] or [None]
-  except ValueError:
-    raise ValueError(f'--num_loops={",".join(_LOOPS.value)}: pass counts must be integers') from None
+  loops = pass_counts(_LOOPS.value)
   if _LIMIT.value is not None and _LIMIT.value < 1:
     raise ValueError(f'--limit={_LIMIT.value}: must be >= 1')
   from loopmoe_jax.analysis import lm_harness

@@ -94,7 +94,7 @@ class ArrayRecordTokens:
                        f'implies {want} ({num_tokens} tokens of {record_tokens} per record)')
     self._lock = threading.Lock()
     if check:
-      sources.check_ids(_Sliced(self), vocab_size, path)
+      sources.check_ids(sources.Sliceable(self), vocab_size, path)
 
   def __len__(self):
     return self.num_tokens
@@ -109,17 +109,6 @@ class ArrayRecordTokens:
     data = np.frombuffer(b''.join(records), self.dtype)
     off = r0 * self.record_tokens
     return data[start - off:stop - off].astype(np.int32)
-
-
-class _Sliced:
-  def __init__(self, src):
-    self.src = src
-
-  def __len__(self):
-    return len(self.src)
-
-  def __getitem__(self, s):
-    return self.src.read(s.start, min(s.stop, len(self.src)))
 
 
 def open_shard(fmt: str, path: str, num_tokens: int, vocab_size: int, tokenizer: str,

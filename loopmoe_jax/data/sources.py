@@ -166,7 +166,7 @@ class ZarrTokens:
     self.name, self.vocab_size = path_or_spec, int(attrs['vocab_size'])
     self.tokenizer = attrs.get('tokenizer', '')
     if check:
-      check_ids(_Sliceable(self), self.vocab_size, path_or_spec)
+      check_ids(Sliceable(self), self.vocab_size, path_or_spec)
 
   def __len__(self):
     return self.arr.shape[0]
@@ -175,7 +175,9 @@ class ZarrTokens:
     return np.asarray(self.arr[start:stop].read().result(), np.int32)
 
 
-class _Sliceable:
+class Sliceable:
+  """A token source (`read`) indexed by slices, as check_ids reads it."""
+
   def __init__(self, src):
     self.src = src
 
