@@ -21,7 +21,7 @@
 
 The fused kernels run per batch shard inside `jax.shard_map` under a device mesh (their
 custom calls are not partitioned by XLA); the attention output and, in `chunked`, its saved
-log-sum-exp carry the checkpoint name 'attention' (model.REMAT's named policies).
+log-sum-exp carry the checkpoint name 'attention' (core.REMAT's named policies).
 """
 from __future__ import annotations
 

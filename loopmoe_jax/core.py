@@ -42,6 +42,7 @@ def scan_passes(fn, length: int, per_pass: bool):
                  in_axes=(0, nn.broadcast, nn.broadcast, 0 if per_pass else nn.broadcast),
                  length=length)
 
+
 _save = jax.checkpoint_policies.save_only_these_names
 # run.remat: what the backward keeps of the forward; everything else it recomputes. Every
 # layer (prelude, core passes, coda) is rematerialised per layer stack (one core pass), and
@@ -143,7 +144,7 @@ class Core(nn.Module):
   @nn.compact
   def __call__(self, x_BTD, positions_BT, num_loops: int, bias=None, backprop_loops: int = 0,
                readout=None, states: bool = False):
-    """`bias`: the core's router bias, [C, E] ('shared') or [trained L, D, E] ('per_pass';
+    """`bias`: the core's router bias, [C, E] ('shared') or [trained L, C, E] ('per_pass';
     a forward with more passes than trained reuses the last pass's bias), or None.
     `readout` (exit.Readout): per-token early exit (exit.py); the statistics are then
     {'exit_passes': passes_BT} only. `states` (gate training): the statistics also hold every

@@ -1,6 +1,6 @@
 """The looped core with its collectives once per step (run.core_collectives='once').
 
-Under a mesh, `model.Core` runs its scanned passes through `core_once`: inside `jax.shard_map`
+Under a mesh, `core.Core` runs its scanned passes through `core_once`: inside `jax.shard_map`
 over the whole mesh each device runs every pass on its own rows. The core's weights enter in
 their sharded layout and are all-gathered once, before the loop; the transpose of that gather
 is one reduce-scatter per weight after the backward loop, so the shared weights' gradients

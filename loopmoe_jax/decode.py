@@ -33,7 +33,7 @@ a model trained under one decodes under any):
   Sharing needs one K/V projection for every pass: untied attention (model.tie_attention=
   False) is refused by the config.
   Memory: the cache between steps is the shared one; inside a step the core's scan
-  (model.Core, cache axis 0 per pass) runs on a per-pass copy that decode_step broadcasts
+  (core.Core, cache axis 0 per pass) runs on a per-pass copy that decode_step broadcasts
   from it and reads the named pass's slot back from, so a step's peak holds L copies of the
   core's slots (as 'per_pass' does throughout).
 
@@ -58,7 +58,7 @@ from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.model import LoopedMoE, check_loops, for_init, variables
 from loopmoe_jax.objective import token_nll_of_logits
 
-CORE = 'core'  # the cache's subtree that the core's scan stacks per pass (model.PER_PASS)
+CORE = 'core'  # the cache's subtree that the core's scan stacks per pass (core.PER_PASS)
 
 
 def shares_passes(cfg: ModelConfig) -> bool:

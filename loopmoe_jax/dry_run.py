@@ -220,7 +220,7 @@ def _with_model(cfg_dict, **fields):
   return cfg
 
 
-# remat policies whose backward keeps what the expert exchange delivered (model.REMAT): it
+# remat policies whose backward keeps what the expert exchange delivered (core.REMAT): it
 # sends forward once; the others ('full', 'dots', 'dots_no_batch') repeat it in the recompute
 EXCHANGE_SAVED = ('none', 'pass_input', 'attention', 'named')
 

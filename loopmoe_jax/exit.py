@@ -21,7 +21,8 @@ with coda layers this is the distribution the model would give if the coda were 
   (`exit_distribution`); training minimises sum_t p(t) L_t - exit_entropy * H(p)
   (`gate_objective`, wired in objective.gate_lm_loss: L_t the NLL of the output a token
   exiting after pass t gets, its core state through the coda, final norm and head,
-  `pass_outputs`; lambda read from the normed core state as at inference); at inference a
+  `pass_outputs`; lambda read from the normed core state as at inference; `gate_objective` is
+  the objective alone); at inference a
   token exits once its cumulative exit probability sum_{j<=t} p(j) >= model.exit_threshold
   (in (0, 1]).
 
@@ -200,16 +201,18 @@ def pass_outputs(states_LBTD, final_BTD, coda, norm):
   pass t = 1..L: `coda` (a function of [N, T, D] states, or None without coda layers) then
   `norm` (the final RMSNorm) applied to each pass's core state; the last pass's is
   `final_BTD`, the plain forward's (its coda statistics are the forward's; the earlier passes'
-  coda visits run as one batch of (L - 1) x B rows and count in no aux loss). This is what an
+  coda visits run as one batch of B x (L - 1) rows, batch-major so the batch axis keeps its
+  sharding, and count in no aux loss; `coda` gets each sequence's rows together, the positions
+  repeated to match: jnp.repeat(positions_BT, L - 1, axis=0)). This is what an
   exited token reads at inference (its frozen state goes through the coda), not the
   coda-less `pass_logprobs` the KL rule compares (the same without coda layers)."""
   n, b, t, d = states_LBTD.shape
   if n == 1:
     return final_BTD[None]
-  early = states_LBTD[:-1].reshape((n - 1) * b, t, d)
+  early = jnp.swapaxes(states_LBTD[:-1], 0, 1).reshape(b * (n - 1), t, d)
   if coda is not None:
     early = coda(early)
-  early = norm(early).reshape(n - 1, b, t, d)
+  early = jnp.swapaxes(norm(early).reshape(b, n - 1, t, d), 0, 1)
   return jnp.concatenate([early, final_BTD[None].astype(early.dtype)], axis=0)
 
 

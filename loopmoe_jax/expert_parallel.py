@@ -186,7 +186,7 @@ def _body_kw(cfg, mesh, num_experts):
 
 
 def local_dispatch(x_TD, experts_Tk, weights_Tk, params, cfg, mesh, num_experts: int):
-  """The per-device body called where every mesh axis is already manual (model.Core's
+  """The per-device body called where every mesh axis is already manual (core.Core's
   shard_map): this device's rows and its E/n experts (`params`); (y_TD, dropped)."""
   y_TD, dropped = _local_moe(x_TD, experts_Tk, weights_Tk, params,
                              **_body_kw(cfg, mesh, num_experts))

@@ -102,7 +102,7 @@ class LoopedMoE(nn.Module):
     if states_LBTD is not None:
       n = states_LBTD.shape[0]
       coda_fn = None if coda is None else (lambda h: coda(
-          h, None, None, jnp.tile(positions_BT, (n - 1, 1)), bias.get('coda'))[0])
+          h, None, None, jnp.repeat(positions_BT, n - 1, axis=0), bias.get('coda'))[0])
       extras['pass_hidden'] = early_exit_lib.pass_outputs(states_LBTD, x_BTD, coda_fn, final_norm)
       extras['pass_lambda'] = early_exit_lib.pass_lambda(
           early_exit_lib.readout(self, embed_VD, gate, head_matrix), states_LBTD)

@@ -149,7 +149,7 @@ class MoE(nn.Module):
     b, t, d = x_BTD.shape
     e, f = self.num_experts, c.expert_width
     mesh = jax.sharding.get_abstract_mesh()
-    # inside the core's shard_map (model.Core) a device holds its E/n experts
+    # inside the core's shard_map (core.Core) a device holds its E/n experts
     e_here = e // mesh.shape['expert'] if sharding.is_manual(mesh) else e
     router_DE = param(self, 'router', (d, e), ('embed', 'experts'), fan_in_init([0], [1]), dt)
     experts = {

@@ -202,19 +202,20 @@ def gate_lm_loss(params, model, batch, num_loops: int | None = None, router_bias
   """Gate training's LM term (model.exit='gate'; Ouro, Zhu et al. 2025): the per-token NLL of
   the output a token exiting after each pass t = 1..L would give (exit.pass_outputs: its core
   state through the coda, the final norm and the head), combined under the gate's exit
-  distribution as exit.gate_objective (expected NLL - model.exit_entropy x entropy, mean over
-  unmasked tokens). Returns (objective, metrics of exit.gate_metrics, the model's extras).
-  The head and loss run per pass as run.loss_chunk and run.remat say (`head_token_nll`)."""
+  distribution as exit.gate_metrics computes it (expected NLL - model.exit_entropy x entropy,
+  mean over unmasked tokens). Returns (objective, metrics of exit.gate_metrics, the model's
+  extras). The head and loss run one pass at a time (`jax.lax.map` over the passes: one pass's
+  logits live at once, the batch axis keeps its sharding) as run.loss_chunk and run.remat say
+  (`head_token_nll`)."""
   c = model.cfg
   _, extras = model.apply(variables(params, router_bias=router_bias), batch['inputs'],
                           num_loops=num_loops, return_hidden=True, pass_outputs=True,
                           backprop_loops=backprop_loops)  # > 0 is refused (core.Core)
   h_LBTD, lam_LBT = extras.pop('pass_hidden'), extras.pop('pass_lambda')
   head_DV = _head(c, params)
-  n, b, t, d = h_LBTD.shape  # the passes' readouts as one batch of L x B rows
-  nll_LBT = head_token_nll(h_LBTD.reshape(n * b, t, d), head_DV,
-                           jnp.tile(batch['targets'], (n, 1)), c.loss_chunk,
-                           remat=c.remat != 'none').reshape(n, b, t)
+  nll_LBT = jax.lax.map(lambda h_BTD: head_token_nll(h_BTD, head_DV, batch['targets'],
+                                                     c.loss_chunk, remat=c.remat != 'none'),
+                        h_LBTD)
   obj, metrics = early_exit.gate_metrics(nll_LBT, lam_LBT, c.exit_entropy, batch.get('mask'))
   return obj, metrics, extras
 

@@ -129,7 +129,7 @@ def check_batch(batch_size: int, microbatches: int, mesh):
 def constrain(x, names: Sequence[str | None]):
   """with_sharding_constraint by logical names under the mesh set by `jax.set_mesh`; a no-op
   without one (one device, decoding, tests of the model alone) and inside a shard_map over
-  the whole mesh (the looped core's, model.Core)."""
+  the whole mesh (the looped core's, core.Core)."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1 or is_manual(mesh):
     return x

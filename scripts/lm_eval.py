@@ -4,8 +4,9 @@
     python scripts/lm_eval.py --workdir=/tmp/loopmoe_default --tasks=loopmoe_next_line \
         --num_loops=1,2,3,4 [--limit=100] [--batch_size=16] --out=/tmp/lm_eval
 
-Writes OUT/results.json ({passes: the harness's results}, with the chance level of each
-multiple-choice task and the wall seconds per pass count) and OUT/table.md (task x passes).
+Writes OUT/results.json ({passes: the harness's results}), OUT/run.json (the workdir, step,
+limit, the chance level of each multiple-choice task and the wall seconds per pass count) and
+OUT/table.md (task x passes).
 Tasks: the harness's own (they download their data) and the offline pack loopmoe_jax/lm_tasks/
 (loopmoe_next_line: the true next line of a held-out source among 4). The adapter, its lengths
 and batching: loopmoe_jax/analysis/lm_harness.py.
@@ -42,7 +43,9 @@ def main(argv):
                             _STEP.value)
   os.makedirs(_OUT.value, exist_ok=True)
   with open(os.path.join(_OUT.value, 'results.json'), 'w') as f:
-    json.dump(out, f, indent=1)
+    json.dump(out['passes'], f, indent=1)  # {passes: the harness's results}
+  with open(os.path.join(_OUT.value, 'run.json'), 'w') as f:
+    json.dump({k: v for k, v in out.items() if k != 'passes'}, f, indent=1)
   text = lm_harness.table(out)
   with open(os.path.join(_OUT.value, 'table.md'), 'w') as f:
     f.write(text)

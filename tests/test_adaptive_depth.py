@@ -1,4 +1,4 @@
-"""Adaptive depth in training (train/depth.py, model.Core): pass counts drawn per step from
+"""Adaptive depth in training (train/depth.py, core.Core): pass counts drawn per step from
 (seed, step), one program per count, truncated backprop through the last passes.
 
 Gradients are checked against a reference that runs the same model unrolled (loop_impl

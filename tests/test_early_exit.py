@@ -29,7 +29,7 @@ from loopmoe_jax.decode import decode_step, mean_passes
 from loopmoe_jax.experiment import build
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.objective import loss_fn
-from loopmoe_jax.train import depth_eval
+from loopmoe_jax.train import depth, depth_eval
 from loopmoe_jax.train.evaluation import evaluate_checkpoint
 from loopmoe_jax.train.run import RunDir
 from loopmoe_jax.train.trainer import train
@@ -357,8 +357,12 @@ def test_gate_training_flops_are_counted_by_the_dry_run():
     cfg = tiny()
     cfg.model.update(coda_layers=1, coda_experts=4, num_loops=3, exit=rule, exit_threshold=0.5)
     exp = build(cfg.to_dict())
-    got[rule] = (dry_run.step_flops(cfg.to_dict()),
-                 dry_run.analytic_flops(exp, sharding.make_mesh(exp.mesh)))
+    mesh = sharding.make_mesh(exp.mesh)
+    got[rule] = (dry_run.step_flops(cfg.to_dict()), dry_run.analytic_flops(exp, mesh))
+    # the trainer's FLOPs per token (its MFU) agree with the dry run's (per device)
+    per_token = depth.step_flops_per_token(exp.model, exp.data.seq_len, exp.model.num_loops)
+    assert per_token * exp.data.batch_size * exp.data.seq_len / mesh.size == pytest.approx(
+        got[rule][1], rel=1e-6)
   compiled = got['gate'][0] - got['none'][0]
   analytic = got['gate'][1] - got['none'][1]
   assert compiled > 0 and abs(compiled / analytic - 1) < 0.05, (compiled, analytic)

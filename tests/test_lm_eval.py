@@ -83,7 +83,10 @@ PAIRS = [('def f(x):\n    return', ' x + 1\n'),       # 20 = 19 + 1 ...
 
 
 def _seq(pair):
+  """(tokens, first scored position) as the harness scores a pair: the context's trailing
+  whitespace belongs to the continuation; an empty context is EOS."""
   ctx, cont = pair
+  ctx, cont = ctx.rstrip(), ctx[len(ctx.rstrip()):] + cont
   return ([0] if not ctx else byte_ids(ctx)) + byte_ids(cont), max(1, len(byte_ids(ctx)))
 
 
@@ -145,7 +148,7 @@ def test_rolling_and_long_requests_equal_the_direct_windows(run, capsys):
     want += direct(run, seq[lo:end], end - lo - n)[0]
   assert got[1] == pytest.approx(want, abs=1e-4)
   # a context longer than M is cut from the left, and the cut is reported
-  ctx, cont = 'x' * 40 + 'def f(a, b):\n', '  return a\n'
+  ctx, cont = 'x' * 40 + 'def f(a, b):', '\n  return a\n'
   (lp, _), = lm.loglikelihood(ll_requests([(ctx, cont)]))
   seq = byte_ids(ctx + cont)[-(M + 1):]
   assert lp == pytest.approx(direct(run, seq, len(seq) - len(cont))[0], abs=1e-4)

@@ -4,6 +4,7 @@ inputs."""
 import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -265,6 +266,14 @@ def test_manifest_of_another_tokenizer_or_a_larger_vocabulary_is_refused(tmp_pat
   with pytest.raises(ValueError, match='data vocabulary 300 exceeds model.vocab_size=256'):
     pipeline.check_data(_cfg('manifest', str(tmp_path / 'bpe'), tokenizer=bpe), 256)
   pipeline.check_data(_cfg('manifest', str(tmp_path / 'bpe'), tokenizer=bpe), 300)
+  # the same tokenizer file at another path (moved with its corpus) is the same tokenizer;
+  # another BPE of the same vocabulary is not
+  moved, other = str(tmp_path / 'moved.json'), str(tmp_path / 'other.json')
+  shutil.copy(bpe, moved)
+  pipeline.check_data(_cfg('manifest', str(tmp_path / 'bpe'), tokenizer=moved), 300)
+  train_bpe(docs[::-1][:3], 300, other)
+  with pytest.raises(ValueError, match=r"tokens made by tokenizer .*bpe\.json"):
+    pipeline.check_data(_cfg('manifest', str(tmp_path / 'bpe'), tokenizer=other), 300)
   with pytest.raises(FileNotFoundError, match=r'manifest .*nowhere/manifest\.json'):
     pipeline.check_data(_cfg('manifest', str(tmp_path / 'nowhere')), 256)
 

@@ -126,7 +126,7 @@ def test_second_trainer_on_a_workdir_is_refused_and_a_dead_holder_is_stale(tmp_p
 
 def test_a_path_with_a_source_that_reads_none_is_an_error():
   with pytest.raises(ValueError, match=r"data\.path='x\.bin' is read only by data\.source in "
-                                       r"\('tokens', 'zarr'\), not data\.source='embedded'"):
+                                       r"\('tokens', 'zarr', 'manifest'\), not data\.source='embedded'"):
     pipeline.DataConfig(path='x.bin')
   with pytest.raises(ValueError, match=r"data\.val_path='v\.bin'.*data\.source='synthetic'"):
     pipeline.DataConfig(source='synthetic', val_path='v.bin')

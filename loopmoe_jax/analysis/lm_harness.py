@@ -12,10 +12,11 @@ cannot run, before any compute):
 
 - loglikelihood(context, continuation): the summed log-probability (float32, nats) of the
   continuation's tokens after the context's, from one full forward (`LoopedMoE.apply`), and
-  whether each of them is the argmax (is_greedy). Tokens: the text context + continuation encoded
-  whole and split after the context's own encoding (the harness's rule for subword tokenizers; a
-  merge across the boundary falls back to encoding the two apart); an empty context is the EOS
-  token (the document separator the model was trained with).
+  whether each of them is the argmax (is_greedy). Tokens (the harness's rules for its own
+  models): the context's trailing whitespace moves to the front of the continuation; the text
+  context + continuation is encoded whole and split after the context's own encoding (a merge
+  across the boundary falls back to encoding the two apart); an empty context is the EOS token
+  (the document separator the model was trained with).
 - loglikelihood_rolling(text): the summed log-probability of every token of the text after an
   EOS, the text cut into windows of the trained length (below).
 - generate_until(context, gen_kwargs): `decode.generate` (greedy unless gen_kwargs ask for
@@ -139,7 +140,9 @@ class LoopedMoELM(LM):
     super().__init__()
     self.settings = AdapterConfig(num_loops, int(batch_size), tuple(buckets), seed)
     self.run = as_loaded(run, step)
-    self.cfg = self.run.model_cfg
+    # every pass runs, scoring and generating alike (a checkpoint's model.exit would make
+    # decode.generate exit early)
+    self.cfg = self.run.model_cfg.replace(exit='none')
     self.passes = check_loops(self.cfg, num_loops)
     self.tokenizer = pipeline.data_tokenizer(self.run.exp.data)
     if self.tokenizer is None:
@@ -163,6 +166,9 @@ class LoopedMoELM(LM):
 
   def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """(context tokens, continuation tokens), see the module docstring."""
+    spaces = len(context) - len(context.rstrip())  # the context's trailing whitespace joins
+    if spaces:                                     # the continuation (the harness's rule)
+      context, continuation = context[:-spaces], context[-spaces:] + continuation
     ctx = self.encode(context) if context else []
     whole = self.encode(context + continuation)
     cont = whole[len(ctx):] if whole[:len(ctx)] == ctx else self.encode(continuation)
@@ -247,13 +253,14 @@ class LoopedMoELM(LM):
     for i, (ids, steps, temp, _, _) in enumerate(jobs):
       groups.setdefault((len(ids), steps, temp), []).append(i)
     rows = self.settings.batch_size
-    for (_, steps, temp), members in groups.items():
+    for g, ((_, steps, temp), members) in enumerate(groups.items()):
       for s in range(0, len(members), rows):
         chunk = members[s:s + rows]
         prompt_BT = np.asarray([jobs[i][0] for i in chunk] +
                                [jobs[chunk[0]][0]] * (rows - len(chunk)), np.int32)
+        key = jax.random.fold_in(jax.random.key(self.settings.seed), g * len(jobs) + s)
         new_BS = np.asarray(generate(self.cfg, self.run.params, jnp.asarray(prompt_BT), steps,
-                                     jax.random.key(self.settings.seed), temperature=temp,
+                                     key, temperature=temp,
                                      num_loops=self.settings.num_loops,
                                      router_bias=self.run.router_bias))[:, prompt_BT.shape[1]:]
         for r, i in enumerate(chunk):

@@ -6,7 +6,7 @@ Removal adds a logit bias of -1e9 (float32; finite, so softmax and z-loss stay f
 the removed experts' router logits on every visit: they are never chosen and take no softmax
 mass. The bias reaches MoE.__call__ as the read-only variable collection 'routing_mask'
 (core/body/layer_i/moe/logit_bias, prelude/layer_i/moe/logit_bias, ...), which the core's scan
-broadcasts across passes (model.BROADCAST). A model applied without it runs unchanged.
+broadcasts across passes (core.BROADCAST). A model applied without it runs unchanged.
 
 Traffic of a set = its pooled load share in that layer, sum_{i in set} q_{d,i} (docs/formulas.md).
 Random sets are subsets of the other experts of the layer (every subset when there are at most

@@ -15,7 +15,7 @@
   caller-named token array (e.g. the bytes of a file through the run's tokenizer).
 
 The probes read values the attention sows only when applied with mutable=['intermediates']
-(loopmoe_jax/attention.py); the core's scan stacks them per pass (model.PER_PASS).
+(loopmoe_jax/attention.py); the core's scan stacks them per pass (core.PER_PASS).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`benchmark.py adaptive`: what adaptive depth in training costs (train/depth.py, model.Core).
+"""`benchmark.py adaptive`: what adaptive depth in training costs (train/depth.py, core.Core).
 
 One function per figure (`bench_adaptive` joins them):
 - step_time_r8_over_r2 (`step_time_ratio`): the trainer's train step (train/step.py: AdamW,

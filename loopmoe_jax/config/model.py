@@ -44,7 +44,7 @@ class RunConfig:
   dispatch: str = 'auto'         # auto: the Pallas kernel on GPU/TPU, 'tiled' on CPU
   dispatch_tile: int = 128
   expert_exchange: str = 'auto'  # expert parallelism: padded (all_to_all) | ragged | auto
-  remat: str = 'none'            # what the backward recomputes (model.REMAT, README table):
+  remat: str = 'none'            # what the backward recomputes (core.REMAT, README table):
                                  # the core, prelude and coda layers and the head and loss
   attention_impl: str = 'auto'   # attention_impls.py: auto | xla | chunked | cudnn | splash
   attention_block: int = 512     # key block of 'chunked' (a length not a multiple is padded)
@@ -52,7 +52,7 @@ class RunConfig:
                                  # this many columns (objective.py; no float32 [B, T, V]
                                  # logits); 0: the whole logits
   core_collectives: str = 'once' # under a mesh: 'once' gathers the looped core's weights once a
-                                 # step and reduces their gradients once (model.Core); 'per_pass'
+                                 # step and reduces their gradients once (core.Core); 'per_pass'
                                  # leaves both to XLA inside the loop (weights stay sharded)
   loop_impl: str = 'scan'        # 'unroll': Python loop over the same shared params
 

@@ -139,7 +139,8 @@ class TrainConfig:
 
   @property
   def profile_range(self) -> tuple[int, int] | None:
-    """train.profile_steps 'A:B' as (A, B), 1 <= A < B; None when ''."""
+    """train.profile_steps 'A:B' as (A, B), 1 <= A < B, B at most train.steps + 1 (a range
+    past the last step ends with it); None when ''."""
     if not str(self.profile_steps).strip():
       return None
     try:
@@ -153,7 +154,7 @@ class TrainConfig:
     if a > self.steps:
       raise ValueError(f'train.profile_steps={self.profile_steps!r} starts after the last step, '
                        f'train.steps={self.steps}')
-    return a, b
+    return a, min(b, self.steps + 1)
 
   @property
   def total_steps(self) -> int:

@@ -16,6 +16,7 @@ A split's tokens are its shards' in order; every document is followed by EOS.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 
@@ -25,7 +26,6 @@ from loopmoe_jax.data import shards
 
 MANIFEST = 'manifest.json'
 VERSION = 1
-SPLITS = ('train', 'val')
 KEYS = ('format', 'tokenizer', 'vocab_size', 'eos_id', 'splits')
 
 
@@ -80,6 +80,7 @@ class ManifestTokens:
     self.name = f'{file} ({split})'
     self.vocab_size, self.tokenizer, self.eos_id = m['vocab_size'], m['tokenizer'], m['eos_id']
     self.format, self.split = m['format'], split
+    self.tokenizer_sha256 = m.get('settings', {}).get('tokenizer_sha256')
     base = os.path.dirname(os.path.abspath(file))
     self.shards = [shards.open_shard(m['format'], os.path.join(base, s['file']),
                                      s['num_tokens'], self.vocab_size, self.tokenizer,
@@ -118,8 +119,16 @@ def opened(path: str, split: str) -> ManifestTokens:
   return _opened(file, split, mtime) if mtime else ManifestTokens(path, split)
 
 
-def _tokenizer_name(spec: str) -> str:
-  return 'byte' if spec in ('', 'byte') else os.path.abspath(spec)
+def _same_tokenizer(src, spec: str) -> bool:
+  """data.tokenizer `spec` is the manifest's: the same name (its absolute path), or a file
+  with the same bytes (a corpus and its tokenizer moved together)."""
+  name = 'byte' if spec in ('', 'byte') else os.path.abspath(spec)
+  if name == src.tokenizer:
+    return True
+  if name == 'byte' or not src.tokenizer_sha256 or not os.path.exists(name):
+    return False
+  with open(name, 'rb') as f:
+    return hashlib.sha256(f.read()).hexdigest() == src.tokenizer_sha256
 
 
 def open_split(path: str, val_path: str, tokenizer: str, split: str):
@@ -137,7 +146,7 @@ def open_split(path: str, val_path: str, tokenizer: str, split: str):
     if not has_val and not val_path:
       return None
     src = opened(val_path or path, 'val' if has_val else 'train')
-  if src.tokenizer != _tokenizer_name(tokenizer):
+  if not _same_tokenizer(src, tokenizer):
     raise ValueError(f'{src.name}: tokens made by tokenizer {src.tokenizer!r} (vocabulary '
                      f'{src.vocab_size}), but data.tokenizer={tokenizer!r}: set '
                      f'--config.data.tokenizer={src.tokenizer} or prepare the corpus again')

@@ -14,7 +14,10 @@ record of it (tokens, documents, checksum) goes to DIR/.prepare/; the manifest i
 and DIR/.prepare removed. Run again after an interruption with the same arguments: shards whose
 record verifies (the file's tokens hash to its checksum) are kept, tokenizing restarts at the
 first document of the first missing shard, and the result is byte-identical to an
-uninterrupted run. A finished preparation run again is verified and left as it is.
+uninterrupted run. With a 'val' split the restart is the earlier of the two splits' first
+missing shards: the small val split's first shard finishes late (after about shard_tokens /
+val_fraction tokens of input), so an interruption before it re-tokenizes the input from the
+start (the finished train shards are kept, not rewritten). A finished preparation run again is verified and left as it is.
 
 Workers are `spawn`ed processes that import this module (no JAX) and never the caller's
 script; each exits if the preparing process dies.
@@ -349,8 +352,10 @@ def _finished(cfg: PrepareConfig, tok, settings: dict, splits) -> tuple[dict, bo
 
 
 def _remove_temporaries(out: str):
+  """Deletes the unfinished shards an interrupted preparation left ('train-*.tmp',
+  'val-*.tmp'), nothing else of `out`."""
   for name in os.listdir(out):
-    if name.endswith('.tmp'):
+    if name.endswith('.tmp') and name.startswith(('train-', 'val-')):
       path = os.path.join(out, name)
       shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 

@@ -8,7 +8,7 @@ of each train step (train.loops_sampler: fixed, uniform or poisson_lognormal) fr
 (train.seed, step) alone, so a resumed run draws what an uninterrupted one does;
 `TrainSteps` compiles one train step per count drawn (the count is static, so a step of 2
 passes runs a 2-pass program, not the largest one masked) and keeps them for the run; with
-train.backprop_loops = k the gradient flows through the last k passes (model.Core).
+train.backprop_loops = k the gradient flows through the last k passes (core.Core).
 """
 from __future__ import annotations
 
@@ -94,9 +94,11 @@ def describe(tc, trained: int) -> str:
 def step_flops_per_token(mc, seq_len: int, num_loops: int, backprop_loops: int = 0) -> float:
   """Model FLOPs per token of a train step of `num_loops` passes (accounting.py's forward
   FLOPs F): the forward F(n) and a backward of twice the forward of what has gradient, the
-  prelude, coda, head and the last k passes: F(n) + 2 F(k) (k = n without truncation)."""
+  prelude, coda, head and the last k passes: F(n) + 2 F(k) (k = n without truncation); gate
+  training (model.exit='gate') adds 3 x its readouts' forward (accounting's
+  gate_train_flops_per_token, which refuses truncation)."""
   k = backprop_loops if 0 < backprop_loops < num_loops else num_loops
   # the router bias changes no FLOP (and a per-pass one needs 2 passes to be a config)
-  flops = lambda n: accounting.count(mc.replace(num_loops=n, router_bias='none'),
-                                     seq_len)['flops_per_token']
-  return flops(num_loops) + 2 * flops(k)
+  count = lambda n: accounting.count(mc.replace(num_loops=n, router_bias='none'), seq_len)
+  gate = 3 * count(num_loops)['gate_train_flops_per_token']
+  return count(num_loops)['flops_per_token'] + 2 * count(k)['flops_per_token'] + gate

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from loopmoe_jax import exit as early_exit
 from loopmoe_jax.decode import decode_nll
 from loopmoe_jax.model import LoopedMoE, check_loops, variables
 from loopmoe_jax.objective import token_nll_of_logits
@@ -41,6 +42,7 @@ def exit_tradeoff(workdir, rule: str, thresholds, num_loops=(None,), step=None) 
       (t, base.replace(exit=rule, exit_threshold=t)) for t in values]  # bad ones fail here
   for n in num_loops:
     check_loops(base, n)
+  early_exit.check_params(configs[-1][1], loaded.params)  # a gate-less checkpoint, before compute
   batches = validation_batches(loaded)
   out = {'step': loaded.step, 'exit': rule, 'passes': {}}
   for n in num_loops:

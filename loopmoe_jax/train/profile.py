@@ -52,12 +52,3 @@ class StepProfiler:
         print(f'profile written: {self.directory} (tensorboard --logdir {self.directory}, or '
               'its *.trace.json.gz in https://ui.perfetto.dev)', flush=True)
 
-
-def trace_files(directory: str) -> list[tuple[str, int]]:
-  """(path relative to `directory`, bytes) of every file a trace wrote there."""
-  out = []
-  for root, _, files in os.walk(directory):
-    for name in files:
-      path = os.path.join(root, name)
-      out.append((os.path.relpath(path, directory), os.path.getsize(path)))
-  return sorted(out)

@@ -15,7 +15,7 @@ second run of the same configuration in one process (a resume, a sweep point, a 
 traces nor compiles again.
 
 A train step's core pass count (`num_loops`) and the passes it backpropagates through
-(`backprop_loops`, model.Core) are static: one program per pair (train/depth.py draws the
+(`backprop_loops`, core.Core) are static: one program per pair (train/depth.py draws the
 count per step and keeps a run's programs).
 """
 from __future__ import annotations
@@ -234,7 +234,7 @@ def loss_and_grads(params, model, batch, lb_coef, z_coef, microbatches: int = 1,
   batch means, computed per microbatch as a device holding that batch would. The expert
   loads ('load', with `router_bias`) are the whole batch's (summed). `num_loops`: the core's
   passes (None: the trained count); `backprop_loops` > 0: gradient through the last that
-  many only (truncated backprop, model.Core)."""
+  many only (truncated backprop, core.Core)."""
   value_and_grad = jax.value_and_grad(
       lambda p, m, b: loss_fn(p, m, b, lb_coef, z_coef, num_loops, router_bias,
                               backprop_loops), has_aux=True)
