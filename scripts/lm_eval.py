@@ -31,6 +31,8 @@ _LIMIT = flags.DEFINE_integer('limit', None, 'Documents per task (default: all).
 _BATCH = flags.DEFINE_integer('batch_size', 16, 'Rows per batch.')
 _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step (default: latest readable).')
 _OUT = flags.DEFINE_string('out', None, 'Output directory.', required=True)
+_MESH = flags.DEFINE_string('mesh', '', "Score on a mesh of this process's devices, e.g. "
+                            "'data=2,expert=4' (the mesh config's axes; default: one device).")
 
 
 def main(argv):
@@ -39,8 +41,17 @@ def main(argv):
   if _LIMIT.value is not None and _LIMIT.value < 1:
     raise ValueError(f'--limit={_LIMIT.value}: must be >= 1')
   from loopmoe_jax.analysis import lm_harness
+  from loopmoe_jax.sharding import MeshConfig, make_mesh
+  mesh = None
+  if _MESH.value:
+    try:
+      axes = {k: int(v) for k, v in (a.split('=') for a in _MESH.value.split(','))}
+    except ValueError:
+      raise ValueError(f'--mesh={_MESH.value!r}: expected axis=size pairs, e.g. '
+                       'data=2,expert=4') from None
+    mesh = make_mesh(MeshConfig.from_dict(axes))
   out = lm_harness.evaluate(_WORKDIR.value, _TASKS.value, loops, _LIMIT.value, _BATCH.value,
-                            _STEP.value)
+                            _STEP.value, mesh=mesh)
   os.makedirs(_OUT.value, exist_ok=True)
   with open(os.path.join(_OUT.value, 'results.json'), 'w') as f:
     json.dump(out['passes'], f, indent=1)  # {passes: the harness's results}

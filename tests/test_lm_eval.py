@@ -19,7 +19,8 @@ lm_eval = pytest.importorskip('lm_eval')
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from helpers import make_params  # noqa: E402
-from loopmoe_jax import experiment, lm_tasks  # noqa: E402
+from loopmoe_jax import experiment, lm_tasks, sharding  # noqa: E402
+from loopmoe_jax.config.mesh import MeshConfig  # noqa: E402
 from loopmoe_jax.analysis import lm_harness  # noqa: E402
 from loopmoe_jax.config import model_config_dict  # noqa: E402
 from loopmoe_jax.data import corpus  # noqa: E402
@@ -121,6 +122,13 @@ def test_batched_one_at_a_time_and_passes(run):
   assert np.min(np.abs(np.subtract([lp for lp, _ in one], [lp for lp, _ in batched]))) > 1e-3
   for pair, (lp, _) in zip(PAIRS, one):  # and the 1-pass numbers are the 1-pass forward's
     assert lp == pytest.approx(direct(run, *_seq(pair), num_loops=1)[0], abs=1e-4)
+  # on a data2 x expert2 mesh (params sharded as for training, rows split): the same scores
+  mesh = sharding.make_mesh(MeshConfig(data=2, expert=2), jax.devices()[:4])
+  on_mesh = lm_harness.LoopedMoELM(run, batch_size=BATCH, buckets=BUCKETS,
+                                   mesh=mesh).loglikelihood(ll_requests(pairs))
+  np.testing.assert_allclose([lp for lp, _ in on_mesh], [lp for lp, _ in batched], atol=1e-4)
+  with pytest.raises(ValueError, match=r"--batch_size=3: must be a multiple of the mesh's"):
+    lm_harness.LoopedMoELM(run, batch_size=3, mesh=mesh)
 
 
 def test_windows_score_every_token_once_with_its_own_prefix():

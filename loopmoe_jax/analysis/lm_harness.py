@@ -40,7 +40,9 @@ expert capacity like real ones. Generation groups prompts of the same length and
 batches of `batch_size` and compiles `generate` once per (prompt length, max_gen_toks).
 
 The offline task pack (loopmoe_jax/lm_tasks/) is registered with `task_manager`; `evaluate` runs
-`lm_eval.simple_evaluate` once per pass count. Runs on this process's first device.
+`lm_eval.simple_evaluate` once per pass count. Runs on this process's first device, or on a
+mesh (`mesh=`; scripts/lm_eval.py --mesh=data=2,expert=4): the params sharded as for training,
+each scoring batch's rows split over the mesh's batch axes.
 """
 from __future__ import annotations
 
@@ -63,12 +65,14 @@ except ImportError as e:  # pragma: no cover - the optional dependency is absent
   raise ImportError("the LM Evaluation Harness is not installed: pip install lm-eval==0.4.13 "
                     "(or pip install -e '.[lm_eval]')") from e
 
+from loopmoe_jax import sharding
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.data import pipeline
 from loopmoe_jax.decode import generate
 from loopmoe_jax.lm_tasks import PACK_DIR
 from loopmoe_jax.model import LoopedMoE, check_loops, variables
-from loopmoe_jax.train.run import as_loaded
+from loopmoe_jax.train import step as steps
+from loopmoe_jax.train.run import load_on
 
 
 class _QuietCustomDataset(logging.Filter):
@@ -103,9 +107,10 @@ def default_buckets(max_length: int) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def _token_scores(cfg: ModelConfig, num_loops: int | None):
+def _token_scores(cfg: ModelConfig, num_loops: int | None, mesh=None):
   """jit of (params, router bias, inputs_BT, targets_BT) -> (log p of each target [B, T] float32,
-  target == argmax [B, T]): one full forward. Compiled once per shape (a bucket)."""
+  target == argmax [B, T]): one full forward. Compiled once per shape (a bucket); under `mesh`
+  (the batch's rows split over its batch axes, the params as the rules table shards them)."""
   model = LoopedMoE(cfg)
 
   def fn(params, bias, inputs_BT, targets_BT):
@@ -114,7 +119,7 @@ def _token_scores(cfg: ModelConfig, num_loops: int | None):
     logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
     logp_BT = jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
     return logp_BT, jnp.argmax(logits_BTV, axis=-1) == targets_BT
-  return jax.jit(fn)
+  return steps.OnMesh(jax.jit(fn), mesh) if mesh is not None else jax.jit(fn)
 
 
 def windows(length: int, start: int, max_length: int) -> list[tuple[int, int, int]]:
@@ -136,10 +141,18 @@ class LoopedMoELM(LM):
   """The harness's model: a checkpoint (a workdir or a run.Loaded) at `num_loops` passes."""
 
   def __init__(self, run, num_loops: int | None = None, batch_size: int = 16,
-               step: int | None = None, buckets: Sequence[int] = (), seed: int = 0):
+               step: int | None = None, buckets: Sequence[int] = (), seed: int = 0,
+               mesh=None):
+    """`mesh` (a jax Mesh of sharding.make_mesh, or None: this process's first device):
+    scoring runs on it, each batch's rows split over its batch axes (`batch_size` must be a
+    multiple of their size); a workdir's params are read sharded onto it."""
     super().__init__()
     self.settings = AdapterConfig(num_loops, int(batch_size), tuple(buckets), seed)
-    self.run = as_loaded(run, step)
+    self.mesh = mesh
+    if mesh is not None and batch_size % sharding.batch_size_of(mesh):
+      raise ValueError(f'--batch_size={batch_size}: must be a multiple of the mesh\'s batch '
+                       f'axes ({sharding.batch_size_of(mesh)} devices)')
+    self.run = load_on(run, mesh, step)
     # every pass runs, scoring and generating alike (a checkpoint's model.exit would make
     # decode.generate exit early)
     self.cfg = self.run.model_cfg.replace(exit='none')
@@ -153,7 +166,8 @@ class LoopedMoELM(LM):
     if self.buckets[-1] < self.max_length:
       raise ValueError(f'buckets={self.buckets}: the largest must be >= the trained length '
                        f'{self.max_length}')
-    self._score_fn = _token_scores(self.cfg, num_loops)
+    self._score_fn = _token_scores(self.cfg, num_loops, mesh)
+    self._rows = sharding.batch_sharding(mesh) if mesh is not None else None
 
   # Tokens ---------------------------------------------------------------------------------
 
@@ -196,8 +210,10 @@ class LoopedMoELM(LM):
           seq = items[i][0]
           inputs_BT[r, :end - 1 - lo], targets_BT[r, :end - 1 - lo] = (seq[lo:end - 1],
                                                                         seq[lo + 1:end])
+        put = (jnp.asarray if self._rows is None else
+               (lambda a: jax.device_put(a, self._rows)))
         lp_BT, ok_BT = self._score_fn(self.run.params, self.run.router_bias,
-                                      jnp.asarray(inputs_BT), jnp.asarray(targets_BT))
+                                      put(inputs_BT), put(targets_BT))
         lp_BT, ok_BT = np.asarray(lp_BT, np.float64), np.asarray(ok_BT)
         for r, j in enumerate(chunk):
           i, (_, _, n) = parts[j]
@@ -321,13 +337,14 @@ def chance(task, limit: int | None = None) -> float | None:
 
 def evaluate(run, tasks: Sequence[str], num_loops: Sequence[int | None] = (None,),
              limit: int | None = None, batch_size: int = 16, step: int | None = None,
-             manager=None, bootstrap_iters: int = 1000) -> dict:
+             manager=None, bootstrap_iters: int = 1000, mesh=None) -> dict:
   """{'passes': {str(passes): the harness's results (JSON-safe)}, 'wall_s': {str(passes): s},
   'chance': {task: p}, 'step', 'workdir'}: lm_eval.simple_evaluate of `tasks` at each pass
-  count (every count and task checked before any is evaluated)."""
+  count (every count and task checked before any is evaluated), on `mesh` when given
+  (LoopedMoELM's)."""
   import json
   from lm_eval.utils import handle_non_serializable
-  loaded = as_loaded(run, step)
+  loaded = load_on(run, mesh, step)
   counts = [check_loops(loaded.model_cfg, n) for n in num_loops]
   manager = manager or task_manager()
   tasks = check_tasks(tasks, manager)
@@ -337,7 +354,7 @@ def evaluate(run, tasks: Sequence[str], num_loops: Sequence[int | None] = (None,
          'passes': {}, 'wall_s': {}}
   for n in counts:
     start = time.perf_counter()
-    lm = LoopedMoELM(loaded, num_loops=n, batch_size=batch_size)
+    lm = LoopedMoELM(loaded, num_loops=n, batch_size=batch_size, mesh=mesh)
     res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), limit=limit, task_manager=manager,
                                   log_samples=False, bootstrap_iters=bootstrap_iters,
                                   verbosity='WARNING')

@@ -144,6 +144,21 @@ def as_loaded(run, step: int | None = None) -> Loaded:
   return RunDir(run).load(step)
 
 
+def load_on(run, mesh, step: int | None = None) -> Loaded:
+  """`run` (a workdir or a Loaded) with its params on `mesh` as the rules table shards them
+  (a workdir is read sharded; a Loaded's params are moved) and its router bias replicated;
+  `as_loaded` when `mesh` is None."""
+  if mesh is None:
+    return as_loaded(run, step)
+  if not isinstance(run, Loaded):
+    return RunDir(run).load(step, mesh=mesh)
+  loaded = as_loaded(run, step)
+  params = jax.device_put(loaded.params, _param_shardings(loaded.model_cfg, None, mesh))
+  bias = None if loaded.router_bias is None else jax.device_put(
+      loaded.router_bias, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  return dataclasses.replace(loaded, params=params, router_bias=bias)
+
+
 # Reading a checkpoint without the trainer ------------------------------------------------
 
 def _params_reader(ckpt_dir: str):
