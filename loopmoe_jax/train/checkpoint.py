@@ -155,8 +155,13 @@ def _one_checksum(x):
   for axis in reversed(range(u.ndim)):
     index = index + jax.lax.broadcasted_iota(jnp.uint32, u.shape, axis) * jnp.uint32(stride)
     stride = stride * u.shape[axis] % (1 << 32)
-  weights = index * jnp.uint32(2654435761) + jnp.uint32(1)
-  return jnp.stack([jnp.sum(u, dtype=jnp.uint32), jnp.sum(u * weights, dtype=jnp.uint32)])
+  weighted = u * (index * jnp.uint32(2654435761) + jnp.uint32(1))
+  # both sums in one pass over the array (a variadic reduce: XLA:CPU runs two jnp.sum as two
+  # passes, 8x slower on a 64 MiB array)
+  plain, weighted = jax.lax.reduce((u, weighted), (jnp.uint32(0), jnp.uint32(0)),
+                                   lambda a, b: (a[0] + b[0], a[1] + b[1]),
+                                   tuple(range(u.ndim)))
+  return jnp.stack([plain, weighted])
 
 
 _checksums_jit = jax.jit(lambda tree: jax.tree.map(_one_checksum, tree))
