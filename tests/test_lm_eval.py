@@ -255,6 +255,9 @@ def test_the_pack_rows_are_held_out_text_with_its_true_continuation(name):
   if same_python:  # the committed file is the generator's output
     assert rows == lm_tasks.FILES[name]()
   assert np.bincount([r['label'] for r in rows], minlength=4).min() > len(rows) / 8
+  if not same_python:  # said, not silent: the checks above passed, these could not run
+    pytest.skip(f"the rows were built on Python {build['python']}, this is "
+                f'{sys.version.split()[0]}: not compared with the generator or the documents')
 
 
 def test_the_package_imports_without_lm_eval():
