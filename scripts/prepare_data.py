@@ -27,8 +27,10 @@ from absl import flags
 from loopmoe_jax.cli import run
 
 _INPUTS = flags.DEFINE_list('inputs', None, 'Paths or globs of .txt, .jsonl[.gz|.zst], .parquet '
-                            'files and save_to_disk dataset directories; "embedded" for the '
-                            'embedded corpus.', required=True)
+                            'files and save_to_disk dataset directories; '
+                            'hf:NAME[@CONFIG][:SPLIT] streams a Hugging Face dataset (needs '
+                            'the datasets package; a hub name needs the network); "embedded" '
+                            'for the embedded corpus.', required=True)
 _OUTPUT = flags.DEFINE_string('output', None, 'Output directory (shards + manifest.json), or a '
                               'single FILE.bin / X.zarr / zarr kvstore spec.', required=True)
 _FORMAT = flags.DEFINE_enum('format', 'tokens', ['tokens', 'zarr', 'array_record'],

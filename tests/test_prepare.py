@@ -85,6 +85,22 @@ def test_every_input_format_gives_the_plain_jsonl_tokens(tmp_path):
     np.testing.assert_array_equal(_tokens(out), ref, err_msg=name)
 
 
+def test_the_datasets_loader_spec_reads_a_local_dataset_folder(tmp_path):
+  """hf:PATH streams through datasets.load_dataset as a hub name does (here a local folder
+  of parquet files, offline): the plain-JSONL tokens; a malformed spec is refused."""
+  pytest.importorskip('datasets')
+  (tmp_path / 'plain.jsonl').write_text(_jsonl(DOCS))
+  prepare([str(tmp_path / 'plain.jsonl')], str(tmp_path / 'ref.bin'))
+  os.makedirs(tmp_path / 'ds')
+  pq.write_table(pa.table({'id': list(range(len(DOCS))), 'text': DOCS}),
+                 str(tmp_path / 'ds' / 'train-0.parquet'))
+  prepare([f"hf:{tmp_path / 'ds'}:train"], str(tmp_path / 'hub.bin'))
+  np.testing.assert_array_equal(_tokens(str(tmp_path / 'hub.bin')),
+                                _tokens(str(tmp_path / 'ref.bin')))
+  with pytest.raises(ValueError, match=r"'hf:': expected hf:NAME\[@CONFIG\]\[:SPLIT\]"):
+    prepare(['hf:'], str(tmp_path / 'bad.bin'))
+
+
 def _corpus(tmp_path, n=120, name='c.jsonl'):
   rng = np.random.default_rng(0)
   docs = [''.join(rng.choice(list('abcdefgh \n'), rng.integers(0, 200))) for _ in range(n)]

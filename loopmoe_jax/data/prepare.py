@@ -289,7 +289,7 @@ def _verified(cfg: PrepareConfig, tok, record: dict) -> bool:
 def _settings(cfg: PrepareConfig, tok, inputs) -> dict:
   """What the shards depend on; a resumed preparation must have the same."""
   def size(inp):
-    if inp.kind == 'embedded':
+    if inp.kind in ('embedded', 'hub'):
       return None
     files = readers.hf_files(inp.path) if inp.kind == 'hf' else [inp.path]
     return sum(os.path.getsize(f) for f in files)
@@ -297,7 +297,8 @@ def _settings(cfg: PrepareConfig, tok, inputs) -> dict:
   if tok.name != 'byte':
     with open(tok.name, 'rb') as f:
       tok_hash = hashlib.sha256(f.read()).hexdigest()
-  return {'inputs': [[os.path.abspath(i.path) if i.kind != 'embedded' else i.path, size(i)]
+  return {'inputs': [[i.path if i.kind in ('embedded', 'hub') else os.path.abspath(i.path),
+                      size(i)]
                      for i in inputs],
           'tokenizer': tok.name, 'tokenizer_sha256': tok_hash, 'vocab_size': tok.vocab_size,
           'eos_id': int(tok.eos_id), 'format': cfg.format, 'shard_tokens': cfg.shard_tokens,

@@ -12,6 +12,12 @@ Kinds, by file name: `*.jsonl` / `*.ndjson` one document per non-blank line (fie
 streams, read with pyarrow, no `datasets` needed) one per row; anything else (`*.txt`) one
 document per file. A `.gz` or `.zst` suffix on a text or JSONL file decompresses it; a truncated
 or corrupt compressed file is an error naming the file and the line it stops at.
+
+`hf:NAME[@CONFIG][:SPLIT]` (split `train` by default) streams a dataset through the `datasets`
+package (`load_dataset(NAME, CONFIG, split=SPLIT, streaming=True)`, rows in the dataset's file
+order): a hub name such as `hf:HuggingFaceFW/fineweb-edu@sample-10BT` when the network allows,
+or a local folder of data files (`hf:/data/my_ds`: the same loader, offline). It needs
+`pip install datasets`; a name the hub cannot serve is an error naming it.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from loopmoe_jax.data import corpus
 COMPRESSIONS = ('.gz', '.zst')
 JSONL = ('.jsonl', '.ndjson')
 HF_MARKERS = ('state.json', 'dataset_info.json')
+HUB = 'hf:'
 READ_BYTES = 1 << 20
 ROWS_PER_BATCH = 1024
 
@@ -41,8 +48,8 @@ class Doc(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Input:
-  path: str                 # a file, a dataset directory, or 'embedded'
-  kind: str                 # embedded | text | jsonl | parquet | hf
+  path: str                 # a file, a dataset directory, 'embedded', or an hf: spec
+  kind: str                 # embedded | text | jsonl | parquet | hf | hub
   compression: str = ''     # '' | '.gz' | '.zst'
 
 
@@ -76,6 +83,9 @@ def expand(specs) -> list[Input]:
   for spec in specs:
     if spec == 'embedded':
       out.append(Input('embedded', 'embedded'))
+    elif spec.startswith(HUB):
+      hub_spec(spec)  # a malformed spec fails here, before any reading
+      out.append(Input(spec, 'hub'))
     elif glob.has_magic(spec):
       matches = sorted(glob.glob(spec, recursive=True))
       if not matches:
@@ -197,6 +207,38 @@ def _hf(path: str, field: str) -> Iterator[Doc]:
       yield from _arrow_rows(file, reader, reader.schema.names, field)
 
 
+def hub_spec(spec: str) -> tuple[str, str | None, str]:
+  """(name, config or None, split) of `hf:NAME[@CONFIG][:SPLIT]`."""
+  body = spec[len(HUB):]
+  head, sep, tail = body.rpartition(':')
+  name, split = (head, tail) if sep and '/' not in tail and tail else (body, 'train')
+  name, _, config = name.partition('@')
+  if not name:
+    raise ValueError(f'--inputs {spec!r}: expected hf:NAME[@CONFIG][:SPLIT], e.g. '
+                     'hf:HuggingFaceFW/fineweb-edu@sample-10BT:train')
+  return name, config or None, split
+
+
+def _hub(spec: str, field: str) -> Iterator[Doc]:
+  try:
+    import datasets  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise ValueError(f'--inputs {spec!r} needs the datasets package: pip install datasets') \
+        from None
+  name, config, split = hub_spec(spec)
+  try:
+    rows = datasets.load_dataset(name, config, split=split, streaming=True)
+    names = list(rows.column_names or [])
+  except Exception as e:  # pylint: disable=broad-except  (network, unknown name or split)
+    why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    raise ValueError(f'--inputs {spec!r}: the datasets loader cannot read it ({why})') from None
+  if names and field not in names:
+    raise ValueError(f'{spec}: no column {field!r} (its columns: {names}); name the text '
+                     'column with --text_field')
+  for row, item in enumerate(rows):
+    yield Doc(spec, row, item.get(field), False)
+
+
 def documents(inputs: list[Input], field: str = 'text') -> Iterator[Doc]:
   """Every document of `inputs`, in order."""
   for inp in inputs:
@@ -206,6 +248,8 @@ def documents(inputs: list[Input], field: str = 'text') -> Iterator[Doc]:
       yield from _parquet(inp.path, field)
     elif inp.kind == 'hf':
       yield from _hf(inp.path, field)
+    elif inp.kind == 'hub':
+      yield from _hub(inp.path, field)
     elif inp.kind == 'jsonl':
       yield from (Doc(inp.path, n, line, True) for n, line in lines(inp.path, inp.compression)
                   if line.strip())
