@@ -248,6 +248,11 @@ def test_preflight_names_the_tokens_when_the_batch_drives_it():
   cfg.train.loops_sampler, cfg.train.loops_high = 'uniform', 5
   sampled = preflight.estimate(build(cfg), mesh, state)
   assert sampled['activations'] == 6 * 64 * 4096 * (64 + 128 + 256) * 4
+  # with truncated backprop through the last 2 of them (counts drawn from 2 up), the backward
+  # keeps 2: 1 prelude + 2 core layers
+  cfg.train.loops_low, cfg.train.backprop_loops = 2, 2
+  truncated = preflight.estimate(build(cfg), mesh, state)
+  assert truncated['activations'] == 3 * 64 * 4096 * (64 + 128 + 256) * 4
 
 
 def _interrupt_before_the_loop(tmp_path, when: str):

@@ -25,6 +25,7 @@ import numpy as np
 from loopmoe_jax import sharding
 from loopmoe_jax.attention_impls import resolve
 from loopmoe_jax.dispatch import resolve_backend
+from loopmoe_jax.train import depth
 
 
 def device_memory_bytes(device=None, sharing: int | None = None) -> int | None:
@@ -82,8 +83,10 @@ def estimate(exp, mesh, state) -> dict:
   params = per_dev(state['params'])
   seqs = max(1, dc.batch_size // sharding.batch_size_of(mesh) // exp.train.microbatches)
   tokens = seqs * dc.seq_len
-  # a run drawing its pass counts is sized at the largest count it may draw
-  core_passes = exp.train.loops_bounds(mc.num_loops)[1] if exp.train.sampled else None
+  # a run drawing its pass counts is sized at the largest count it may draw; with truncated
+  # backprop the backward keeps only the last train.backprop_loops passes (core.Core)
+  high = exp.train.loops_bounds(mc.num_loops)[1] if exp.train.sampled else mc.num_loops
+  core_passes = depth.backprop(exp.train, high) or (high if exp.train.sampled else None)
   layers = {seg: (n, core_passes if seg == 'core' and core_passes else passes,
                   layer_bytes(mc, tokens, seqs, dc.seq_len, experts))
             for seg, n, experts, passes in mc.segments}
