@@ -38,6 +38,7 @@ jax.config.update('jax_platforms', 'cpu')
 # full-size compiles): marked `slow`, so `pytest -m "not slow"` is a quick check. The README's
 # test command (and CI) runs them all.
 SLOW = {
+    'test_lm_eval': ('test_a_workdir_with_a_router_bias_scores_the_same_on_a_mesh',),
     'test_adaptive_depth': ('test_resumed_run_draws_the_same_counts_and_losses', 'test_truncated_backprop_equals_the_stop_gradient_reference', 'test_sampled_counts_on_a_mesh_equal_one_device'),
     'test_attention_impls': ('test_chunked_equals_xla_outputs_and_gradients',),
     'test_benchmark': ('test_model_benchmark_quick', 'test_kernels_moe_layer_checks_pallas_and_times_every_stage'),

@@ -268,3 +268,18 @@ def test_the_package_imports_without_lm_eval():
   out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True,
                        env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
   assert 'pip install lm-eval==0.4.13' in out.stdout
+
+
+def test_a_workdir_with_a_router_bias_scores_the_same_on_a_mesh(tmp_path):
+  """A trained run directory (model.router_bias='shared': the bias read with the params) on a
+  data2 x expert2 mesh gives the one-device scores: the bias follows the params onto the mesh."""
+  from helpers import tiny  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.train.trainer import train  # pylint: disable=import-outside-toplevel
+  cfg = tiny(steps=2)
+  cfg.model.router_bias = 'shared'
+  train(cfg, str(tmp_path))
+  mesh = sharding.make_mesh(MeshConfig(data=2, expert=2), jax.devices()[:4])
+  reqs = ll_requests(PAIRS)
+  one = lm_harness.LoopedMoELM(str(tmp_path), batch_size=BATCH).loglikelihood(reqs)
+  on_mesh = lm_harness.LoopedMoELM(str(tmp_path), batch_size=BATCH, mesh=mesh).loglikelihood(reqs)
+  np.testing.assert_allclose([lp for lp, _ in on_mesh], [lp for lp, _ in one], atol=1e-4)

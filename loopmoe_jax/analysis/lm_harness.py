@@ -71,6 +71,7 @@ from loopmoe_jax.data import pipeline
 from loopmoe_jax.decode import generate
 from loopmoe_jax.lm_tasks import PACK_DIR
 from loopmoe_jax.model import LoopedMoE, check_loops, variables
+from loopmoe_jax.objective import token_nll_of_logits
 from loopmoe_jax.train import step as steps
 from loopmoe_jax.train.run import load_on
 
@@ -116,9 +117,7 @@ def _token_scores(cfg: ModelConfig, num_loops: int | None, mesh=None):
   def fn(params, bias, inputs_BT, targets_BT):
     logits_BTV, _ = model.apply(variables(params, router_bias=bias), inputs_BT,
                                 num_loops=num_loops)
-    logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
-    logp_BT = jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
-    return logp_BT, jnp.argmax(logits_BTV, axis=-1) == targets_BT
+    return -token_nll_of_logits(logits_BTV, targets_BT), jnp.argmax(logits_BTV, -1) == targets_BT
   return steps.OnMesh(jax.jit(fn), mesh) if mesh is not None else jax.jit(fn)
 
 
@@ -371,7 +370,7 @@ def table(out: dict) -> str:
   standard error where the harness gives one), chance where known, and a row of wall seconds
   per pass count."""
   passes = list(out['passes'])
-  head = '| task | metric | chance | ' + ' | '.join(f'{p} passes' for p in passes) + ' |'
+  head = '| task | metric | chance | ' + ' | '.join(f"{p} pass{'es' if p != '1' else ''}" for p in passes) + ' |'
   lines = [head, '|' + '---|' * (3 + len(passes))]
   tasks = sorted({t for res in out['passes'].values() for t in res.get('results', {})})
 

@@ -150,10 +150,12 @@ def load_on(run, mesh, step: int | None = None) -> Loaded:
   `as_loaded` when `mesh` is None."""
   if mesh is None:
     return as_loaded(run, step)
-  if not isinstance(run, Loaded):
-    return RunDir(run).load(step, mesh=mesh)
-  loaded = as_loaded(run, step)
-  params = jax.device_put(loaded.params, _param_shardings(loaded.model_cfg, None, mesh))
+  if isinstance(run, Loaded):
+    loaded = as_loaded(run, step)
+    params = jax.device_put(loaded.params, _param_shardings(loaded.model_cfg, None, mesh))
+  else:
+    loaded = RunDir(run).load(step, mesh=mesh)
+    params = loaded.params
   bias = None if loaded.router_bias is None else jax.device_put(
       loaded.router_bias, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
   return dataclasses.replace(loaded, params=params, router_bias=bias)
