@@ -61,7 +61,7 @@ from loopmoe_jax.hlo import collective_bytes, collectives, dot_flops
 from loopmoe_jax.config import RUN_FIELDS
 from loopmoe_jax.experiment import build
 from loopmoe_jax.model import LoopedMoE
-from loopmoe_jax.train import step as steps
+from loopmoe_jax.train import depth, step as steps
 from loopmoe_jax.train.optimizer import make_optimizer
 
 PLATFORMS = ('cpu', 'tpu', 'cuda')
@@ -82,13 +82,15 @@ def step_flops(cfg_dict) -> int:
 
 
 def analytic_flops(exp, mesh) -> int:
-  """Training FLOPs per device and step: 3 x the forward's (6 x N_active per token plus
-  attention's 12 x context x heads x head size per executed layer, accounting.py's convention,
-  no causal discount; with model.exit='gate' also the early passes' readouts,
-  `gate_train_flops_per_token`) x the batch's tokens, over the devices."""
-  acc = accounting.count(exp.model, exp.data.seq_len)
-  per_token = acc['flops_per_token'] + acc['gate_train_flops_per_token']
-  return int(3 * per_token * exp.data.batch_size * exp.data.seq_len // mesh.size)
+  """Training FLOPs per device and step: the trainer's per-token count
+  (depth.step_flops_per_token: 6 x N_active per token plus attention's 12 x context x heads x
+  head size per executed layer, accounting.py's convention, no causal discount; the gate's
+  readouts and truncated backprop as the run sets them) x the batch's tokens, over the
+  devices."""
+  L = exp.model.num_loops
+  per_token = depth.step_flops_per_token(exp.model, exp.data.seq_len, L,
+                                         depth.backprop(exp.train, L))
+  return int(per_token * exp.data.batch_size * exp.data.seq_len // mesh.size)
 
 
 def _param_dims(params) -> set[tuple[tuple[int, ...], tuple[int, ...]]]:
