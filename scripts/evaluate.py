@@ -34,6 +34,11 @@ def main(argv):
   del argv
   from loopmoe_jax.train.evaluation import evaluate_checkpoint
   loops = pass_counts(_LOOPS.value)
+  if _EXIT.value and (_KV.value or _SCALE.value):  # flags that would be ignored are refused
+    raise ValueError(f'--exit={_EXIT.value} takes neither --kv_cache nor --scale_passes: run them '
+                     'separately')
+  if not _EXIT.value and (_THRESH.value or _OUT.value):
+    raise ValueError('--thresholds and --out belong to --exit=kl|gate: add --exit or drop them')
   if _EXIT.value:
     from loopmoe_jax.train import depth_eval
     out = depth_eval.exit_tradeoff(_WORKDIR.value, _EXIT.value, _THRESH.value, loops,
