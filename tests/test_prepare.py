@@ -313,3 +313,14 @@ def test_progress_line_reports_rates_on_stderr(tmp_path, capsys):
   prepare([path], str(tmp_path / 'm'), progress=True)
   err = capsys.readouterr().err
   assert f'prepare: {len(docs)} documents (' in err and '/s), ' in err and ' tokens (' in err
+
+
+def test_an_output_whose_name_contradicts_its_format_is_refused(tmp_path):
+  path, _ = _corpus(tmp_path, 5)
+  with pytest.raises(ValueError, match=r"--output='.*x\.zarr' names a zarr file but --format=tokens"):
+    prepare([path], str(tmp_path / 'x.zarr'))
+  with pytest.raises(ValueError, match=r"--output='.*x\.bin' names a tokens file but --format=zarr"):
+    prepare([path], str(tmp_path / 'x.bin'), 'zarr')
+  with pytest.raises(ValueError, match=r'--train_bpe=-5: must be >= 0'):
+    prepare([path], str(tmp_path / 'y.bin'), tokenizer=str(tmp_path / 't.json'), train_vocab=-5)
+  assert not any(p.name.startswith(('x.', 'y.')) for p in tmp_path.iterdir())  # nothing written

@@ -53,14 +53,27 @@ def load(path: str) -> dict:
   return m
 
 
+def write_json(path: str, obj) -> str:
+  """Writes `obj` as JSON to `path` atomically (a temporary file renamed); returns `path`."""
+  with open(path + '.tmp', 'w') as f:
+    json.dump(obj, f, indent=1)
+    f.write('\n')
+  os.replace(path + '.tmp', path)
+  return path
+
+
 def write(directory: str, manifest: dict) -> str:
   """Writes DIR/manifest.json atomically; returns its path."""
-  file = os.path.join(directory, MANIFEST)
-  with open(file + '.tmp', 'w') as f:
-    json.dump(manifest, f, indent=1)
-    f.write('\n')
-  os.replace(file + '.tmp', file)
-  return file
+  return write_json(os.path.join(directory, MANIFEST), manifest)
+
+
+def file_sha256(path: str) -> str:
+  """The sha256 of a file's bytes (a tokenizer file), read in chunks."""
+  digest = hashlib.sha256()
+  with open(path, 'rb') as f:
+    while chunk := f.read(1 << 20):
+      digest.update(chunk)
+  return digest.hexdigest()
 
 
 class ManifestTokens:
@@ -127,8 +140,7 @@ def _same_tokenizer(src, spec: str) -> bool:
     return True
   if name == 'byte' or not src.tokenizer_sha256 or not os.path.exists(name):
     return False
-  with open(name, 'rb') as f:
-    return hashlib.sha256(f.read()).hexdigest() == src.tokenizer_sha256
+  return file_sha256(name) == src.tokenizer_sha256
 
 
 def open_split(path: str, val_path: str, tokenizer: str, split: str):

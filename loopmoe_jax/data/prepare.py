@@ -27,7 +27,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import hashlib
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -80,6 +79,13 @@ class PrepareConfig:
     if self.single and self.format == 'array_record':
       raise ValueError(f'--format=array_record writes a directory of shards: give '
                        f'--output=DIR, not {self.output!r}')
+    if self.single and self.output.endswith(SINGLE_SUFFIXES):
+      want = 'zarr' if self.output.endswith('.zarr') else 'tokens'
+      if want != self.format:
+        raise ValueError(f'--output={self.output!r} names a {want} file but --format='
+                         f'{self.format}: give --format={want} or another --output')
+    if self.train_vocab < 0:
+      raise ValueError(f'--train_bpe={self.train_vocab}: must be >= 0 (0: no training)')
 
   @property
   def single(self) -> bool:
@@ -225,12 +231,6 @@ def _kill_point(count: int, point: str):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _write_json(path: str, obj):
-  with open(path + '.tmp', 'w') as f:
-    json.dump(obj, f, indent=1)
-  os.replace(path + '.tmp', path)
-
-
 class _SplitWriter:
   """Cuts one split's documents into shards, writes each, then its record."""
 
@@ -268,7 +268,7 @@ class _SplitWriter:
     record = {'file': name, 'num_tokens': int(tokens.size), 'num_documents': int(ids.size),
               'sha256': shards.sha256(tokens, sources.token_dtype(self.tok.vocab_size)),
               'documents': [int(ids[0]), int(ids[-1]) + 1]}
-    _write_json(os.path.join(out, STATE_DIR, f'{name}.json'), record)
+    manifests.write_json(os.path.join(out, STATE_DIR, f'{name}.json'), record)
     self.records.append(record)
     self.progress.update(shards_=1)
 
@@ -293,10 +293,7 @@ def _settings(cfg: PrepareConfig, tok, inputs) -> dict:
       return None
     files = readers.hf_files(inp.path) if inp.kind == 'hf' else [inp.path]
     return sum(os.path.getsize(f) for f in files)
-  tok_hash = 'byte'
-  if tok.name != 'byte':
-    with open(tok.name, 'rb') as f:
-      tok_hash = hashlib.sha256(f.read()).hexdigest()
+  tok_hash = 'byte' if tok.name == 'byte' else manifests.file_sha256(tok.name)
   return {'inputs': [[i.path if i.kind in ('embedded', 'hub') else os.path.abspath(i.path),
                       size(i)]
                      for i in inputs],
@@ -325,10 +322,10 @@ def _finished(cfg: PrepareConfig, tok, settings: dict, splits) -> tuple[dict, bo
     if all(_verified(cfg, tok, r) for rs in records.values() for r in rs):
       return records, True
     os.makedirs(state, exist_ok=True)
-    _write_json(os.path.join(state, 'settings.json'), settings)
+    manifests.write_json(os.path.join(state, 'settings.json'), settings)
     for rs in records.values():
       for r in rs:
-        _write_json(os.path.join(state, f'{r["file"]}.json'), r)
+        manifests.write_json(os.path.join(state, f'{r["file"]}.json'), r)
     os.remove(file)
   os.makedirs(state, exist_ok=True)
   settings_file = os.path.join(state, 'settings.json')
@@ -336,7 +333,7 @@ def _finished(cfg: PrepareConfig, tok, settings: dict, splits) -> tuple[dict, bo
     with open(settings_file) as f:
       _check_same(out, json.load(f), settings)
   else:
-    _write_json(settings_file, settings)
+    manifests.write_json(settings_file, settings)
   records = {}
   for s in splits:
     records[s] = []
@@ -357,8 +354,7 @@ def _remove_temporaries(out: str):
   'val-*.tmp'), nothing else of `out`."""
   for name in os.listdir(out):
     if name.endswith('.tmp') and name.startswith(('train-', 'val-')):
-      path = os.path.join(out, name)
-      shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+      shards.remove(os.path.join(out, name))
 
 
 def _manifest(cfg: PrepareConfig, tok, settings: dict, records: dict) -> dict:
@@ -395,9 +391,11 @@ def _prepare_dir(cfg: PrepareConfig, tok, tok_spec: str, inputs) -> dict:
     done = {s: w.records for s, w in writers.items()}
     if not done['train']:
       raise ValueError(f'no training documents in {list(cfg.inputs)}')
-    manifests.write(out, _manifest(cfg, tok, settings, done))
+    m = _manifest(cfg, tok, settings, done)
+    manifests.write(out, m)
     shutil.rmtree(os.path.join(out, STATE_DIR), ignore_errors=True)
-  m = _manifest(cfg, tok, settings, done)
+  else:
+    m = _manifest(cfg, tok, settings, done)
   return {'output': out, 'manifest': os.path.join(out, manifests.MANIFEST),
           'format': cfg.format, 'num_tokens': m['splits']['train']['num_tokens'],
           'val_tokens': m['splits'].get('val', {}).get('num_tokens', 0),
@@ -423,9 +421,9 @@ def _prepare_single(cfg: PrepareConfig, tok, tok_spec: str, inputs) -> dict:
           'vocab_size': tok.vocab_size, 'tokenizer': tok.name}
 
 
-def read_texts(paths, field: str = 'text'):
-  """Yields the documents' texts of `paths` (files, globs or 'embedded'), in order."""
-  for doc in readers.documents(readers.expand(paths), field):
+def read_texts(inputs, field: str = 'text'):
+  """Yields the documents' texts of `inputs` (readers.expand's), in order."""
+  for doc in readers.documents(inputs, field):
     yield readers.text_of(doc, field)
 
 
@@ -435,7 +433,7 @@ def run(cfg: PrepareConfig) -> dict:
   if cfg.train_vocab:
     if cfg.tokenizer in ('', 'byte'):
       raise ValueError('--train_bpe needs --tokenizer=PATH.json to save the tokenizer to')
-    tok = train_bpe(read_texts(cfg.inputs, cfg.text_field), cfg.train_vocab, cfg.tokenizer)
+    tok = train_bpe(read_texts(inputs, cfg.text_field), cfg.train_vocab, cfg.tokenizer)
   else:
     tok = load_tokenizer(cfg.tokenizer)
   if cfg.single:

@@ -39,7 +39,8 @@ def sha256(tokens, dtype) -> str:
                         .tobytes()).hexdigest()
 
 
-def _remove(path: str):
+def remove(path: str):
+  """Deletes a file or a directory (a zarr or temporary shard) if it exists."""
   if os.path.isdir(path):
     shutil.rmtree(path)
   elif os.path.lexists(path):
@@ -51,7 +52,7 @@ def write(fmt: str, path: str, tokens, vocab_size: int, tokenizer: str,
   """Writes `tokens` as one shard at `path` (through `path`.tmp and a rename).
   `before_rename()` runs between the two (a test hook)."""
   tmp = path + '.tmp'
-  _remove(tmp)
+  remove(tmp)
   tokens = np.asarray(tokens)
   if fmt == 'tokens':
     sources.write_token_file(tmp, tokens, vocab_size, tokenizer)
@@ -69,7 +70,7 @@ def write(fmt: str, path: str, tokens, vocab_size: int, tokenizer: str,
     raise ValueError(f'format {fmt!r}: must be one of {FORMATS}')
   if before_rename is not None:
     before_rename()
-  _remove(path)
+  remove(path)
   os.replace(tmp, path)
 
 
