@@ -172,9 +172,17 @@ def tokenizer_spec(cfg: DataConfig) -> str:
   """The tokenizer ('byte' or a tokenizers JSON path) that made the training tokens."""
   if cfg.source == 'synthetic':
     return 'byte'
-  if cfg.source != 'embedded':
-    return open_source(cfg, 'train').tokenizer
-  return cfg.tokenizer
+  if cfg.source == 'embedded':
+    return cfg.tokenizer
+  if not cfg.path:
+    raise ValueError(f'data.path is empty: data.source={cfg.source!r} needs a path '
+                     '(--config.data.path=...)')
+  # read from the header or the manifest: no token is read or checked here
+  if cfg.source == 'manifest':
+    return manifest.load(cfg.path)['tokenizer']
+  if cfg.source == 'tokens':
+    return sources.read_header(cfg.path)[0]['tokenizer']
+  return sources.ZarrTokens(cfg.path, check=False).tokenizer
 
 
 def data_tokenizer(cfg: DataConfig):
