@@ -131,7 +131,7 @@ def decode_exit_ratio(quick: bool, loops: int = 8, tokens: int | None = None,
   threshold = float(np.sqrt(lo * hi))
   runs = {'full': cfg, 'exit': cfg.replace(exit='kl', exit_threshold=threshold)}
   steps = {k: jax.jit(lambda p, ca, x, c=c: decode_step(c, p, ca, x)) for k, c in runs.items()}
-  caches = {k: init_cache(c, 1, tokens) for k, c in runs.items()}
+  caches = {}
   secs = {}
   for k in runs:
     step, best = steps[k], float('inf')

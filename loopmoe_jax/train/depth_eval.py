@@ -29,7 +29,8 @@ def _masked_means(batches, fn) -> list[float]:
 def exit_tradeoff(workdir, rule: str, thresholds, num_loops=(None,), step=None) -> dict:
   """{'step', 'exit', 'passes': {passes: [{threshold, loss, mean_passes}]}} on the validation
   batches for each count in `num_loops` (None: the trained one): the full forward with early_exit=True
-  (exited tokens frozen), the no-exit model as threshold None. One checkpoint read."""
+  (exited tokens frozen), the no-exit model as threshold None. One checkpoint read; one
+  compiled forward per (count, threshold): the threshold is part of the model's config."""
   if not thresholds:
     raise ValueError('--exit needs --thresholds=a,b,c (model.exit_threshold values)')
   try:
