@@ -20,6 +20,12 @@ setup(
     # the offline LM-harness task pack (analysis/lm_harness.py) ships its rows inside the package
     package_data={'loopmoe_jax.lm_tasks': ['*.yaml', '*.jsonl', 'build.json']},
     # lm_eval: the LM Evaluation Harness adapter (scripts/lm_eval.py), optional
+    # tpu / cuda: the accelerators' own compilers for compiling on a CPU-only machine
+    # (scripts/dry_run.py --target, scripts/fit.py; loopmoe_jax/targets.py). jax's extras pin
+    # libtpu and the CUDA plugin to the installed jax; 'cuda12-local' is the plugin without the
+    # NVIDIA runtime wheels (several GB), of which compiling needs ptxas / nvJitLink only.
     extras_require={'test': ['pytest', 'pytest-xdist', 'filelock'],
-                    'lm_eval': ['lm-eval==0.4.13']},
+                    'lm_eval': ['lm-eval==0.4.13'],
+                    'tpu': ['jax[tpu]'],
+                    'cuda': ['jax[cuda12-local]', 'nvidia-cuda-nvcc-cu12', 'nvidia-nvjitlink-cu12']},
 )

@@ -65,14 +65,16 @@ from loopmoe_jax.train import depth, step as steps
 from loopmoe_jax.train.optimizer import make_optimizer
 
 PLATFORMS = ('cpu', 'tpu', 'cuda')
-def step_flops(cfg_dict) -> int:
+def step_flops(cfg_dict, num_devices: int | None = None) -> int:
   """Matmul FLOPs of the config's train step per device: the step lowered for one device
   (`dot_flops` of its HLO) over the mesh's devices. Lowered with the 'xla' dispatch (one
   ragged-dot per grouped matmul: exactly the routed rows, where the tiled dispatch loops over a
   data-dependent number of tiles) and chunked attention (the fused kernels' FLOPs are inside
-  custom calls), for TPU (where ragged-dot stays one op); nothing is compiled."""
+  custom calls), for TPU (where ragged-dot stays one op); nothing is compiled. The mesh's
+  device count: `num_devices` (a target's), default this process's devices."""
   exp = build(cfg_dict)
-  devices = sharding.make_mesh(exp.mesh).size
+  devices = exp.mesh.sizes(num_devices or len(jax.devices()))
+  devices = int(np.prod(list(devices.values())))
   one = _with_model(cfg_dict, dispatch='xla', attention_impl='chunked')
   one['mesh'] = {'data': 1}
   with pallas_kernels.ops.lowering_for('tpu'):
@@ -313,7 +315,7 @@ def dry_run(cfg_dict, platform: str = 'cpu') -> dict:
       'params_bytes_per_device_by_group': param_groups(state['params']),
       'opt_state_bytes_per_device': per_dev(state['opt_state']),
       'temp_bytes_per_device': int(getattr(mem, 'temp_size_in_bytes', 0)) if mem else None,
-      'temp_bytes_program': 'cpu (XLA:CPU buffers of the CPU program)',
+      'temp_bytes_program': 'cpu proxy (XLA:CPU buffers of the CPU program)',
       'flops_per_step_per_device': flops,
       'analytic_flops_per_step_per_device': analytic_f,
       'flops_over_analytic': round(flops / analytic_f, 4),
@@ -355,7 +357,8 @@ def table(report: dict) -> str:
           ('params / device', gib(report['params_bytes_per_device']))]
   rows += [(f'  {g}', gib(b)) for g, b in report['params_bytes_per_device_by_group'].items()]
   rows += [('optimizer state / device', gib(report['opt_state_bytes_per_device'])),
-           ('temporaries / device (CPU program)', gib(report['temp_bytes_per_device'] or 0)),
+           ('temporaries / device', f"{gib(report['temp_bytes_per_device'] or 0)} "
+                                    f"({report['temp_bytes_program'].split(' (')[0]})"),
            ('matmul FLOPs / device / step', f"{report['flops_per_step_per_device']:.4g} = "
             f"{report['flops_over_analytic']:.3f} x analytic "
             f"{report['analytic_flops_per_step_per_device']:.4g} (remat {report['remat']}, "

@@ -4,6 +4,12 @@ while-loop bodies counted once per iteration (trip counts read off the loop cond
 `collectives(hlo)` lists every collective op with its bytes (its result's; a ragged
 all-to-all moves at most min(operand, result) rows, counted so), its group size and its
 multiplicity; ops over single-device groups are skipped. `collective_bytes` sums them by kind.
+Compiled (scheduled) programs split a collective into `X-start` / `X-done`: its bytes are the
+start's output (the last element of its tuple, a collective-permute's second; an all-reduce's
+whole result), and the pair is `async`, `overlapped` when the schedule puts compute (a fusion,
+dot, convolution, custom call, loop or call) between start and done; TPU's async collective
+fusions (a collective inside an `async_collective_fusion` computation, run beside that fusion's
+compute) count as async and overlapped. `collective_ops` counts them per kind.
 `dot_flops(hlo)` counts 2 x result elements x contracted size per `dot` and `ragged-dot`.
 dry_run.py reads programs with these; the tests check them against hand counts.
 """
@@ -32,6 +38,48 @@ def _shapes(text: str):
 
 def _shape_bytes(text: str) -> int:
   return sum(_DTYPE_BYTES[dt] * int(np.prod(dims, dtype=np.int64)) for dt, dims in _shapes(text))
+
+
+def _tuple_elements(text: str) -> list[str]:
+  """The top-level elements of a tuple shape text '(a, (b, c), d)' (a lone shape: itself)."""
+  text = text.strip()
+  if not text.startswith('('):
+    return [text]
+  out, depth, start = [], 0, 1
+  for i, ch in enumerate(text):
+    if ch in '({[':
+      depth += 1
+    elif ch in ')}]':
+      depth -= 1
+      if depth == 0 and ch == ')':
+        out.append(text[start:i])
+    elif ch == ',' and depth == 1:
+      out.append(text[start:i])
+      start = i + 1
+  return [re.sub(r'/\*index=\d+\*/', '', e).strip() for e in out if e.strip()]
+
+
+def _start_output(kind: str, result: str) -> str:
+  """The output part of an async start's result: an all-reduce's whole result; a
+  collective-permute's second element (operand, output, contexts); else the last."""
+  if kind == 'all-reduce':
+    return result
+  parts = _tuple_elements(result)
+  return parts[1] if kind == 'collective-permute' and len(parts) > 1 else parts[-1]
+
+
+_COMPUTE = re.compile(r'\s(fusion|dot|convolution|custom-call|while|call|conditional)\(')
+
+
+def _overlapped(lines, index: int, name: str) -> bool:
+  """Whether compute is scheduled between the start at lines[index] and its done."""
+  done = re.compile(r'-done\(%?' + re.escape(name) + r'\)')
+  for line in lines[index + 1:]:
+    if done.search(line):
+      return False
+    if _COMPUTE.search(line):
+      return True
+  return False
 
 
 def _computations(hlo: str) -> dict[str, list[str]]:
@@ -112,23 +160,40 @@ def collectives(hlo: str):
   out = []
   for name, lines in comps.items():
     defs = _definitions(lines)
-    for line in lines:
+    for i, line in enumerate(lines):
       m = _OP.search(line)
       if not m or not mult[name]:
         continue
       group = _group_size(line)
       if group == 1:
         continue
-      kind, result = m.group(3), m.group(2)
-      nbytes = _shape_bytes(result)
+      kind, result, start = m.group(3), m.group(2), bool(m.group(4))
+      fused = name.startswith('async_collective_fusion')  # TPU: run beside its fusion's compute
+      nbytes = _shape_bytes(_start_output(kind, result) if start else result)
       if kind == 'ragged-all-to-all':  # rows moved <= min(operand, output) rows
         operand = m.group(5).split(',')[0].strip().split(' ')[-1].lstrip('%')
         if operand in defs:
           nbytes = min(nbytes, _shape_bytes(defs[operand]))
       op_name = re.search(r'op_name="([^"]*)"', line)
-      out.append({'kind': kind, 'bytes': nbytes, 'times': mult[name], 'shapes': _shapes(result),
-                  'op_name': op_name.group(1) if op_name else '', 'group': group})
+      out.append({'kind': kind, 'bytes': nbytes, 'times': mult[name],
+                  'shapes': _shapes(_start_output(kind, result) if start else result),
+                  'op_name': op_name.group(1) if op_name else '', 'group': group,
+                  'async': start or fused,
+                  'overlapped': fused or (start and _overlapped(lines, i, m.group(1)))})
   return out
+
+
+def collective_ops(colls) -> dict[str, dict[str, int]]:
+  """Per kind: ops per step (loop trip counts applied), how many of them are async
+  (start/done pairs) and how many of those overlap compute."""
+  out = collections.defaultdict(collections.Counter)
+  for c in colls:
+    row = out[c['kind']]
+    row['ops'] += c['times']
+    row['async'] += c['times'] * c['async']
+    row['overlapped'] += c['times'] * c['overlapped']
+  return {k: {f: int(v[f]) for f in ('ops', 'async', 'overlapped')}
+          for k, v in sorted(out.items())}
 
 
 def collective_bytes(hlo_or_colls) -> dict[str, int]:

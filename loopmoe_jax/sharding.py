@@ -47,26 +47,54 @@ FIX = {'vocab': 'model.vocab_size', 'embed': 'model.d_model', 'heads': 'model.nu
        'experts': 'the segment\'s model.*_experts'}
 
 
+# Mesh axes by how much they talk, least first: on a TPU torus the last get the physical axes
+# first (contiguous ICI rings), on GPUs the last are innermost (inside a node).
+_INTENSITY = ('dcn_data', 'data', 'fsdp', 'tensor', 'expert')
+
+
 def make_mesh(cfg: MeshConfig | None = None, devices: Sequence[Any] | None = None):
   """The 5-axis mesh (AxisType.Auto). With dcn_data > 1 the devices are grouped by TPU slice
-  (or by process on GPU nodes) so only `dcn_data` crosses the slow network; on one host
-  (fake devices) the axes are laid out in order."""
+  (or by process on GPU nodes) so only `dcn_data` crosses the slow network. On a TPU torus
+  the axes are placed by their traffic (`_INTENSITY`: `expert`, then `tensor`, on whole
+  physical axes where sizes allow), splitting a physical axis where a size is not a product of
+  whole ones (fsdp=8 on 4x4x4); elsewhere (GPUs, fake CPU devices) in device order, the last
+  axes innermost."""
   cfg = cfg or MeshConfig()
   devices = list(devices if devices is not None else jax.devices())
   sizes = cfg.sizes(len(devices))
-  shape = tuple(sizes[a] for a in AXES)
+  types = (jax.sharding.AxisType.Auto,) * len(AXES)
   slices = len({getattr(d, 'slice_index', 0) for d in devices})
   by_process = len({d.process_index for d in devices})
-  if sizes['dcn_data'] > 1 and sizes['dcn_data'] in (slices, by_process):
-    # granules: TPU slices when there are several, else processes (GPU nodes)
-    from jax.experimental import mesh_utils
-    ici = (1,) + shape[1:]
-    dcn = (sizes['dcn_data'],) + (1,) * (len(AXES) - 1)
-    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices,
-                                                process_is_granule=slices != sizes['dcn_data'])
-    return jax.sharding.Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
-  return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES),
-                       devices=devices)
+  tpu = devices[0].platform == 'tpu'
+  from jax.experimental import mesh_utils  # pylint: disable=import-outside-toplevel
+  order = [AXES.index(a) for a in _INTENSITY]
+  shape = tuple(sizes[a] for a in _INTENSITY)
+  try:
+    if sizes['dcn_data'] > 1 and sizes['dcn_data'] in (slices, by_process):
+      # granules: TPU slices when there are several, else processes (GPU nodes)
+      ici = (1,) + shape[1:]
+      dcn = (sizes['dcn_data'],) + (1,) * (len(AXES) - 1)
+      grid = mesh_utils.create_hybrid_device_mesh(
+          ici, dcn, devices, process_is_granule=slices != sizes['dcn_data'],
+          allow_split_physical_axes=True)
+    elif tpu:
+      grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    else:
+      return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES, axis_types=types,
+                           devices=devices)
+  except (ValueError, NotImplementedError, AssertionError) as e:
+    topo = 'x'.join(str(n) for n in _torus_shape(devices)) if tpu else f'{len(devices)} devices'
+    mesh = ' x '.join(f'mesh.{a}={n}' for a, n in sizes.items() if n > 1) or 'one device'
+    raise ValueError(f'mesh: no placement of {mesh} on the {topo} topology '
+                     f'({devices[0].device_kind}): {str(e).splitlines()[0][:160]}') from None
+  grid = np.transpose(grid, np.argsort(order))  # back to AXES order
+  return jax.sharding.Mesh(grid, AXES, axis_types=types)
+
+
+def _torus_shape(devices) -> tuple[int, ...]:
+  """The extent of the devices' chip coordinates per physical axis (cores per chip apart)."""
+  coords = np.array([d.coords for d in devices])
+  return tuple(int(n) for n in coords.max(0) - coords.min(0) + 1)
 
 
 # mesh.zero_data: parameter widths also over `data` (ZeRO-3 style), after RULES' axes

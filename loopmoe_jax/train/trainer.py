@@ -25,7 +25,7 @@ import time
 import jax
 import numpy as np
 
-from loopmoe_jax import accounting, attention_impls, sharding
+from loopmoe_jax import accounting, attention_impls, sharding, targets
 from loopmoe_jax.dispatch import resolve_backend
 from loopmoe_jax.expert_parallel import exchange_kind
 from loopmoe_jax.data import pipeline
@@ -39,8 +39,6 @@ from loopmoe_jax.train.run import METRICS, ROUTING, SUMMARY, RunDir
 from loopmoe_jax.train.optimizer import make_optimizer
 from loopmoe_jax.train.profile import StepProfiler
 
-PEAK_FLOPS = {'TPU v4': 275e12, 'TPU v5 lite': 197e12, 'TPU v5p': 459e12, 'TPU v6 lite': 918e12,
-              'H100': 989e12, 'H200': 989e12, 'A100': 312e12, 'B200': 2250e12}
 
 
 class TrainingDiverged(RuntimeError):
@@ -69,10 +67,10 @@ class _StopFlag:
 
 
 def peak_flops(cfg_peak: float) -> float:
+  """Peak FLOP/s of one device: train.peak_flops, else the chip's row in targets.CHIPS."""
   if cfg_peak:
     return cfg_peak
-  kind = jax.devices()[0].device_kind
-  return next((v for k, v in PEAK_FLOPS.items() if k in kind), 0.0)
+  return targets.peak_flops(jax.devices()[0].device_kind, targets.devices_per_chip(jax.devices()))
 
 
 def train(cfg, workdir: str, force: bool = False, start_over: bool = False) -> dict:
