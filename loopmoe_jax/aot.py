@@ -29,6 +29,7 @@ them back).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -65,6 +66,22 @@ PRESET_NAMES = ('pod', 'none')
 KERNEL_CALLS = {'tpu': {'mosaic': 'tpu_custom_call'},
                 'cuda': {'triton': '__gpu$xla.gpu.triton', 'mosaic_gpu': 'mosaic_gpu',
                          'cudnn_attention': '__cudnn$fmha'}}
+
+
+@contextlib.contextmanager
+def no_persistent_cache():
+  """A compile that must run the compiler: a cache hit writes no XLA dump, and a program for
+  compile-only devices cannot be read back from jax's persistent cache. jax decides once per
+  process whether its persistent cache is in use; its reset makes it decide again."""
+  from jax._src import compilation_cache  # pylint: disable=import-outside-toplevel
+  old = jax.config.jax_enable_compilation_cache
+  jax.config.update('jax_enable_compilation_cache', False)
+  compilation_cache.reset_cache()
+  try:
+    yield
+  finally:
+    jax.config.update('jax_enable_compilation_cache', old)
+    compilation_cache.reset_cache()
 
 
 def compiler_options(platform: str, preset: str = 'pod') -> dict:
@@ -136,7 +153,8 @@ def compile_summary(cfg_dict, target: targets.Target, preset: str = 'pod',
     out.update(cached=True, lower_s=round(lower_s, 1))
     return out, (args, mesh, exp)
   start = time.perf_counter()
-  compiled = lowered.compile(options)
+  with no_persistent_cache():
+    compiled = lowered.compile(options)
   out = summarize(compiled, target.platform)
   out.update(compile_s=round(time.perf_counter() - start, 1), lower_s=round(lower_s, 1),
              options=options, compiler=_compiler_version(target.platform), cached=False)

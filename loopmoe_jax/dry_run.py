@@ -46,7 +46,6 @@ reduce-scatter's.
 from __future__ import annotations
 
 import collections
-import contextlib
 import glob
 import os
 import tempfile
@@ -56,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from loopmoe_jax import accounting, sharding
+from loopmoe_jax import accounting, aot, sharding
 from loopmoe_jax.hlo import collective_bytes, collectives, dot_flops
 from loopmoe_jax.config import RUN_FIELDS
 from loopmoe_jax.experiment import build
@@ -176,26 +175,11 @@ def train_step_program(cfg_dict, devices=None):
   return step, (state, batch), mesh, exp
 
 
-@contextlib.contextmanager
-def _no_persistent_cache():
-  """A compile that must run XLA's passes (a cache hit writes no dump). jax decides once per
-  process whether its persistent cache is in use; its reset makes it decide again."""
-  from jax._src import compilation_cache  # pylint: disable=import-outside-toplevel
-  old = jax.config.jax_enable_compilation_cache
-  jax.config.update('jax_enable_compilation_cache', False)
-  compilation_cache.reset_cache()
-  try:
-    yield
-  finally:
-    jax.config.update('jax_enable_compilation_cache', old)
-    compilation_cache.reset_cache()
-
-
 def partitioned_compile(lowered):
   """(HLO text after SPMD partitioning, the compiled CPU program or None): compiles for this
   CPU with XLA's dump of that pass; a program XLA:CPU cannot finish (the ragged exchange)
   still yields the partitioned module."""
-  with tempfile.TemporaryDirectory() as tmp, _no_persistent_cache():
+  with tempfile.TemporaryDirectory() as tmp, aot.no_persistent_cache():
     compiled, error = None, None
     try:
       compiled = lowered.compile(compiler_options={

@@ -26,6 +26,7 @@ import difflib
 import functools
 import importlib.util
 import math
+import os
 import re
 
 GIB = 2**30
@@ -131,8 +132,13 @@ def check_extra(platform: str):
 @functools.lru_cache(maxsize=None)
 def _devices(platform: str, chip: str, topology: str) -> tuple:
   check_extra(platform)
+  import jax  # pylint: disable=import-outside-toplevel
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
   if platform == 'tpu':
+    if jax.config.jax_platforms == 'cpu':
+      # a process that only compiles holds no TPU: several may load libtpu at once (test
+      # workers, a dry run beside a fit), which its lockfile would refuse
+      os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
     desc = topologies.get_topology_desc(platform='tpu', topology_name=f'{chip}:{topology}')
   else:
     desc = topologies.get_topology_desc(platform='cuda', topology=topology,

@@ -1,0 +1,270 @@
+"""Accelerator targets and the real compilers on this CPU (loopmoe_jax/targets.py, aot.py).
+
+Tests marked `tpu_compile` / `cuda_compile` compile with libtpu / XLA:GPU over compile-only
+devices and are skipped, naming the pip command, where that extra is not installed (CI installs
+both). They check: meshes a real torus accepts (every axis the size asked, each device once,
+expert groups on contiguous ICI blocks; on GPU nodes inside one node); the tiny config's train
+step compiled with every Pallas kernel the model traced (the compiled program's Mosaic /
+Triton / Mosaic GPU / cuDNN custom calls against the lowered program's); the dry run's memory
+equal to the compiled program's `memory_analysis()`; its collective bytes equal to a hand count
+on a small sharded program; the compiler preset taking effect (async and overlapped collectives
+counted with and without); the peak FLOP/s found for every kind the topologies report.
+"""
+import dataclasses
+import functools
+import importlib.util
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import pallas_kernels
+from helpers import tiny
+from loopmoe_jax import aot, hlo, sharding, targets
+from loopmoe_jax.config.mesh import MeshConfig
+
+HAS = {p: importlib.util.find_spec(targets.EXTRAS[p][0]) is not None for p in targets.EXTRAS}
+
+
+MARKS = {p: (getattr(pytest.mark, f'{p}_compile'),
+             pytest.mark.skipif(not HAS[p], reason=f'the {p} compiler is not installed: '
+                                f'{targets.EXTRAS[p][1]}')) for p in targets.EXTRAS}
+
+
+def needs(platform):
+  marker, skip = MARKS[platform]
+  return lambda fn: marker(skip(fn))
+
+
+# Names, table, errors (no compiler needed) ---------------------------------------------------
+
+def test_target_names_resolve_to_topologies_and_bad_names_list_near_ones():
+  cases = {'v5p-128': ('v5p', '4x4x4', 64), 'V5P:4x4x4': ('v5p', '4x4x4', 64),
+           'v5p-8': ('v5p', '2x2x1', 4), 'v4-128': ('v4', '4x4x4', 64),
+           'v5e-256': ('v5e', '16x16', 256), 'v5litepod-16': ('v5e', '4x4', 16),
+           'v6e:8x8': ('v6e', '8x8', 64), 'h200x8': ('h200', '1x1x8', 8),
+           '2x8xh100': ('h100', '1x2x8', 16)}
+  for name, (chip, topo, chips) in cases.items():
+    t = targets.get(name)
+    assert (t.chip.name, t.topology, t.chips) == (chip, topo, chips), name
+  with pytest.raises(ValueError, match=r"unknown target 'h300x8' \(did you mean h200x8"):
+    targets.get('h300x8')
+  with pytest.raises(ValueError, match=r"v5p-100.*known: v5p-8, v5p-16"):
+    targets.get('v5p-100')
+  with pytest.raises(ValueError, match='a v6e topology has 2 dimensions'):
+    targets.get('v6e:4x4x4')
+
+
+def test_missing_extra_names_the_pip_command(monkeypatch):
+  monkeypatch.setattr(importlib.util, 'find_spec', lambda name: None)
+  targets._devices.cache_clear()
+  with pytest.raises(ValueError, match=re.escape("pip install -e '.[tpu]'")):
+    targets.get('v5p-8').devices()
+  with pytest.raises(ValueError, match=re.escape("pip install -e '.[cuda]'")):
+    targets.get('h100x8').devices()
+  targets._devices.cache_clear()
+
+
+def test_chip_rows_are_found_by_every_device_kind_they_name():
+  for chip in targets.CHIPS.values():
+    for kind in chip.device_kinds:
+      assert targets.chip_of_kind(kind) is chip
+      assert targets.peak_flops(kind) == chip.peak_bf16_flops
+  # real v5p devices report 'TPU v5' (the lookup that read 'TPU v5p' found nothing)
+  assert targets.peak_flops('TPU v5') == 459e12 and targets.peak_flops('TPU v5 lite') == 197e12
+  assert targets.chip_of_kind('NVIDIA H100 PCIe').name == 'h100'
+  assert targets.peak_flops('NVIDIA A100-SXM4-80GB') == 312e12
+  assert targets.peak_flops('cpu') == 0.0
+
+
+def test_gpu_target_config_carries_the_chip_row():
+  text = targets.gpu_target_config(targets.CHIPS['h200'])
+  assert f"device_memory_size: {targets.CHIPS['h200'].hbm_bytes}" in text
+  assert 'device_description_str: "NVIDIA H200"' in text and 'major: 9 minor: 0' in text
+
+
+# Topologies and meshes -----------------------------------------------------------------------
+
+@needs('tpu')
+@pytest.mark.parametrize('name', ['v4:2x2x2', 'v5e:4x4', 'v5p:2x2x2', 'v6e:4x4'])
+def test_every_tpu_kind_finds_its_peak_and_memory(name):
+  t = targets.get(name)
+  devices = t.devices()
+  kind = devices[0].device_kind
+  per_chip = targets.devices_per_chip(devices)
+  assert per_chip == t.devices_per_chip  # from coordinates == from the chip count
+  assert targets.chip_of_kind(kind) is t.chip, kind
+  assert targets.peak_flops(kind, per_chip) * t.num_devices == t.chip.peak_bf16_flops * t.chips
+  assert t.hbm_bytes_per_device * t.num_devices == t.chip.hbm_bytes * t.chips
+
+
+def _groups(mesh, axis):
+  arr = np.moveaxis(mesh.devices, mesh.axis_names.index(axis), -1)
+  return arr.reshape(-1, arr.shape[-1])
+
+
+def _is_box(coords, torus):
+  """The coordinates fill a sub-block of the torus: per physical axis a run of consecutive
+  values (cyclically), and as many points as the block's volume."""
+  coords = np.array(coords)
+  extent = 1
+  for ax, n in enumerate(torus):
+    vals = sorted(set(coords[:, ax]))
+    k = len(vals)
+    gaps = [(vals[(i + 1) % k] - vals[i]) % n for i in range(k)]
+    if k > 1 and k < n and sorted(gaps)[:-1] != [1] * (k - 1):
+      return False
+    extent *= k
+  return extent == len({tuple(c) for c in coords}) == len(coords)
+
+
+@needs('tpu')
+@pytest.mark.parametrize('name,axes', [
+    ('v5p:4x4x4', dict(data=1, fsdp=8, expert=8)),     # the README's Foil-2 pod mesh
+    ('v5p:4x4x4', dict(data=4, expert=16)),
+    ('v6e:8x8', dict(data=1, fsdp=8, expert=8)),
+    ('v6e:8x8', dict(data=2, fsdp=2, expert=8, tensor=2))])
+def test_meshes_a_torus_accepts_keep_expert_groups_on_contiguous_blocks(name, axes):
+  t = targets.get(name)
+  devices = t.devices()
+  mesh = sharding.make_mesh(MeshConfig(**axes), devices)
+  assert {a: mesh.shape[a] for a in axes} == axes
+  assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
+  torus = sharding._torus_shape(devices)
+  for axis in ('expert', 'tensor'):
+    if mesh.shape[axis] > 1:
+      for group in _groups(mesh, axis):
+        assert _is_box([d.coords for d in group], torus), (axis, [d.coords for d in group])
+
+
+@needs('cuda')
+def test_gpu_nodes_keep_expert_and_tensor_inside_a_node():
+  devices = targets.get('2x8xh100').devices()
+  mesh = sharding.make_mesh(MeshConfig(data=2, expert=4, tensor=2), devices)
+  for axis in ('expert', 'tensor'):
+    for group in _groups(mesh, axis):
+      assert len({d.process_index for d in group}) == 1
+
+
+# The tiny train step on the real compilers ----------------------------------------------------
+
+TINY = {'tpu': ('v5p:2x2x1', dict(data=1, fsdp=2, expert=2)),
+        'cuda': ('h100x8', dict(data=2, expert=4))}
+
+
+def _tiny_cfg(platform):
+  cfg = tiny(dispatch='auto')
+  cfg.model.dtype = 'bfloat16'
+  cfg.model.head_dim = 64 if platform == 'cuda' else 16  # cuDNN takes multiples of 8
+  cfg.model.num_heads = 2
+  for k, v in TINY[platform][1].items():
+    cfg.mesh[k] = v
+  return cfg
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(platform, preset):
+  """(compiled program, lowered StableHLO text, report) of the tiny step on the platform."""
+  target = targets.get(TINY[platform][0])
+  cfg = _tiny_cfg(platform)
+  lowered, _, _, _ = aot.lower_step(cfg, target)
+  with aot.no_persistent_cache():
+    compiled = lowered.compile(aot.compiler_options(platform, preset))
+  report = aot.target_report(cfg, target, preset, use_cache=False) if preset == 'pod' else None
+  return compiled, lowered.as_text(), report
+
+
+LOWERED_CALLS = {'tpu': {'mosaic': '@tpu_custom_call'},
+                 'cuda': {'triton': '@__gpu$xla.gpu.triton', 'mosaic_gpu': '@mosaic_gpu',
+                          'cudnn_attention': '@__cudnn$fmha'}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('platform', [pytest.param('tpu', marks=MARKS['tpu']),
+                                      pytest.param('cuda', marks=MARKS['cuda'])])
+def test_tiny_train_step_compiles_every_kernel_the_model_traced(platform):
+  """Every Mosaic (TPU), Triton, Mosaic GPU and cuDNN attention (GPU) call of the lowered
+  step is in the compiled program."""
+  compiled, lowered, report = _compiled(platform, 'pod')
+  text = compiled.as_text()
+  for family, target in aot.KERNEL_CALLS[platform].items():
+    traced = lowered.count(LOWERED_CALLS[platform][family])
+    assert traced > 0, family  # the model asks for this kernel family on this platform
+    compiled_calls = text.count(f'custom_call_target="{target}')
+    # none dropped (the preset's loop pipelining may peel an iteration, copying its calls)
+    assert compiled_calls >= traced, (family, compiled_calls, traced)
+    assert report['lowered_for']['kernel_calls'][family] == compiled_calls
+  assert report['lowered_for']['ragged_all_to_all'] > 0  # the platform's ragged exchange
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('platform', [pytest.param('tpu', marks=MARKS['tpu']),
+                                      pytest.param('cuda', marks=MARKS['cuda'])])
+def test_dry_run_memory_is_the_compiled_programs(platform):
+  compiled, _, report = _compiled(platform, 'pod')
+  mem = compiled.memory_analysis()
+  b = report['bytes_per_device']
+  assert (b['arguments'], b['outputs'], b['aliases'], b['temporaries'], b['code']) == (
+      mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes,
+      mem.temp_size_in_bytes, mem.generated_code_size_in_bytes)
+  assert b['total'] == (b['arguments'] + b['outputs'] - b['aliases'] + b['temporaries'] +
+                        b['code'])
+  assert report['fits'] == (b['total'] <= report['hbm_bytes_per_device'])
+  # collectives of the compiled program, by kind, as the report states them
+  assert report['collectives'] == hlo.collective_bytes(compiled.as_text())
+  # the parameters' bytes per device fit inside the program's arguments
+  assert report['params_bytes_per_device'] + report['opt_state_bytes_per_device'] <= b['arguments']
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('platform', [pytest.param('tpu', marks=MARKS['tpu']),
+                                      pytest.param('cuda', marks=MARKS['cuda'])])
+def test_compiler_preset_makes_collectives_overlap(platform):
+  pod = hlo.collective_ops(hlo.collectives(_compiled(platform, 'pod')[0].as_text()))
+  none = hlo.collective_ops(hlo.collectives(_compiled(platform, 'none')[0].as_text()))
+  total = lambda ops, f: sum(v[f] for v in ops.values())
+  assert total(pod, 'overlapped') > total(none, 'overlapped'), (pod, none)
+
+
+@needs('tpu')
+def test_a_config_that_does_not_fit_says_by_how_much_and_what_to_change():
+  t = targets.get('v5p:2x2x1')
+  small = dataclasses.replace(t, chip=dataclasses.replace(t.chip, hbm_bytes=4 * 2**20))
+  report = aot.target_report(_tiny_cfg('tpu'), small, use_cache=False)
+  assert not report['fits'] and report['headroom_bytes'] < 0
+  over = -report['headroom_bytes'] / 2**30
+  assert f'{over:,.2f} GiB over' in report['advice'] and 'run.remat' in report['advice']
+
+
+# Collective bytes of a compiled program against a hand count ----------------------------------
+
+def _small_program(devices):
+  """A shard_map over 4 devices: a psum of [256, 128] float32 three times in a loop, and an
+  all-gather of [64, 128] bfloat16 per device into [256, 128]."""
+  mesh = jax.sharding.Mesh(np.array(devices[:4]), ('x',))
+
+  def body(a, b):
+    def step(_, acc):
+      return acc + jax.lax.psum(jnp.sin(acc), 'x')
+    a = jax.lax.fori_loop(0, 3, step, a)
+    return a, jax.lax.all_gather(b, 'x', tiled=True)
+
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P('x')), out_specs=(P(), P()),
+                     check_vma=False)
+  a = jax.ShapeDtypeStruct((256, 128), jnp.float32, sharding=NamedSharding(mesh, P()))
+  b = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P('x')))
+  return jax.jit(fn).lower(a, b).compile()
+
+
+@pytest.mark.parametrize('platform,name', [
+    pytest.param('tpu', 'v5p:2x2x1', marks=MARKS['tpu']),
+    pytest.param('cuda', 'h100x8', marks=MARKS['cuda'])])
+def test_collective_bytes_equal_a_hand_count(platform, name):
+  compiled = _small_program(targets.get(name).devices())
+  got = hlo.collective_bytes(compiled.as_text())
+  assert got.get('all-reduce', 0) == 3 * 256 * 128 * 4
+  assert got.get('all-gather', 0) == 256 * 128 * 2
+  assert set(got) == {'all-reduce', 'all-gather'}
