@@ -122,6 +122,13 @@ class Target:
             'dcn_bytes_per_s': self.chip.dcn_bytes_per_s}
 
 
+def with_memory(target: Target, bytes_per_device: int) -> Target:
+  """The target with another memory per device (headroom kept for something else, or a
+  smaller part of a shared chip)."""
+  chip = dataclasses.replace(target.chip, hbm_bytes=int(bytes_per_device) * target.devices_per_chip)
+  return dataclasses.replace(target, chip=chip)
+
+
 def check_extra(platform: str):
   module, pip = EXTRAS[platform]
   if importlib.util.find_spec(module) is None:

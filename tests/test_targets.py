@@ -268,3 +268,42 @@ def test_collective_bytes_equal_a_hand_count(platform, name):
   assert got.get('all-reduce', 0) == 3 * 256 * 128 * 4
   assert got.get('all-gather', 0) == 256 * 128 * 2
   assert set(got) == {'all-reduce', 'all-gather'}
+
+
+# The fit finder ------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@needs('tpu')
+def test_fit_finder_marks_the_cheapest_candidate_that_fits_and_reruns_from_its_cache(
+    tmp_path, monkeypatch):
+  from loopmoe_jax import fit
+  monkeypatch.setenv('LOOPMOE_COMPILE_CACHE', str(tmp_path))
+  cfg = _tiny_cfg('tpu')
+  whole = _compiled('tpu', 'pod')[2]['bytes_per_device']['total']
+  # a device one byte short of what the config as given needs
+  target = targets.with_memory(targets.get(TINY['tpu'][0]), whole - 1)
+  search = {'run.remat': ('none', 'full'), 'train.microbatches': (1, 2)}
+  rows, best = fit.find(cfg, target, search, log=lambda _: None)
+  assert rows[0]['run'] == {'run.remat': 'none', 'train.microbatches': 1}
+  assert rows[0]['bytes_per_device']['total'] == whole and rows[0]['fits'] is False
+  assert best is not None and rows[best]['fits']
+  assert rows[best]['bytes_per_device']['total'] <= target.hbm_bytes_per_device
+  flops = [r['flops_per_step_per_device'] for r in rows]
+  assert flops == sorted(flops)  # cheapest first; every row before the best is compiled, no fit
+  assert all(r['fits'] is False for r in rows[:best])
+  assert all(r['bytes_per_device'] is None for r in rows[best + 1:])
+  full = [r for r in rows if r['run']['run.remat'] == 'full']
+  assert all(r['flops_over_none'] > 1 for r in full)
+  again, best_again = fit.find(cfg, target, search, log=lambda _: None)
+  assert best_again == best and all(r['cached'] for r in again[:best + 1])
+  assert [r['bytes_per_device'] for r in again] == [r['bytes_per_device'] for r in rows]
+
+
+def test_fit_search_flags_name_the_key():
+  from loopmoe_jax import fit
+  assert fit.parse_search(['run.remat=none,full', 'train.microbatches=1,2']) == {
+      'run.remat': ('none', 'full'), 'train.microbatches': (1, 2)}
+  with pytest.raises(ValueError, match="'model.d_model': not a setting the fit finder changes"):
+    fit.parse_search(['model.d_model=64'])
+  with pytest.raises(ValueError, match='expected KEY=V1,V2'):
+    fit.parse_search(['run.remat'])
