@@ -23,6 +23,16 @@ Nothing is run: shapes are abstract, so full sizes compile on a laptop.
   tokens (each policy's temporaries at 2 x 4,096 less its own at 1 x 128: what is left is
   weight-sized, gradients, the core's gradient accumulator, compute-dtype copies of the
   weights and the optimizer update, about 4.6 GiB for Foil-2 on one device).
+- {tpu,cuda}_remat_temp_over_none.<policy>, {tpu,cuda}_remat_flops_over_none.<policy>,
+  {tpu,cuda}_hbm_fraction.<policy>: the same per policy on the accelerators' own compilers
+  (aot.py; each where its extra is installed, else absent and `real_compilers` says so): Foil-2
+  on v5p-128 (fsdp=8 x expert=8, batch 128) and on 8 x H200 (expert=8, batch 96), remat none,
+  attention, pass_input and full, run settings otherwise at defaults (splash / cuDNN
+  attention, Pallas dispatch, the pod compiler preset); FLOPs are the step's matmuls
+  (dry_run.step_flops), bytes the compiled program's. {tpu,cuda}_remat_best: the policy with the
+  least temporaries among those within 1.2x none's FLOPs; `tpu_compile_s` the v5p-128 step's
+  compile (read from the compile cache when it was compiled before: `tpu_compile_cached`).
+  `--quick`: Foil-2 smoke on v5p:2x2x1 and 8 x H100.
 - step_chunked_over_xla: train-step time of the README's main job (configs/default.py, 16 x 128
   tokens) with attention `chunked` over `xla`, timed interleaved (informative).
 
@@ -100,6 +110,48 @@ def remat_rows(quick: bool, batch: int = 2, seq: int | None = None,
   return dry_run.remat_policies(cfg, REMAT_POLICIES, jax.devices()[:1], flops)
 
 
+REAL_POLICIES = ('none', 'attention', 'pass_input', 'full')
+REAL_SHAPES = {  # platform -> (target, quick target, mesh, global batch)
+    'tpu': ('v5p-128', 'v5p:2x2x1', dict(data=1, fsdp=8, expert=8), 128),
+    'cuda': ('h200x8', 'h100x8', dict(data=1, expert=8), 96)}
+
+
+def real_compiler_rows(quick: bool) -> dict[str, Any]:
+  """The `{tpu,cuda}_remat_*` keys (module docstring) for each platform whose extra is here."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax import aot, targets  # pylint: disable=import-outside-toplevel
+  res: dict[str, Any] = {'real_compilers': {}}
+  for platform, (name, quick_name, mesh, batch) in REAL_SHAPES.items():
+    if importlib.util.find_spec(targets.EXTRAS[platform][0]) is None:
+      res['real_compilers'][platform] = f'not installed ({targets.EXTRAS[platform][1]})'
+      continue
+    target = targets.get(quick_name if quick else name)
+    cfg = load_config('configs/foil.py:foil2' + (',smoke' if quick else ''))
+    mesh = dict(data=1, fsdp=2, expert=2) if quick and platform == 'tpu' else (
+        dict(data=2, expert=4) if quick else mesh)
+    for k, v in mesh.items():
+      cfg.mesh[k] = v
+    cfg.data.batch_size = 8 if quick else batch
+    rows = {p: aot.candidate(cfg, target, {'run.remat': p}) for p in REAL_POLICIES}
+    res['real_compilers'][platform] = target.name
+    none = rows['none']
+    for p, r in rows.items():
+      res[f'{platform}_remat_temp_over_none.{p}'] = (r['temp_bytes_per_device'] /
+                                                    none['temp_bytes_per_device'])
+      res[f'{platform}_remat_flops_over_none.{p}'] = (r['flops_per_step_per_device'] /
+                                                     none['flops_per_step_per_device'])
+      res[f'{platform}_hbm_fraction.{p}'] = r['hbm_fraction']
+      res[f'{platform}_temp_bytes.{p}'] = r['temp_bytes_per_device']
+    within = [p for p in rows if res[f'{platform}_remat_flops_over_none.{p}'] <= 1.2]
+    best = min(within, key=lambda p: res[f'{platform}_remat_temp_over_none.{p}'])
+    res[f'{platform}_remat_best'] = best
+    res[f'{platform}_remat_best_temp_over_none'] = res[f'{platform}_remat_temp_over_none.{best}']
+    res[f'{platform}_remat_best_flops_over_none'] = res[f'{platform}_remat_flops_over_none.{best}']
+    if platform == 'tpu':
+      res['tpu_compile_s'], res['tpu_compile_cached'] = none['compile_s'], none['cached']
+  return res
+
+
 @register('memory')
 def bench_memory(quick: bool = False) -> dict[str, Any]:
   res: dict[str, Any] = {'quick': quick}
@@ -145,6 +197,8 @@ def bench_memory(quick: bool = False) -> dict[str, Any]:
   res['remat_best_flops_over_none'] = res[f'remat_flops_over_none.{best}'] if best else None
   res['remat_best_act_temp_over_none'] = (res[f'remat_act_temp_over_none.{best}'] if best
                                           else None)
+
+  res.update(real_compiler_rows(quick))
 
   main = build(load_config('configs/default.py')).model
   batch = _batch(main, 4 if quick else 16, 128)

@@ -16,6 +16,11 @@
 - grad_reduce_bytes_over_one_reduction: gradient-reduction bytes per step of that train step
   at num_loops=4 over the same at num_loops=1 (each shared weight's gradient reduced once
   whatever the passes would give 1.0).
+- {tpu,cuda}_act_allgather_bytes, {tpu,cuda}_grad_reduce_bytes_over_one_reduction: the same
+  two figures read from the train step compiled by the accelerator's own compiler (aot.py:
+  v5p:2x2x2 and 8 x H100, 8 compile-only devices each, data=2 x expert=4, the pod compiler
+  preset), where its extra is installed (`real_compilers` says which ran); the keys without a
+  prefix are the CPU proxy's (`program`: cpu-proxy).
 - step_s_*: train-step time of the README's main job (smoke widths) at a fixed global batch on
   1 device and on meshes of 8 fake CPU devices (informative only: fake devices share 2 cores).
 """
@@ -150,6 +155,37 @@ def _step_collectives(num_loops: int):
   return dry_run.classify(hlo_lib.collectives(hlo), state['params'])
 
 
+REAL_TARGETS = {'tpu': 'v5p:2x2x2', 'cuda': 'h100x8'}
+
+
+def _real_step_collectives(target, num_loops: int):
+  from loopmoe_jax import aot, dry_run  # pylint: disable=import-outside-toplevel
+  cfg = load_config(DEFAULT_CONFIG + ':smoke')
+  cfg.model.num_loops = num_loops
+  cfg.model.dtype = 'bfloat16'
+  cfg.mesh.data, cfg.mesh.expert = 2, 4
+  summary, ((state, _), _, _) = aot.compile_summary(cfg, target)
+  return dry_run.classify(summary['collectives'], state['params'])
+
+
+def _real_step_traffic(res):
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax import targets  # pylint: disable=import-outside-toplevel
+  res['real_compilers'] = {}
+  for platform, name in REAL_TARGETS.items():
+    if importlib.util.find_spec(targets.EXTRAS[platform][0]) is None:
+      res['real_compilers'][platform] = f'not installed ({targets.EXTRAS[platform][1]})'
+      continue
+    target = targets.get(name)
+    one, four = _real_step_collectives(target, 1), _real_step_collectives(target, 4)
+    res['real_compilers'][platform] = name
+    res[f'{platform}_act_allgather_bytes'] = four['act_allgather']
+    res[f'{platform}_grad_reduce_bytes_loops1'] = one['grad_reduce']
+    res[f'{platform}_grad_reduce_bytes_loops4'] = four['grad_reduce']
+    res[f'{platform}_grad_reduce_bytes_over_one_reduction'] = (four['grad_reduce'] /
+                                                              one['grad_reduce'])
+
+
 def _step_traffic(res):
   one, four = _step_collectives(1), _step_collectives(4)
   res['act_allgather_bytes'] = four['act_allgather']
@@ -163,9 +199,10 @@ def scale(quick: bool):
   if jax.device_count() < 8:
     raise RuntimeError(f'benchmark scale needs 8 devices, found {jax.device_count()}: run it '
                        'with JAX_NUM_CPU_DEVICES=8 on CPU')
-  res = {}
+  res = {'program': 'cpu-proxy'}
   _exchange_ratios(res, quick)
   _step_traffic(res)
+  _real_step_traffic(res)
   mc, batch, seq = _model(quick)
   _fsdp_ratio(res, mc, seq)
   _step_times(res, mc, batch, seq, quick)
