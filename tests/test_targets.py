@@ -101,6 +101,18 @@ def test_every_tpu_kind_finds_its_peak_and_memory(name):
   assert t.hbm_bytes_per_device * t.num_devices == t.chip.hbm_bytes * t.chips
 
 
+@needs('cuda')
+@pytest.mark.parametrize('name', ['h100x8', 'h200x8'])
+def test_gpu_kinds_find_their_peak_and_memory(name):
+  from loopmoe_jax.train import preflight
+  t = targets.get(name)
+  device = t.devices()[0]
+  assert targets.chip_of_kind(device.device_kind) is t.chip
+  assert targets.peak_flops(device.device_kind) == 989e12
+  # a device without allocator stats (compile-only here) takes its chip's memory
+  assert preflight.device_memory_bytes(device) == t.chip.hbm_bytes
+
+
 def _groups(mesh, axis):
   arr = np.moveaxis(mesh.devices, mesh.axis_names.index(axis), -1)
   return arr.reshape(-1, arr.shape[-1])

@@ -12,7 +12,8 @@ Per device (shard shapes of the abstract train state, `sharding.bytes_per_device
     coda visits that gate training's readouts keep.
 This is a floor (attention scores, expert buffers and the optimizer update come on top), so a
 config it refuses cannot fit; one it passes may still not (scripts/dry_run.py measures). The
-device's memory: its `memory_stats()['bytes_limit']` on GPU/TPU; on CPU the host's available
+device's memory: its `memory_stats()['bytes_limit']` on GPU/TPU (else its chip's memory in
+targets.CHIPS, by device kind); on CPU the host's available
 memory shared by the local devices. The trainer skips the check with --force.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ import os
 import jax
 import numpy as np
 
-from loopmoe_jax import sharding
+from loopmoe_jax import sharding, targets
 from loopmoe_jax.attention_impls import resolve
 from loopmoe_jax.dispatch import resolve_backend
 from loopmoe_jax.train import depth
@@ -38,8 +39,9 @@ def device_memory_bytes(device=None, sharing: int | None = None) -> int | None:
     stats = None
   if stats and stats.get('bytes_limit'):
     return int(stats['bytes_limit'])
-  if device.platform != 'cpu':
-    return None
+  if device.platform != 'cpu':  # no allocator stats: the chip's row (targets.CHIPS)
+    chip = targets.chip_of_kind(device.device_kind)
+    return chip.hbm_bytes // targets.devices_per_chip(jax.devices()) if chip else None
   available = None
   try:
     with open('/proc/meminfo') as f:
