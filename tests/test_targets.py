@@ -335,3 +335,15 @@ def test_tiny_step_compiles_on_the_split_foil2_pod_mesh():
   assert report['fits'] and report['lowered_for']['kernel_calls']['mosaic'] > 0
   # parameters split 64 ways where they divide: a device holds well under a tenth of them
   assert report['params_bytes_per_device'] < report['params_bytes_total'] / 10
+
+
+@pytest.mark.slow
+@needs('tpu')
+def test_tiny_step_compiles_every_kernel_for_v6e():
+  """The same kernels compile with Mosaic for Trillium (v6e:2x2) as for v5p."""
+  target = targets.get('v6e:2x2')
+  lowered, _, _, _ = aot.lower_step(_tiny_cfg('tpu'), target)
+  traced = lowered.as_text().count(LOWERED_CALLS['tpu']['mosaic'])
+  summary, _ = aot.compile_summary(_tiny_cfg('tpu'), target, use_cache=False)
+  assert traced > 0 and summary['kernel_calls']['mosaic'] >= traced
+  assert summary['ragged_all_to_all'] > 0
