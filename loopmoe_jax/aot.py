@@ -23,9 +23,10 @@ the async and overlapped collectives with and without):
 | cuda | xla_gpu_{all_reduce,all_gather,reduce_scatter}_combine_threshold_bytes = 128 MiB | fewer, larger NCCL calls |
 
 Summaries are kept on disk (`cache_dir`, default ~/.cache/loopmoe_jax/compiles; env
-LOOPMOE_COMPILE_CACHE) under a hash of the lowered program, the target, the compiler options
-and the compiler's version: the same program is compiled once (a rerun of the fit finder reads
-them back).
+LOOPMOE_COMPILE_CACHE) under a hash of the lowered program, the target and the mesh's device
+order, the compiler options, XLA_FLAGS / LIBTPU_INIT_ARGS, the compiler's version and
+`SUMMARY_VERSION` (what a summary holds): the same program is compiled once (a rerun of the fit
+finder reads them back).
 """
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ PRESETS = {
              'xla_gpu_reduce_scatter_combine_threshold_bytes': 134217728},
 }
 PRESET_NAMES = ('pod', 'none')
+SUMMARY_VERSION = 1  # raise when `summarize` or hlo.collectives reads a program differently
 # the custom calls of each platform's kernels, as the compiled program names them
 KERNEL_CALLS = {'tpu': {'mosaic': 'tpu_custom_call'},
                 'cuda': {'triton': '__gpu$xla.gpu.triton', 'mosaic_gpu': 'mosaic_gpu',
@@ -144,8 +146,11 @@ def compile_summary(cfg_dict, target: targets.Target, preset: str = 'pod',
   lowered, args, mesh, exp = lower_step(cfg_dict, target)
   lower_s = time.perf_counter() - start
   key = hashlib.sha256('\n'.join([
-      lowered.as_text(), target.name, json.dumps(options, sort_keys=True), jax.__version__,
-      _compiler_version(target.platform)]).encode()).hexdigest()[:32]
+      str(SUMMARY_VERSION), lowered.as_text(), target.name,
+      ','.join(str(d.id) for d in mesh.devices.flat), json.dumps(options, sort_keys=True),
+      jax.__version__, _compiler_version(target.platform),
+      *(f'{k}={os.environ.get(k, "")}' for k in ('XLA_FLAGS', 'LIBTPU_INIT_ARGS'))
+  ]).encode()).hexdigest()[:32]
   path = os.path.join(cache_dir(), f'{key}.json')
   if use_cache and os.path.exists(path):
     with open(path) as f:
@@ -180,7 +185,7 @@ def target_report(cfg_dict, target: targets.Target, preset: str = 'pod',
   kinds = dry_run.classify(colls, state['params'])
   flops, analytic_f = dry_run.step_flops(cfg_dict, mesh.size), dry_run.analytic_flops(exp, mesh)
   per_dev = lambda tree: sharding.bytes_per_device(tree, jax.tree.map(lambda s: s.sharding, tree))
-  comm_s = sum(coll_bytes.values()) / target.chip.ici_bytes_per_s
+  comm_s = sum(coll_bytes.values()) / (target.chip.ici_bytes_per_s / target.devices_per_chip)
   compute_s = analytic_f / target.peak_flops_per_device
   report = {
       'target': target.name, 'compiler': target.platform, 'devices': mesh.size,
@@ -225,24 +230,27 @@ def target_report(cfg_dict, target: targets.Target, preset: str = 'pod',
       'cached': summary['cached'], 'compiler_options': summary['options'],
   }
   if not report['fits']:
-    report['advice'] = advice(exp, mem['total'] - hbm)
+    report['advice'] = advice(exp, mesh, mem['total'] - hbm)
   return report
 
 
-def advice(exp, over: int) -> str:
+def advice(exp, mesh, over: int) -> str:
   """What does not fit, by how much, and the setting the fit finder changes first."""
+  from loopmoe_jax import sharding  # pylint: disable=import-outside-toplevel
+  per_shard = exp.data.batch_size // sharding.batch_size_of(mesh)
   first = ('run.remat (attention, pass_input or full)' if exp.model.remat == 'none' else
-           'train.microbatches' if exp.train.microbatches < exp.data.batch_size else
-           'data.batch_size')
+           'train.microbatches' if exp.train.microbatches < per_shard else
+           'data.batch_size or the mesh')
   return (f'does not fit: {over / 2**30:,.2f} GiB over the device memory; '
           f'scripts/fit.py would change {first} first')
 
 
 def candidate(cfg_dict, target: targets.Target, settings: dict, preset: str = 'pod',
-              use_cache: bool = True) -> dict:
+              use_cache: bool = True, flops: int | None = None) -> dict:
   """One row of a policy table or the fit finder: the config with `settings` ({'run.remat':
   ..., 'train.microbatches': ..., 'data.batch_size': ...}) compiled for `target`: bytes per
-  device, fit, matmul FLOPs per device (hlo.dot_flops of the step lowered for one device)."""
+  device, fit, matmul FLOPs per device (`flops`, else dry_run.step_flops: the step lowered for
+  one device)."""
   from loopmoe_jax import dry_run, sharding  # pylint: disable=import-outside-toplevel
   cfg = with_settings(cfg_dict, settings)
   summary, (_, mesh, exp) = compile_summary(cfg, target, preset, use_cache)
@@ -251,7 +259,7 @@ def candidate(cfg_dict, target: targets.Target, settings: dict, preset: str = 'p
           'temp_bytes_per_device': mem['temporaries'],
           'fits': mem['total'] <= target.hbm_bytes_per_device,
           'hbm_fraction': round(mem['total'] / target.hbm_bytes_per_device, 4),
-          'flops_per_step_per_device': (flops := dry_run.step_flops(cfg, mesh.size)),
+          'flops_per_step_per_device': (flops := flops or dry_run.step_flops(cfg, mesh.size)),
           'analytic_flops_per_step_per_device': (analytic := dry_run.analytic_flops(exp, mesh)),
           'flops_over_analytic': round(flops / analytic, 4),
           'batch_per_device': exp.data.batch_size // sharding.batch_size_of(mesh),

@@ -97,7 +97,8 @@ def find(cfg_dict, target: targets.Target, search: dict, preset: str = 'pod',
     if best is not None and not exhaustive:
       break
     over_none = row['flops_over_none']
-    row.update(aot.candidate(cfg_dict, target, row['run'], preset), flops_over_none=over_none)
+    row.update(aot.candidate(cfg_dict, target, row['run'], preset,
+                             flops=row['flops_per_step_per_device']), flops_over_none=over_none)
     log(line(row, target))
     if row['fits'] and best is None:
       best = i

@@ -26,7 +26,7 @@ COLLECTIVES = ('all-gather', 'all-reduce', 'reduce-scatter', 'all-to-all', 'coll
 _DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2, 'bf16': 2, 's32': 4,
                 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8}
 _SHAPE = re.compile(r'\b(pred|[sufb]f?\d+)\[([\d,]*)\]')
-_OP = re.compile(r'^\s*%?([\w.\-]+)\s*=\s*(.*?)\s(' +
+_OP = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s(' +
                  '|'.join(sorted(COLLECTIVES, key=len, reverse=True)) + r')(-start)?\((.*)$')
 _DEF = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+?\[[\d,]*\])')
 
@@ -60,20 +60,21 @@ def _tuple_elements(text: str) -> list[str]:
 
 
 def _start_output(kind: str, result: str) -> str:
-  """The output part of an async start's result: an all-reduce's whole result; a
-  collective-permute's second element (operand, output, contexts); else the last."""
+  """The output part of an async start's result: an all-reduce's whole result; else the
+  second element of (operand(s), output(s), contexts...)."""
   if kind == 'all-reduce':
     return result
   parts = _tuple_elements(result)
-  return parts[1] if kind == 'collective-permute' and len(parts) > 1 else parts[-1]
+  return parts[1] if len(parts) > 1 else parts[0]
 
 
 _COMPUTE = re.compile(r'\s(fusion|dot|convolution|custom-call|while|call|conditional)\(')
 
 
 def _overlapped(lines, index: int, name: str) -> bool:
-  """Whether compute is scheduled between the start at lines[index] and its done."""
-  done = re.compile(r'-done\(%?' + re.escape(name) + r'\)')
+  """Whether compute is scheduled between the start at lines[index] and its done (whose
+  operand may be printed with its shape: `-done((f32[2], f32[8]) %start)`)."""
+  done = re.compile(r'-done\(.*?[\s(%]' + re.escape(name) + r'\)')
   for line in lines[index + 1:]:
     if done.search(line):
       return False
@@ -167,16 +168,19 @@ def collectives(hlo: str):
       group = _group_size(line)
       if group == 1:
         continue
-      kind, result, start = m.group(3), m.group(2), bool(m.group(4))
+      kind, result = m.group(3), m.group(2)
+      start = bool(m.group(4)) and '"is_sync":true' not in line  # GPU: a start/done pair
+      # the scheduler made synchronous is no async op
       fused = name.startswith('async_collective_fusion')  # TPU: run beside its fusion's compute
-      nbytes = _shape_bytes(_start_output(kind, result) if start else result)
+      out_shape = _start_output(kind, result) if m.group(4) else result
+      nbytes = _shape_bytes(out_shape)
       if kind == 'ragged-all-to-all':  # rows moved <= min(operand, output) rows
         operand = m.group(5).split(',')[0].strip().split(' ')[-1].lstrip('%')
         if operand in defs:
           nbytes = min(nbytes, _shape_bytes(defs[operand]))
       op_name = re.search(r'op_name="([^"]*)"', line)
       out.append({'kind': kind, 'bytes': nbytes, 'times': mult[name],
-                  'shapes': _shapes(_start_output(kind, result) if start else result),
+                  'shapes': _shapes(out_shape),
                   'op_name': op_name.group(1) if op_name else '', 'group': group,
                   'async': start or fused,
                   'overlapped': fused or (start and _overlapped(lines, i, m.group(1)))})

@@ -86,7 +86,8 @@ def make_mesh(cfg: MeshConfig | None = None, devices: Sequence[Any] | None = Non
     topo = 'x'.join(str(n) for n in _torus_shape(devices)) if tpu else f'{len(devices)} devices'
     mesh = ' x '.join(f'mesh.{a}={n}' for a, n in sizes.items() if n > 1) or 'one device'
     raise ValueError(f'mesh: no placement of {mesh} on the {topo} topology '
-                     f'({devices[0].device_kind}): {str(e).splitlines()[0][:160]}') from None
+                     f'({devices[0].device_kind}): {(str(e).splitlines() or [type(e).__name__])[0][:160]}'
+                     ) from None
   grid = np.transpose(grid, np.argsort(order))  # back to AXES order
   return jax.sharding.Mesh(grid, AXES, axis_types=types)
 

@@ -175,7 +175,9 @@ def gpu_target_config(chip: Chip) -> str:
 def _tpu(gen: str, topology: str, name: str) -> Target:
   dims = [int(d) for d in topology.split('x')]
   want = 3 if gen in ('v4', 'v5p') else 2
-  if len(dims) != want or min(dims) < 1:
+  if min(dims) < 1:
+    raise ValueError(f'target {name!r}: every topology dimension must be >= 1')
+  if len(dims) != want:
     raise ValueError(f'target {name!r}: a {gen} topology has {want} dimensions (e.g. '
                      f'{gen}:{"4x4x4" if want == 3 else "8x8"})')
   return Target(name, CHIPS[gen], topology, math.prod(dims))
@@ -201,6 +203,8 @@ def get(name: str) -> Target:
                        f'(or name the topology, {gen}:AxB{"xC" if gen in ("v4", "v5p") else ""})')
     return _tpu(gen, table[chips], key)
   m = re.fullmatch(r'(h100|h200)x(\d+)', key) or re.fullmatch(r'(\d+)x(\d+)x(h100|h200)', key)
+  if m and int(m.group(2)) < 1 or m and m.group(1).isdigit() and int(m.group(1)) < 1:
+    raise ValueError(f'target {name!r}: node and GPU counts must be >= 1')
   if m and m.group(1) in CHIPS:
     per_node = int(m.group(2))
     return Target(key, CHIPS[m.group(1)], f'1x1x{per_node}', per_node)

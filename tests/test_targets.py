@@ -253,6 +253,61 @@ def test_a_config_that_does_not_fit_says_by_how_much_and_what_to_change():
 
 # Collective bytes of a compiled program against a hand count ----------------------------------
 
+SCHEDULED = """\
+HloModule m, is_scheduled=true
+
+%body (p: (s32[], f32[8,4])) -> (s32[], f32[8,4]) {
+  %p = (s32[], f32[8,4]{1,0}) parameter(0)
+  %x = f32[8,4]{1,0} get-tuple-element(%p), index=1
+  %ars = f32[8,4]{1,0:T(8,128)} all-reduce-start(%x), channel_id=1, replica_groups={{0,1},{2,3}}, to_apply=%add
+  %f = f32[8,4]{1,0} fusion(%x), kind=kLoop, calls=%fused
+  %ard = f32[8,4]{1,0} all-reduce-done(%ars)
+  ROOT %t = (s32[], f32[8,4]{1,0}) tuple(%i, %ard)
+}
+
+%cond (p: (s32[], f32[8,4])) -> pred[] {
+  %c = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %c), direction=LT
+}
+
+%async_collective_fusion.1 (a: bf16[2,8]) -> bf16[8,8] {
+  %a = bf16[2,8]{1,0} parameter(0)
+  ROOT %ag = bf16[8,8]{1,0:T(8,128)(2,1)} all-gather(%a), channel_id=2, replica_groups=[1,4]<=[4], dimensions={0}
+}
+
+ENTRY %main (a: bf16[2,8]) -> bf16[8,8] {
+  %w = (s32[], f32[8,4]{1,0}) while(%init), condition=%cond, body=%body
+  %cps = (f32[16]{0}, f32[16]{0}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%y), channel_id=3, source_target_pairs={{0,1},{1,0}}
+  %cpd = f32[16]{0} collective-permute-done(%cps)
+  %rs = ((bf16[64,8]{1,0}, s64[4]{0}, /*index=2*/s64[4]{0}), bf16[32,8]{1,0}) ragged-all-to-all-start(%big, %out, %o, %s), channel_id=4, replica_groups={{0,1,2,3}}, backend_config={"is_sync":true}
+  %d = f32[8]{0} dot(%u, %v), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+  %rd = bf16[32,8]{1,0} ragged-all-to-all-done((bf16[64,8]{1,0}, bf16[32,8]{1,0}) %rs)
+  ROOT %f2 = bf16[8,8]{1,0} fusion(%a), kind=kCustom, calls=%async_collective_fusion.1
+}
+"""
+
+
+def test_scheduled_program_start_done_pairs_are_read_by_their_outputs():
+  """A scheduled module by hand: an async all-reduce with a fusion before its done, in a loop
+  of 3; a collective-permute-start whose tuple holds operand, output and two contexts, its done
+  right after it; a ragged all-to-all the scheduler made synchronous (is_sync) whose done
+  prints its operand's shape; an all-gather at the ROOT of a TPU async collective fusion."""
+  colls = {c['kind']: c for c in hlo.collectives(SCHEDULED)}
+  assert colls['all-reduce']['bytes'] == 8 * 4 * 4 and colls['all-reduce']['times'] == 3
+  assert colls['all-reduce']['async'] and colls['all-reduce']['overlapped']
+  assert colls['collective-permute']['bytes'] == 16 * 4  # the output, not the tuple's sum
+  assert colls['collective-permute']['async'] and not colls['collective-permute']['overlapped']
+  ragged = colls['ragged-all-to-all']
+  assert ragged['bytes'] == 32 * 8 * 2 and not ragged['async'] and not ragged['overlapped']
+  assert colls['all-gather']['bytes'] == 8 * 8 * 2  # a ROOT line
+  assert colls['all-gather']['async'] and colls['all-gather']['overlapped']
+  assert hlo.collective_ops(hlo.collectives(SCHEDULED)) == {
+      'all-gather': {'ops': 1, 'async': 1, 'overlapped': 1},
+      'all-reduce': {'ops': 3, 'async': 3, 'overlapped': 3},
+      'collective-permute': {'ops': 1, 'async': 1, 'overlapped': 0},
+      'ragged-all-to-all': {'ops': 1, 'async': 0, 'overlapped': 0}}
+
+
 def _small_program(devices):
   """A shard_map over 4 devices: a psum of [256, 128] float32 three times in a loop, and an
   all-gather of [64, 128] bfloat16 per device into [256, 128]."""
@@ -268,7 +323,8 @@ def _small_program(devices):
                      check_vma=False)
   a = jax.ShapeDtypeStruct((256, 128), jnp.float32, sharding=NamedSharding(mesh, P()))
   b = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P('x')))
-  return jax.jit(fn).lower(a, b).compile()
+  with aot.no_persistent_cache():
+    return jax.jit(fn).lower(a, b).compile()
 
 
 @pytest.mark.parametrize('platform,name', [
