@@ -403,3 +403,15 @@ def test_tiny_step_compiles_every_kernel_for_v6e():
   summary, _ = aot.compile_summary(_tiny_cfg('tpu'), target, use_cache=False)
   assert traced > 0 and summary['kernel_calls']['mosaic'] >= traced
   assert summary['ragged_all_to_all'] > 0
+
+
+@needs('tpu')
+def test_a_mesh_the_torus_cannot_place_names_the_sizes_and_the_topology(monkeypatch):
+  from jax.experimental import mesh_utils
+
+  def refuse(*args, **kwargs):
+    raise NotImplementedError('Failed to find assignment for logical_axis_index 4')
+  monkeypatch.setattr(mesh_utils, 'create_device_mesh', refuse)
+  with pytest.raises(ValueError, match=r'mesh: no placement of mesh.fsdp=8 x mesh.expert=8 on '
+                     r'the 4x4x4 topology \(TPU v5\): Failed to find assignment'):
+    sharding.make_mesh(MeshConfig(data=1, fsdp=8, expert=8), targets.get('v5p:4x4x4').devices())
