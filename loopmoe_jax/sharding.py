@@ -17,6 +17,7 @@ names the config key otherwise); `scripts/dry_run.py` prints the per-device byte
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Sequence
 
@@ -133,6 +134,18 @@ def is_manual(mesh) -> bool:
 def batch_axes(mesh) -> tuple[str, ...]:
   """The batch axes present on `mesh` (the row split of tokens)."""
   return tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+
+
+@functools.lru_cache(maxsize=64)
+def process_rows(batch_sh, batch_size: int) -> np.ndarray:
+  """The rows of a global batch of `batch_size` (sorted) that this process's devices hold
+  under the batch sharding `batch_sh`: a process reads and feeds exactly these. All rows when
+  a non-batch axis (tensor, say) spans the processes; its contiguous share when only batch
+  axes do."""
+  index = batch_sh.addressable_devices_indices_map((batch_size, 1))
+  rows = np.unique(np.concatenate([np.arange(batch_size)[i[0]] for i in index.values()]))
+  rows.setflags(write=False)
+  return rows
 
 
 def batch_size_of(mesh) -> int:

@@ -1,4 +1,4 @@
-"""One process of two-process CPU training runs (used by test_multiprocess.py): 2 CPU devices
+"""One process of two-process CPU training runs (used by test_multiprocess.py): N CPU devices
 per process; one run per argument 'axis=size,...[:sample]' (a mesh spanning both processes;
 `sample`: the default train.sample_tokens), in WORK/<i>, one after another in the same two
 processes. Prints what each run fed."""
@@ -9,8 +9,9 @@ import sys
 import jax
 import numpy as np
 
-pid, port, work, specs = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
-jax.config.update('jax_num_cpu_devices', 2)
+pid, port, work, n_dev, specs = (int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]),
+                                 sys.argv[5:])
+jax.config.update('jax_num_cpu_devices', n_dev)
 jax.config.update('jax_platforms', 'cpu')
 jax.distributed.initialize(coordinator_address=f'127.0.0.1:{port}', num_processes=2,
                            process_id=pid)
@@ -23,10 +24,10 @@ fed = []
 put_batch = steps.put_batch
 
 
-def recording_put_batch(batch, batch_sh):
-  if batch_sh.mesh.size == 4 and len(fed) < 6:  # training and validation rows fed here
+def recording_put_batch(batch, batch_sh, batch_size=None):
+  if batch_sh.mesh.size == jax.device_count() and len(fed) < 6:  # training and validation rows fed here
     fed.append(np.asarray(batch['inputs']).tolist())
-  return put_batch(batch, batch_sh)
+  return put_batch(batch, batch_sh, batch_size)
 
 
 steps.put_batch = recording_put_batch

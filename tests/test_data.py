@@ -153,7 +153,7 @@ def test_process_shards_concatenate_to_the_global_batch(tmp_path):
   sources.write_token_file(path, np.random.default_rng(0).integers(0, 256, 4000), 256, 'byte')
   cfg = _file_cfg(path)
   whole = pipeline.train_iterator(cfg, 256, 5)
-  parts = [pipeline.train_iterator(cfg, 256, 5, process_index=p, process_count=2)
+  parts = [pipeline.train_iterator(cfg, 256, 5, rows=range(2 * p, 2 * p + 2))
            for p in range(2)]
   for _ in range(5):
     g = next(whole)

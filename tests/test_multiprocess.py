@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 
+import jax
 import pytest
 
 import numpy as np
@@ -27,50 +28,66 @@ def _free_port():
     return s.getsockname()[1]
 
 
-SPECS = ('data=1,expert=4:sample', 'data=1,dcn_data=2,expert=2')
+# per launch (CPU devices per process): mesh spec (and :sample) -> the rows each process feeds,
+# its half or all rows (a non-batch axis, tensor, spans the processes: both hold every row)
+LAUNCHES = {2: {'data=1,expert=4:sample': 'half', 'data=1,dcn_data=2,expert=2': 'half',
+                'data=1,fsdp=2,expert=2': 'half'},
+            1: {'data=1,tensor=2': 'all'}}
 
 
 def test_two_processes_match_one(tmp_path):
-  """Two runs, one after the other in the same two processes: expert=4, where the expert
+  """Two launches of two processes (2 CPU devices each, and 1 each), runs one after the other
+  in each: expert=4, where the expert
   exchange crosses the processes and the run ends as a user's does (the default
   train.sample_tokens: the end-of-run sample gathers the sharded params on every process,
   process 0 prints it, both exit); dcn_data=2 x expert=2, a hybrid mesh with each process one
-  granule (data parallel across them, experts inside). Each equals a one-process run."""
-  root, port = tmp_path / 'mp', str(_free_port())
+  granule (data parallel across them, experts inside); tensor=2 across the processes (each
+  process feeds every row: the batch is replicated over tensor); fsdp=2 across them. Each
+  equals a one-process run step by step, losses and trained parameters."""
   env = dict(os.environ, JAX_PLATFORMS='cpu')
-  procs = [subprocess.Popen([sys.executable, os.path.join(HERE, 'mp_worker.py'), str(p), port,
-                             str(root), *SPECS], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True) for p in range(2)]
+  procs = {n: [subprocess.Popen([sys.executable, os.path.join(HERE, 'mp_worker.py'), str(p),
+                                 str(port), str(tmp_path / f"mp{n}"), str(n), *specs], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for p in range(2)]
+           for (n, specs), port in zip(LAUNCHES.items(), (_free_port(), _free_port()))}
   try:
-    outs = [p.communicate(timeout=600)[0] for p in procs]
+    outs = {n: [p.communicate(timeout=600)[0] for p in ps] for n, ps in procs.items()}
   finally:
-    for p in procs:
+    for p in sum(procs.values(), []):
       p.kill()
-  for p, out in zip(procs, outs):
-    assert p.returncode == 0, out[-3000:]
-  assert outs[0].count('sample:') == 1 and 'sample:' not in outs[1], outs[0][-2000:]
-  results = [[json.loads(l[7:]) for l in o.splitlines() if l.startswith('RESULT')] for o in outs]
-  assert [[r['run'] for r in rs] for rs in results] == [[0, 1], [0, 1]]
+  checks = []  # (spec, rows split, workdir, the two processes' results)
+  for n, specs in LAUNCHES.items():
+    for p, out in zip(procs[n], outs[n]):
+      assert p.returncode == 0, out[-3000:]
+    results = [[json.loads(l[7:]) for l in o.splitlines() if l.startswith('RESULT')]
+               for o in outs[n]]
+    assert [[r['run'] for r in rs] for rs in results] == [list(range(len(specs)))] * 2
+    checks += [(spec, split, tmp_path / f'mp{n}' / str(i), [rs[i] for rs in results])
+               for i, (spec, split) in enumerate(specs.items())]
+  assert sum(o.count('sample:') for o in outs[2]) == 1 and 'sample:' in outs[2][0]
   exp = build(tiny(steps=4))
   it = pipeline.train_iterator(exp.data, exp.model.vocab_size, 5)
   first = np.asarray(next(it)['inputs'])
   half = first.shape[0] // 2
   single = train(tiny(steps=4), str(tmp_path / 'single'))
   one = losses(tmp_path / 'single')
-  for run in (0, 1):
-    per_process = [rs[run] for rs in results]
-    assert [r['process'] for r in per_process] == [0, 1] and per_process[0]['devices'] == 4
-    for r in per_process:  # each process fed half of the global batch: its own rows
+  one_params = checkpoint.load_params(str(tmp_path / "single"))[1]
+  for spec, split, work, per_process in checks:
+    assert [r['process'] for r in per_process] == [0, 1]
+    for r in per_process:  # each process fed exactly the rows its devices hold
       fed = np.asarray(r['fed'][0])
-      assert fed.shape == (half, first.shape[1])
-      np.testing.assert_array_equal(fed, first[r['process'] * half:(r['process'] + 1) * half])
-    work = str(root / str(run))
+      p = r['process']
+      want = first[p * half:(p + 1) * half] if split == 'half' else first
+      np.testing.assert_array_equal(fed, want, err_msg=spec)
+    work = str(work)
     two = losses(work)
     assert sorted(two) == sorted(one) == [1, 2, 3, 4]
     for s in one:
-      assert two[s] == pytest.approx(one[s], rel=1e-5), (SPECS[run], s)
+      assert two[s] == pytest.approx(one[s], rel=1e-5), (spec, s)
     assert per_process[0]['final_window_loss'] == pytest.approx(single['final_window_loss'],
                                                                rel=1e-5)
     _, params, step, _ = checkpoint.load_params(work)
     assert step == 4
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(one_params)):
+      np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                 rtol=1e-3, atol=1e-5, err_msg=spec)

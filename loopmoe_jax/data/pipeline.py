@@ -3,8 +3,10 @@
 The batch of step s holds global examples s*B .. s*B+B-1; example g reads window
 perm_e[g mod N] of epoch e = g div N, where perm_e is a permutation drawn from (seed, e).
 The order therefore depends only on (seed, seq_len, batch size, data), never on the model,
-so different architectures see the same batches; each process takes its contiguous rows of
-every global batch. The iterator's state is the next step, saved with each checkpoint.
+so different architectures see the same batches. Each process reads only the rows of every
+global batch that its devices hold (`rows`, from the batch sharding: sharding.process_rows):
+all of them when a non-batch axis spans the processes, its contiguous part when only batch
+axes do. The iterator's state is the next step, saved with each checkpoint.
 """
 from __future__ import annotations
 
@@ -89,17 +91,22 @@ class Windows:
     return tokens[:-1], tokens[1:], mask
 
 
+def _rows(batch_size: int, rows) -> np.ndarray:
+  """The global batch rows a process reads (sorted, unique): all of them when `rows` is None."""
+  if rows is None:
+    return np.arange(batch_size)
+  rows = np.unique(np.asarray(rows, np.int64))
+  if rows.size == 0 or rows[0] < 0 or rows[-1] >= batch_size:
+    raise ValueError(f'rows {rows.tolist()[:8]} are not rows of data.batch_size={batch_size}')
+  return rows
+
+
 class StepBatches:
   """Maps a step to this process's rows of the global batch (thread-safe)."""
 
-  def __init__(self, windows: Windows, batch_size: int, seed: int, process_index: int = 0,
-               process_count: int = 1):
-    if batch_size % process_count:
-      raise ValueError(f'data.batch_size={batch_size} does not split over {process_count} '
-                       'processes')
+  def __init__(self, windows: Windows, batch_size: int, seed: int, rows=None):
     self.windows, self.batch, self.seed = windows, batch_size, seed
-    self.local = batch_size // process_count
-    self.offset = process_index * self.local
+    self.rows = _rows(batch_size, rows)
     self._perms, self._lock = {}, threading.Lock()
 
   def _perm(self, epoch: int):
@@ -113,7 +120,7 @@ class StepBatches:
       return self._perms[epoch]
 
   def example_ids(self, step: int) -> np.ndarray:
-    g = step * self.batch + self.offset + np.arange(self.local)
+    g = step * self.batch + self.rows
     n = self.windows.num
     out = np.empty_like(g)
     for i, gi in enumerate(g):
@@ -140,11 +147,10 @@ def check_data(cfg: DataConfig, model_vocab: int):
     Windows(cfg, 'validation', model_vocab)
 
 
-def train_iterator(cfg: DataConfig, model_vocab: int, max_steps: int, process_index: int = 0,
-                   process_count: int = 1, state=None):
-  """A Grain iterator over steps 0..max_steps-1 (its state: {'next_index': step})."""
-  batches = StepBatches(Windows(cfg, 'train', model_vocab), cfg.batch_size, cfg.seed,
-                        process_index, process_count)
+def train_iterator(cfg: DataConfig, model_vocab: int, max_steps: int, rows=None, state=None):
+  """A Grain iterator over steps 0..max_steps-1 (its state: {'next_index': step}) yielding the
+  `rows` of each global batch (default: all)."""
+  batches = StepBatches(Windows(cfg, 'train', model_vocab), cfg.batch_size, cfg.seed, rows)
   ds = grain.MapDataset.range(max_steps).map(batches)
   it = iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=cfg.num_threads,
                                                  prefetch_buffer_size=cfg.prefetch)))
@@ -153,17 +159,17 @@ def train_iterator(cfg: DataConfig, model_vocab: int, max_steps: int, process_in
   return it
 
 
-def validation_batches(cfg: DataConfig, model_vocab: int, process_index: int = 0,
-                       process_count: int = 1):
-  """A fixed list of validation batches (in order, no shuffling); [] if there is no split."""
+def validation_batches(cfg: DataConfig, model_vocab: int, rows=None):
+  """A fixed list of validation batches (in order, no shuffling; the `rows` of each, default
+  all); [] if there is no split."""
   if cfg.source != 'synthetic' and open_source(cfg, 'validation') is None:
     return []
   windows = Windows(cfg, 'validation', model_vocab)
-  local = cfg.batch_size // process_count
+  rows = _rows(cfg.batch_size, rows)
   n = min(cfg.val_batches, windows.num // cfg.batch_size) or 1
   out = []
   for b in range(n):
-    ids = [(b * cfg.batch_size + process_index * local + i) % windows.num for i in range(local)]
+    ids = [int(b * cfg.batch_size + i) % windows.num for i in rows]
     out.append(_stack([windows(i) for i in ids]))
   return out
 

@@ -321,15 +321,33 @@ def make_routing_step(model, mesh=None):
   return OnMesh(jax.jit(step), mesh) if mesh is not None else jax.jit(step)
 
 
-def put_batch(batch, batch_sh):
-  """Builds global arrays from this process's rows."""
-  return {k: jax.make_array_from_process_local_data(batch_sh, np.asarray(v))
-          for k, v in batch.items()}
+def put_batch(batch, batch_sh, batch_size: int | None = None):
+  """Global arrays of a batch of `batch_size` rows (None: `batch` is the whole global batch)
+  from this process's rows of it, sharding.process_rows(batch_sh, batch_size) in order: each
+  addressable device gets its slice of those rows, whichever mesh axes span the processes."""
+  out = {}
+  for k, v in batch.items():
+    v = np.asarray(v)
+    n = v.shape[0] if batch_size is None else batch_size
+    rows = sharding.process_rows(batch_sh, n)
+    if v.shape[0] != rows.size:
+      raise ValueError(f'batch {k!r}: {v.shape[0]} rows fed, but this process\'s devices hold '
+                       f'{rows.size} of the {n} rows')
+    shape = (n,) + v.shape[1:]
+    out[k] = jax.make_array_from_callback(
+        shape, batch_sh, lambda idx, v=v, rows=rows: v[np.searchsorted(rows, _range(idx[0], n))])
+  return out
 
 
-def evaluate(eval_step, params, batches, batch_sh, router_bias=None) -> float:
+def _range(index, n: int) -> np.ndarray:
+  return np.arange(n)[index]
+
+
+def evaluate(eval_step, params, batches, batch_sh, router_bias=None,
+             batch_size: int | None = None) -> float:
+  """Mean loss over `batches` (this process's rows of global batches of `batch_size`)."""
   total, count = 0.0, 0.0
   for b in batches:
-    s, c = eval_step(params, put_batch(b, batch_sh), router_bias)
+    s, c = eval_step(params, put_batch(b, batch_sh, batch_size), router_bias)
     total, count = total + float(s), count + float(c)
   return total / max(count, 1.0)

@@ -124,9 +124,10 @@ def _train(cfg, exp, workdir: str, force: bool = False, start_over: bool = False
   # The last W per-step losses travel with the checkpoint so the summary is exact on resume.
   losses = list(data_state.get('recent_losses', []))
 
-  it = pipeline.train_iterator(dc, mc.vocab_size, max(tc.steps, tc.total_steps) + 1, proc,
-                               n_proc, data_state.get('iterator'))
-  val = pipeline.validation_batches(dc, mc.vocab_size, proc, n_proc)
+  rows = sharding.process_rows(batch_sh, dc.batch_size)  # what this process's devices hold
+  it = pipeline.train_iterator(dc, mc.vocab_size, max(tc.steps, tc.total_steps) + 1, rows,
+                               data_state.get('iterator'))
+  val = pipeline.validation_batches(dc, mc.vocab_size, rows)
   programs = depth.TrainSteps(model, tx, schedule, tc, state_sh, batch_sh)
   step_flops = {}  # pass count -> train FLOPs per token (MFU follows the counts run)
   eval_step = steps.make_eval_step(model, mesh=mesh)
@@ -190,7 +191,7 @@ def _train(cfg, exp, workdir: str, force: bool = False, start_over: bool = False
       m['mfu'] = flops_log / elapsed / peak
     if val and (s % tc.eval_every == 0 or s == tc.steps):
       m['val_loss'] = val_loss = steps.evaluate(eval_step, state['params'], val, batch_sh,
-                                                state.get('router_bias'))
+                                                state.get('router_bias'), dc.batch_size)
       val_step = s
     writer.write(s, m)
     writer.progress(s, m)
@@ -200,7 +201,7 @@ def _train(cfg, exp, workdir: str, force: bool = False, start_over: bool = False
   try:
     with _StopFlag() as stop:
       for step in range(start, tc.steps):
-        batch = steps.put_batch(next(it), batch_sh)
+        batch = steps.put_batch(next(it), batch_sh, dc.batch_size)
         made = len(programs)
         n, train_step = programs.at(step)
         if len(programs) > made and tc.sampled and proc == 0:
