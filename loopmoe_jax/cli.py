@@ -177,7 +177,12 @@ def run(main):
     for logger in (absl_logging.get_absl_logger(), logging.getLogger('asyncio')):
       logger.addFilter(_QuietOrbax())
     try:
-      return main(argv)
+      result = main(argv)
+      # the work is done (a stopped run has saved on every process): a SIGTERM that reaches
+      # this process late, while it exits, no longer changes anything
+      if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+      return result
     except KeyboardInterrupt:
       if debug():
         raise

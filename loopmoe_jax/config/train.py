@@ -34,6 +34,8 @@ class TrainConfig:
   log_every: int = 10
   eval_every: int = 100
   save_every: int = 100
+  save_every_minutes: float = 0.0  # also save when this many minutes passed since the last
+  #                                  save (process 0's clock, agreed by all; 0: off)
   keep: int = 3                  # newest checkpoints kept
   keep_every: int = 0            # also keep every multiple of this step for good (0: none)
   keep_steps: str = ''           # also keep these steps for good: '45000' or '1000,45000'
@@ -78,6 +80,7 @@ class TrainConfig:
               'final_lr_fraction': (0 <= self.final_lr_fraction <= 1, 'in [0, 1]'),
               'lb_coef': (self.lb_coef >= 0, '>= 0'), 'z_coef': (self.z_coef >= 0, '>= 0'),
               'bias_rate': (self.bias_rate >= 0, '>= 0'),
+              'save_every_minutes': (self.save_every_minutes >= 0, '>= 0 (0: off)'),
               'loops_high': (self.loops_high >= 0, '>= 0 (0: model.num_loops)'),
               'loops_mean': (self.loops_mean >= 0, '>= 0 (0 when unused; > 0 with '
                                                    'poisson_lognormal)'),

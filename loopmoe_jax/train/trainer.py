@@ -4,7 +4,9 @@
 
 Resumes from the newest readable checkpoint in `workdir` (batches and losses continue exactly
 as an uninterrupted run), or starts from `train.init_from` (a continuation with a longer
-schedule), or from scratch. SIGTERM/SIGINT save a checkpoint and return cleanly. With
+schedule), or from scratch. SIGTERM/SIGINT save a checkpoint and return cleanly, on every
+process at the same step whichever process caught them (train/preempt.py); so does the clock,
+every train.save_every_minutes. With
 train.loops_sampler each step runs the core's pass count drawn for it from (seed, step), in
 the program compiled for that count (train/depth.py; one per count drawn, each printed as it
 is made, their number in the summary as 'compiled_programs'). A non-finite loss or gradient
@@ -31,7 +33,7 @@ from loopmoe_jax.expert_parallel import exchange_kind
 from loopmoe_jax.data import pipeline
 from loopmoe_jax.experiment import RUN_SETTINGS, build, config_diff
 from loopmoe_jax.model import LoopedMoE
-from loopmoe_jax.train import checkpoint, depth, preflight, step as steps
+from loopmoe_jax.train import checkpoint, depth, preempt, preflight, step as steps
 from loopmoe_jax.train.lock import WorkdirLock
 from loopmoe_jax.train import metrics as metrics_lib
 from loopmoe_jax.train.metrics import Writer
@@ -43,27 +45,6 @@ from loopmoe_jax.train.profile import StepProfiler
 
 class TrainingDiverged(RuntimeError):
   pass
-
-
-class _StopFlag:
-  """Set by SIGTERM/SIGINT; the loop saves and returns at the next step boundary."""
-
-  def __init__(self):
-    self.signal = None
-    self._old = {}
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      for sig in (signal.SIGTERM, signal.SIGINT):
-        self._old[sig] = signal.signal(sig, self._set)
-    return self
-
-  def _set(self, signum, frame):
-    self.signal = signal.Signals(signum).name
-
-  def __exit__(self, *exc):
-    for sig, old in self._old.items():
-      signal.signal(sig, old)
 
 
 def peak_flops(cfg_peak: float) -> float:
@@ -80,8 +61,8 @@ def train(cfg, workdir: str, force: bool = False, start_over: bool = False) -> d
   exp = build(cfg)
   check_workdir(workdir)
   pipeline.check_data(exp.data, exp.model.vocab_size)  # before any model is built
-  with WorkdirLock(workdir, owner=jax.process_index() == 0):
-    return _train(cfg, exp, workdir, force, start_over)
+  with WorkdirLock(workdir, owner=jax.process_index() == 0), preempt.StopSignals() as caught:
+    return _train(cfg, exp, workdir, caught, force, start_over)
 
 
 def check_workdir(workdir: str):
@@ -99,7 +80,8 @@ def check_workdir(workdir: str):
                      'another path or fix its permissions')
 
 
-def _train(cfg, exp, workdir: str, force: bool = False, start_over: bool = False) -> dict:
+def _train(cfg, exp, workdir: str, caught: preempt.StopSignals, force: bool = False,
+           start_over: bool = False) -> dict:
   mc, tc, dc = exp.model, exp.train, exp.data
   model = LoopedMoE(mc)
   tx, schedule = make_optimizer(tc)
@@ -198,44 +180,50 @@ def _train(cfg, exp, workdir: str, force: bool = False, start_over: bool = False
     t_log, tok_log, flops_log = time.time(), 0, 0.0
 
   profiler = StepProfiler(tc.profile_range, os.path.join(workdir, 'profile'), quiet=proc != 0)
+  vote = preempt.Vote(mesh, tc.save_every_minutes)
+  decision = preempt.Decision()
+  caught.arm()  # from here a signal saves and stops (before: the default handlers)
   try:
-    with _StopFlag() as stop:
-      for step in range(start, tc.steps):
-        batch = steps.put_batch(next(it), batch_sh, dc.batch_size)
-        made = len(programs)
-        n, train_step = programs.at(step)
-        if len(programs) > made and tc.sampled and proc == 0:
-          print(f'step {step + 1}: {n} passes, compiling train program {len(programs)}',
-                flush=True)
-        with profiler.step(step + 1):
-          state, metrics = train_step(state, batch)
-        profiler.after(step + 1, metrics)
-        checkpoint.check_background(mngr)  # an asynchronous save that failed stops the run
-        if pending:
-          handle(pending)
-        pending = (step + 1, dict(metrics, loops=n))
-        if (step + 1) % tc.routing_every == 0:
-          _write_routing(workdir, step + 1,
-                         routing_step(state['params'], batch, state.get('router_bias')), proc)
-        if (step + 1) % tc.save_every == 0 or stop.signal or step + 1 == tc.steps:
-          handle(pending)
-          pending = None
-          if not bool(steps.all_finite(state['params'])):
-            raise TrainingDiverged(
-                f'non-finite parameters after step {step + 1}; stopped without saving: '
-                f'{kept()}. Lower train.lr.')
-          checkpoint.save(mngr, step + 1, state, {'iterator': it.get_state(),
-                                                  'recent_losses': losses[-tc.final_window:]},
-                          config_json)
-          last_saved = step + 1
-          if proc == 0:
-            print(f'checkpoint step {step + 1} -> {mngr.directory}/{step + 1}'
-                  f'{" (writing in the background)" if tc.async_save else ""}', flush=True)
-        if stop.signal:
-          print(f'{stop.signal}: saved step {step + 1} and stopped', flush=True)
-          break
-      final = int(jax.device_get(state['step']))
-      checkpoint.check_background(mngr, wait=True)
+    for step in range(start, tc.steps):
+      batch = steps.put_batch(next(it), batch_sh, dc.batch_size)
+      made = len(programs)
+      n, train_step = programs.at(step)
+      if len(programs) > made and tc.sampled and proc == 0:
+        print(f'step {step + 1}: {n} passes, compiling train program {len(programs)}',
+              flush=True)
+      with profiler.step(step + 1):
+        state, metrics = train_step(state, batch)
+      profiler.after(step + 1, metrics)
+      checkpoint.check_background(mngr)  # an asynchronous save that failed stops the run
+      if pending:
+        handle(pending)
+      pending = (step + 1, dict(metrics, loops=n))
+      if (step + 1) % tc.routing_every == 0:
+        _write_routing(workdir, step + 1,
+                       routing_step(state['params'], batch, state.get('router_bias')), proc)
+      decision = vote(caught.signum)  # what every process does after this step
+      if ((step + 1) % tc.save_every == 0 or decision.stop or decision.timed_save or
+          step + 1 == tc.steps):
+        handle(pending)
+        pending = None
+        if not bool(steps.all_finite(state['params'])):
+          raise TrainingDiverged(
+              f'non-finite parameters after step {step + 1}; stopped without saving: '
+              f'{kept()}. Lower train.lr.')
+        checkpoint.save(mngr, step + 1, state, {'iterator': it.get_state(),
+                                                'recent_losses': losses[-tc.final_window:]},
+                        config_json)
+        last_saved = step + 1
+        vote.saved()
+        if proc == 0:
+          print(f'checkpoint step {step + 1} -> {mngr.directory}/{step + 1}'
+                f'{" (writing in the background)" if tc.async_save else ""}', flush=True)
+      if decision.stop:
+        by = '' if caught.signum else ' (caught by another process)'
+        print(f'{decision.stop}{by}: saved step {step + 1} and stopped', flush=True)
+        break
+    final = int(jax.device_get(state['step']))
+    checkpoint.check_background(mngr, wait=True)
   finally:
     profiler.close()
     try:
@@ -251,7 +239,7 @@ def _train(cfg, exp, workdir: str, force: bool = False, start_over: bool = False
              'val_loss': val_loss, 'val_step': val_step,  # the step val_loss was measured at
              'tokens_per_s': (final - start) * dc.batch_size * dc.seq_len /
              wall, 'wall_s': wall, 'params_total': acct['params_total'],
-             'params_active': acct['params_active'], 'stopped_by': stop.signal,
+             'params_active': acct['params_active'], 'stopped_by': decision.stop,
              'replayed': replayed, 'compiled_programs': len(programs)}
   if proc == 0:
     with open(summary_path, 'w') as f:
@@ -259,7 +247,7 @@ def _train(cfg, exp, workdir: str, force: bool = False, start_over: bool = False
     print('summary: ' + json.dumps({k: summary[k] for k in
                                     ('steps', 'final_window_loss', 'val_loss', 'val_step',
                                      'tokens_per_s', 'compiled_programs')}))
-  if tc.sample_tokens and not stop.signal:
+  if tc.sample_tokens and not decision.stop:
     params, bias = state['params'], state.get('router_bias')
     if n_proc > 1:  # every process joins the gather; process 0 samples from the whole copy
       from jax.experimental import multihost_utils

@@ -1,0 +1,111 @@
+"""Stops and timed saves that every process of a run agrees on.
+
+A signal (SIGTERM at a pod's maintenance event, SIGINT) reaches the hosts of a multi-host run
+at different times, or only one of them. A process that acted on its own signal would wait in
+the checkpoint's barrier while the others enter the next step's collectives: the run hangs. So
+no process acts on its own flags. Each step every process posts them to `Vote`: the signal it
+caught (its number; 0 for none) and, on process 0 alone, whether `train.save_every_minutes`
+have passed since the last save (one clock decides). A tiny program takes their maximum over
+every device of the mesh (one all-reduce of two int32); its result is read one step later,
+beside the step's metrics the trainer already waits for, so every process acts on the same
+decision after the same step: all save that step, and all stop. With one process the flags are
+the decision, at once (no program).
+
+    with StopSignals() as caught:
+      vote = Vote(mesh, save_every_minutes=30)
+      caught.arm()
+      for step ...:
+        ... dispatch the train step ...
+        decision = vote(caught.signum)    # the agreement on the flags posted a step ago
+        if decision.stop: save, then break
+"""
+from __future__ import annotations
+
+import dataclasses
+import signal
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+class StopSignals:
+  """Once armed (the training loop starts), catches SIGTERM and SIGINT until the context
+  exits (the run's summary written; main thread only): `signum` is the last one caught (0:
+  none). The previous handlers come back on exit."""
+
+  def __init__(self):
+    self.signum = 0
+    self._old = {}
+
+  def __enter__(self):
+    return self
+
+  def arm(self):
+    if threading.current_thread() is threading.main_thread() and not self._old:
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self._old[sig] = signal.signal(sig, self._set)
+
+  def _set(self, signum, frame):
+    del frame
+    self.signum = signum
+
+  def __exit__(self, *exc):
+    for sig, old in self._old.items():
+      signal.signal(sig, old)
+    self._old = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """What every process does after this step: stop (the name of the signal some process
+  caught; None: go on), and save now on the clock (`train.save_every_minutes`)."""
+  stop: str | None = None
+  timed_save: bool = False
+
+
+def _name(signum: int) -> str | None:
+  return signal.Signals(signum).name if signum else None
+
+
+class Vote:
+  """The per-step agreement (module docstring). `collective=None`: a program over the mesh
+  when the run has several processes, the local flags at once otherwise; True forces the
+  program (the benchmark measures its cost on one process)."""
+
+  def __init__(self, mesh, save_every_minutes: float = 0.0, collective: bool | None = None,
+               clock=time.monotonic):
+    self.every_s = save_every_minutes * 60.0
+    self.clock, self.last_save = clock, clock()
+    self.collective = jax.process_count() > 1 if collective is None else collective
+    self._pending = None
+    if self.collective:
+      self._sh = NamedSharding(mesh, P(mesh.axis_names, None))
+      self._n = mesh.size
+      self._agree = jax.jit(lambda x_ND: jnp.max(x_ND, axis=0),
+                            out_shardings=NamedSharding(mesh, P()))
+
+  def saved(self):
+    """A checkpoint was written: the clock of timed saves starts again."""
+    self.last_save = self.clock()
+
+  def _flags(self, signum: int) -> np.ndarray:
+    due = (self.every_s > 0 and jax.process_index() == 0 and
+           self.clock() - self.last_save >= self.every_s)
+    return np.array([signum, int(due)], np.int32)
+
+  def __call__(self, signum: int) -> Decision:
+    """Posts this process's flags; returns the decision every process reaches now."""
+    flags = self._flags(signum)
+    if not self.collective:
+      return Decision(_name(int(flags[0])), bool(flags[1]))
+    x_ND = jax.make_array_from_callback((self._n, 2), self._sh,
+                                        lambda idx: flags[None].repeat(len(range(self._n)[idx[0]]), 0))
+    previous, self._pending = self._pending, self._agree(x_ND)
+    if previous is None:
+      return Decision()
+    agreed = np.asarray(jax.device_get(previous))
+    return Decision(_name(int(agreed[0])), bool(agreed[1]))
