@@ -112,9 +112,10 @@ def _check_config(argv, default):
 
 
 def distributed_flags():
-  """--coordinator_address/--num_processes/--process_id (default: the environment variables
-  JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) and --distributed (let JAX
-  detect the cluster: TPU pods, SLURM, Open MPI, Kubernetes)."""
+  """--distributed=auto|on|off (loopmoe_jax/distributed.py: auto joins a multi-process run
+  when SLURM, Open MPI, a Cloud TPU VM or --coordinator_address started this process),
+  --coordinator_address/--num_processes/--process_id (default: the environment variables
+  JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) and --distributed_timeout."""
   from absl import flags
   env = os.environ.get
 
@@ -134,22 +135,24 @@ def distributed_flags():
           'num_processes', env_int('JAX_NUM_PROCESSES'), 'Processes in the run.'),
       'process_id': flags.DEFINE_integer(
           'process_id', env_int('JAX_PROCESS_ID'), 'This process\'s index.'),
-      'distributed': flags.DEFINE_bool(
-          'distributed', False, 'Initialise jax.distributed from the cluster environment.'),
+      'mode': flags.DEFINE_enum(
+          'distributed', 'auto', ['auto', 'on', 'off'],
+          'Join a multi-process run: auto (when a launcher is detected: SLURM, Open MPI, a '
+          'Cloud TPU VM, --coordinator_address), on (required), off (run alone).'),
+      'timeout_s': flags.DEFINE_integer(
+          'distributed_timeout', 300, 'Seconds to wait for every process of the run.'),
   }
 
 
 def initialize_distributed(holders) -> None:
-  """jax.distributed.initialize from the distributed_flags (before any other JAX call)."""
-  import jax
-  values = {k: h.value for k, h in holders.items()}
-  if values.pop('distributed') or values['coordinator_address']:
-    missing = [k for k, v in values.items() if v is None]
-    if values['coordinator_address'] and missing:
-      raise ValueError(f'--coordinator_address={values["coordinator_address"]} needs '
-                       f'{" and ".join("--" + k for k in missing)} (or JAX_NUM_PROCESSES / '
-                       'JAX_PROCESS_ID)')
-    jax.distributed.initialize(**{k: v for k, v in values.items() if v is not None})
+  """Joins the multi-process run (distributed.initialize) before any other JAX call, and says
+  so in one line per process."""
+  from loopmoe_jax import distributed
+  launch = distributed.initialize(**{k: h.value for k, h in holders.items()})
+  if launch is not None:
+    import jax
+    print(f'process {jax.process_index()} of {jax.process_count()} ({launch.launcher}): '
+          f'{jax.local_device_count()} of {jax.device_count()} devices', flush=True)
 
 
 class _QuietOrbax:

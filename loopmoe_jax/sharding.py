@@ -70,8 +70,12 @@ def make_mesh(cfg: MeshConfig | None = None, devices: Sequence[Any] | None = Non
   from jax.experimental import mesh_utils  # pylint: disable=import-outside-toplevel
   order = [AXES.index(a) for a in _INTENSITY]
   shape = tuple(sizes[a] for a in _INTENSITY)
+  if sizes['dcn_data'] > 1 and sizes['dcn_data'] not in (slices, by_process):
+    raise ValueError(f"mesh.dcn_data={sizes['dcn_data']} matches neither the TPU slices "
+                     f'({slices}) nor the processes ({by_process}) of the run: set it to one '
+                     'of them (or 1)')
   try:
-    if sizes['dcn_data'] > 1 and sizes['dcn_data'] in (slices, by_process):
+    if sizes['dcn_data'] > 1:
       # granules: TPU slices when there are several, else processes (GPU nodes)
       ici = (1,) + shape[1:]
       dcn = (sizes['dcn_data'],) + (1,) * (len(AXES) - 1)

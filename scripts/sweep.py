@@ -15,9 +15,10 @@ N_block_active, D, C, F, S, r, E, k and the final-window loss.
 from absl import flags
 from ml_collections import config_flags
 
-from loopmoe_jax.cli import config_flag, run
+from loopmoe_jax.cli import config_flag, distributed_flags, initialize_distributed, run
 
 _CONFIG = config_flag()
+_DISTRIBUTED = distributed_flags()
 _SWEEP = flags.DEFINE_multi_string('sweep', [], 'SECTION.FIELD=v1,v2,... (repeatable).')
 _ROOT = flags.DEFINE_string('root', None, 'Directory holding one workdir per point.',
                             required=True)
@@ -25,6 +26,7 @@ _ROOT = flags.DEFINE_string('root', None, 'Directory holding one workdir per poi
 
 def main(argv):
   del argv
+  initialize_distributed(_DISTRIBUTED)
   from loopmoe_jax.scaling import sweep
   if _SWEEP.value:
     grid = sweep.parse_sweeps(_SWEEP.value)

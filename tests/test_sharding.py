@@ -611,3 +611,12 @@ def test_replay_reruns_an_overflowing_step_dropless():
 def test_exchange_overflow_errors(kw):
   with pytest.raises(ValueError, match=r'model\.exchange_overflow='):
     ModelConfig(**kw)
+
+
+def test_dcn_data_matching_neither_slices_nor_processes_is_an_error():
+  """mesh.dcn_data names the granules the slow network joins: on one process of fake devices
+  (one slice, one process) a dcn_data of 2 cannot be placed, and says so instead of building
+  a plain mesh."""
+  with pytest.raises(ValueError, match=r'mesh\.dcn_data=2 matches neither the TPU slices \(1\) '
+                                       r'nor the processes \(1\)'):
+    sharding.make_mesh(sharding.MeshConfig(dcn_data=2, data=-1))

@@ -40,6 +40,8 @@ class TrainConfig:
   keep_every: int = 0            # also keep every multiple of this step for good (0: none)
   keep_steps: str = ''           # also keep these steps for good: '45000' or '1000,45000'
   async_save: bool = True
+  compile_cache: str = ''        # persistent compilation cache: '' WORKDIR/compile_cache, a
+  #                                path, or 'off' (train/compile_cache.py)
   routing_every: int = 50        # per-layer-per-pass routing statistics
   final_window: int = 50         # summary: mean LM loss over the last W steps
   peak_flops: float = 0.0        # per device, for MFU; 0: known accelerators only

@@ -172,7 +172,11 @@ def finished(workdir: str, steps: int) -> dict | None:
 
 def run_sweep(cfg, sweeps: Mapping[str, Sequence[Any]], root: str,
               run: Callable[[Any, str], dict] | None = None, log=print) -> list[dict]:
-  """Runs (or skips, or resumes) every grid point; returns the rows and writes sweep.csv."""
+  """Runs (or skips, or resumes) every grid point, one after another (in a multi-process run
+  every process runs each point together; process 0 alone writes the sweep's files); returns
+  the rows and writes sweep.csv."""
+  import jax  # pylint: disable=import-outside-toplevel
+  writer = jax.process_index() == 0
   if run is None:
     from loopmoe_jax.train.trainer import train as run
   points = grid(sweeps)
@@ -196,17 +200,18 @@ def run_sweep(cfg, sweeps: Mapping[str, Sequence[Any]], root: str,
       log(f'[{i + 1}/{len(points)}] {name}: finished ({summary["steps"]} steps), skipped')
     else:
       log(f'[{i + 1}/{len(points)}] {name}: running in {workdir}')
-      os.makedirs(workdir, exist_ok=True)
-      with open(os.path.join(workdir, 'point.json'), 'w') as f:
-        json.dump(point, f)
-      with open(os.path.join(workdir, 'config.json'), 'w') as f:
-        f.write(c.to_json())
+      if writer:
+        os.makedirs(workdir, exist_ok=True)
+        with open(os.path.join(workdir, 'point.json'), 'w') as f:
+          json.dump(point, f)
+        with open(os.path.join(workdir, 'config.json'), 'w') as f:
+          f.write(c.to_json())
       summary = run(c, workdir)
       if summary.get('stopped_by') or summary.get('final_window_loss') is None:
         log(f'{name}: stopped before the end; re-run the sweep to resume')
         break
     rows.append({'point': name, **{k: point[k] for k in point}, **point_row(c, summary),
                  'workdir': workdir})
-  if rows:
+  if rows and writer:
     write_csv(os.path.join(root, 'sweep.csv'), rows)
   return rows

@@ -17,6 +17,7 @@ workdir is refused (lock.WorkdirLocked, naming the holder).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -33,7 +34,8 @@ from loopmoe_jax.expert_parallel import exchange_kind
 from loopmoe_jax.data import pipeline
 from loopmoe_jax.experiment import RUN_SETTINGS, build, config_diff
 from loopmoe_jax.model import LoopedMoE
-from loopmoe_jax.train import checkpoint, depth, preempt, preflight, step as steps
+from loopmoe_jax.train import checkpoint, compile_cache, depth, preempt, preflight, step as steps
+from loopmoe_jax.train.goodput import Goodput
 from loopmoe_jax.train.lock import WorkdirLock
 from loopmoe_jax.train import metrics as metrics_lib
 from loopmoe_jax.train.metrics import Writer
@@ -93,10 +95,13 @@ def _train(cfg, exp, workdir: str, caught: preempt.StopSignals, force: bool = Fa
   if not force:  # before anything is compiled
     preflight.check_memory(exp, mesh, target)
   run_dir = RunDir(workdir)
+  clock = Goodput()  # wall time from here: restore, compiles, data, saves, evaluation, steps
+  cache_dir = compile_cache.use(tc.compile_cache, workdir)
   mngr = checkpoint.manager(run_dir.checkpoints, tc.keep, tc.async_save,
                             keep_every=tc.keep_every, keep_steps=tc.kept_steps)
-  state, data_state, start = _initial_state(mngr, target, model, tx, exp, state_sh, workdir,
-                                            start_over)
+  with clock.spent('restore'):
+    state, data_state, start = _initial_state(mngr, target, model, tx, exp, state_sh, workdir,
+                                              start_over)
   summary_path = run_dir.file(SUMMARY)
   if start >= tc.steps and os.path.exists(summary_path):
     print(f'{workdir} already finished at step {start}', flush=True)
@@ -172,9 +177,11 @@ def _train(cfg, exp, workdir: str, caught: preempt.StopSignals, force: bool = Fa
     if peak:
       m['mfu'] = flops_log / elapsed / peak
     if val and (s % tc.eval_every == 0 or s == tc.steps):
-      m['val_loss'] = val_loss = steps.evaluate(eval_step, state['params'], val, batch_sh,
-                                                state.get('router_bias'), dc.batch_size)
+      with clock.spent('eval'):
+        m['val_loss'] = val_loss = steps.evaluate(eval_step, state['params'], val, batch_sh,
+                                                  state.get('router_bias'), dc.batch_size)
       val_step = s
+    m.update(clock.row())
     writer.write(s, m)
     writer.progress(s, m)
     t_log, tok_log, flops_log = time.time(), 0, 0.0
@@ -185,18 +192,29 @@ def _train(cfg, exp, workdir: str, caught: preempt.StopSignals, force: bool = Fa
   caught.arm()  # from here a signal saves and stops (before: the default handlers)
   try:
     for step in range(start, tc.steps):
-      batch = steps.put_batch(next(it), batch_sh, dc.batch_size)
+      with clock.spent('data'):
+        batch = steps.put_batch(next(it), batch_sh, dc.batch_size)
       made = len(programs)
       n, train_step = programs.at(step)
-      if len(programs) > made and tc.sampled and proc == 0:
+      new = len(programs) > made
+      if new and tc.sampled and proc == 0:
         print(f'step {step + 1}: {n} passes, compiling train program {len(programs)}',
               flush=True)
-      with profiler.step(step + 1):
+      t_step = time.perf_counter()
+      timing = compile_cache.Timings()  # the first call traces and compiles (or loads)
+      with (profiler.step(step + 1), clock.spent('compile') if new else contextlib.nullcontext(),
+            timing if new else contextlib.nullcontext()):
         state, metrics = train_step(state, batch)
+      if new and proc == 0:
+        where = f'; cache {cache_dir}' if cache_dir and len(programs) == 1 else ''
+        print(f'train program {len(programs)} ready in {time.perf_counter() - t_step:.2f} s '
+              f'({timing.text()}{where})', flush=True)
       profiler.after(step + 1, metrics)
       checkpoint.check_background(mngr)  # an asynchronous save that failed stops the run
       if pending:
         handle(pending)
+      if not new:
+        clock.step(time.perf_counter() - t_step)  # dispatch to the previous step's end
       pending = (step + 1, dict(metrics, loops=n))
       if (step + 1) % tc.routing_every == 0:
         _write_routing(workdir, step + 1,
@@ -210,9 +228,10 @@ def _train(cfg, exp, workdir: str, caught: preempt.StopSignals, force: bool = Fa
           raise TrainingDiverged(
               f'non-finite parameters after step {step + 1}; stopped without saving: '
               f'{kept()}. Lower train.lr.')
-        checkpoint.save(mngr, step + 1, state, {'iterator': it.get_state(),
-                                                'recent_losses': losses[-tc.final_window:]},
-                        config_json)
+        with clock.spent('save'):
+          checkpoint.save(mngr, step + 1, state, {'iterator': it.get_state(),
+                                                  'recent_losses': losses[-tc.final_window:]},
+                          config_json)
         last_saved = step + 1
         vote.saved()
         if proc == 0:
@@ -240,7 +259,8 @@ def _train(cfg, exp, workdir: str, caught: preempt.StopSignals, force: bool = Fa
              'tokens_per_s': (final - start) * dc.batch_size * dc.seq_len /
              wall, 'wall_s': wall, 'params_total': acct['params_total'],
              'params_active': acct['params_active'], 'stopped_by': decision.stop,
-             'replayed': replayed, 'compiled_programs': len(programs)}
+             'replayed': replayed, 'compiled_programs': len(programs),
+             **{k: v for k, v in clock.row().items() if not k.startswith('step_time')}}
   if proc == 0:
     with open(summary_path, 'w') as f:
       json.dump(summary, f, indent=1)
