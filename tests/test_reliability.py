@@ -95,7 +95,7 @@ def test_failed_background_save_names_its_step(tmp_path, monkeypatch):
 
 
 def test_too_little_free_space_is_refused_before_writing(tmp_path, monkeypatch):
-  monkeypatch.setattr(checkpoint, '_free_bytes', lambda path: 4096)
+  monkeypatch.setattr(checkpoint.storage, 'free_bytes', lambda path: 4096)
   work = str(tmp_path / 'run')
   with pytest.raises(checkpoint.CheckpointSaveError,
                      match=r'^checkpoint step 3 not saved: .* has 0\.0 MiB free, the step needs '

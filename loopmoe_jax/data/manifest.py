@@ -22,6 +22,7 @@ import os
 
 import numpy as np
 
+from loopmoe_jax import storage
 from loopmoe_jax.data import shards
 
 MANIFEST = 'manifest.json'
@@ -31,18 +32,17 @@ KEYS = ('format', 'tokenizer', 'vocab_size', 'eos_id', 'splits')
 
 def manifest_path(path: str) -> str:
   """DIR or DIR/manifest.json -> DIR/manifest.json."""
-  return path if path.endswith('.json') else os.path.join(path, MANIFEST)
+  return path if path.endswith('.json') else storage.join(path, MANIFEST)
 
 
 def load(path: str) -> dict:
   """The manifest at `path` (DIR or DIR/manifest.json), its keys checked."""
   file = manifest_path(path)
-  if not os.path.exists(file):
+  if not storage.exists(file):
     raise FileNotFoundError(f'manifest {file!r} does not exist; write one with '
                             'scripts/prepare_data.py --output=DIR')
   try:
-    with open(file) as f:
-      m = json.load(f)
+    m = json.loads(storage.read_text(file))
   except ValueError as e:
     raise ValueError(f'manifest {file!r}: not JSON ({e})') from None
   missing = [k for k in KEYS if k not in m]
@@ -55,16 +55,13 @@ def load(path: str) -> dict:
 
 def write_json(path: str, obj) -> str:
   """Writes `obj` as JSON to `path` atomically (a temporary file renamed); returns `path`."""
-  with open(path + '.tmp', 'w') as f:
-    json.dump(obj, f, indent=1)
-    f.write('\n')
-  os.replace(path + '.tmp', path)
+  storage.write_text(path, json.dumps(obj, indent=1) + '\n')
   return path
 
 
 def write(directory: str, manifest: dict) -> str:
   """Writes DIR/manifest.json atomically; returns its path."""
-  return write_json(os.path.join(directory, MANIFEST), manifest)
+  return write_json(storage.join(directory, MANIFEST), manifest)
 
 
 def file_sha256(path: str) -> str:
@@ -94,8 +91,8 @@ class ManifestTokens:
     self.vocab_size, self.tokenizer, self.eos_id = m['vocab_size'], m['tokenizer'], m['eos_id']
     self.format, self.split = m['format'], split
     self.tokenizer_sha256 = m.get('settings', {}).get('tokenizer_sha256')
-    base = os.path.dirname(os.path.abspath(file))
-    self.shards = [shards.open_shard(m['format'], os.path.join(base, s['file']),
+    base = storage.dirname(storage.absolute(file))
+    self.shards = [shards.open_shard(m['format'], storage.join(base, s['file']),
                                      s['num_tokens'], self.vocab_size, self.tokenizer,
                                      m.get('record_tokens', shards.RECORD_TOKENS), check)
                    for s in entries]
@@ -127,7 +124,9 @@ def _opened(file: str, split: str, mtime_ns: int) -> ManifestTokens:
 def opened(path: str, split: str) -> ManifestTokens:
   """ManifestTokens(path, split), opened and id-checked once per manifest version (the
   pipeline opens a source several times: check_data, the iterator, the tokenizer)."""
-  file = os.path.abspath(manifest_path(path))
+  file = storage.absolute(manifest_path(path))
+  if storage.is_url(file):  # one open per process per split: the sample check is cheap
+    return _opened(file, split, 0)
   mtime = os.stat(file).st_mtime_ns if os.path.exists(file) else 0
   return _opened(file, split, mtime) if mtime else ManifestTokens(path, split)
 

@@ -24,6 +24,7 @@ import threading
 
 import numpy as np
 
+from loopmoe_jax import storage
 from loopmoe_jax.data import sources
 
 FORMATS = ('tokens', 'zarr', 'array_record')
@@ -95,7 +96,7 @@ class ArrayRecordTokens:
                        f'implies {want} ({num_tokens} tokens of {record_tokens} per record)')
     self._lock = threading.Lock()
     if check:
-      sources.check_ids(sources.Sliceable(self), vocab_size, path)
+      sources.check_ids(sources.Sliceable(self), vocab_size, path, sample=True)
 
   def __len__(self):
     return self.num_tokens
@@ -109,7 +110,8 @@ class ArrayRecordTokens:
       records = self.reader.read(list(range(r0, r1 + 1)))
     data = np.frombuffer(b''.join(records), self.dtype)
     off = r0 * self.record_tokens
-    return data[start - off:stop - off].astype(np.int32)
+    return sources.checked(data[start - off:stop - off].astype(np.int32), start,
+                           self.vocab_size, self.name)
 
 
 def open_shard(fmt: str, path: str, num_tokens: int, vocab_size: int, tokenizer: str,
@@ -117,6 +119,9 @@ def open_shard(fmt: str, path: str, num_tokens: int, vocab_size: int, tokenizer:
   """A token source (`__len__`, `read`) over one shard, its length checked against
   `num_tokens` and its vocabulary and tokenizer against the manifest's."""
   if fmt == 'array_record':
+    if storage.is_url(path):
+      raise ValueError(f'shard {path!r}: ArrayRecord shards are read from local disk only; '
+                       'prepare the corpus with --format=tokens (or zarr) for object storage')
     return ArrayRecordTokens(path, num_tokens, vocab_size, tokenizer, record_tokens, check)
   src = sources.TokenFile(path, check) if fmt == 'tokens' else sources.ZarrTokens(path, check)
   if len(src) != num_tokens:

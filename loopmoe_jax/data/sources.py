@@ -1,8 +1,11 @@
 """Token sources: a flat token file (numpy memmap), a tensorstore zarr array, an in-memory array.
 
 Every source is a 1-D sequence of token ids with `vocab_size`, `tokenizer` and `name`, read
-by `read(start, stop)`. Ids are checked against the vocabulary when a source is opened, so a
-bad id is reported with its file and offset before training starts.
+by `read(start, stop)`. Ids are checked against the vocabulary when a corpus is written
+(prepare_data); opening a file checks its header and a bounded sample of its ids
+(`SAMPLE_CHUNKS` chunks spread over it: no host reads a whole corpus to start), and every read
+checks the ids it returns, so a bad id is still an error naming the file and offset. Token
+files may live on object storage (gs://...): read by ranged reads (storage.read_range).
 
 Token file layout: b'LOOPMOE1', a little-endian uint64 header length, a JSON header
 {"dtype", "vocab_size", "tokenizer", "num_tokens"}, zero padding to a multiple of 64 bytes,
@@ -18,23 +21,36 @@ from typing import Any
 
 import numpy as np
 
+from loopmoe_jax import storage
+
 MAGIC = b'LOOPMOE1'
 CHECK_CHUNK = 1 << 22
+SAMPLE_CHUNKS = 4  # chunks of CHECK_CHUNK ids checked when a source is opened
 
 
 def token_dtype(vocab_size: int):
   return np.uint16 if vocab_size <= 1 << 16 else np.uint32
 
 
-def check_ids(tokens, vocab_size: int, name: str):
-  """Raises naming `name` and the first offset whose id is outside [0, vocab_size)."""
-  for start in range(0, len(tokens), CHECK_CHUNK):
-    chunk = np.asarray(tokens[start:start + CHECK_CHUNK])
-    bad = np.flatnonzero((chunk >= vocab_size) | (chunk < 0))
-    if bad.size:
-      off = start + int(bad[0])
-      raise ValueError(f'{name}: token id {int(chunk[bad[0]])} at offset {off} is outside the '
-                       f'vocabulary of {vocab_size}')
+def check_ids(tokens, vocab_size: int, name: str, sample: bool = False):
+  """Raises naming `name` and the first offset whose id is outside [0, vocab_size): every id,
+  or with `sample` SAMPLE_CHUNKS chunks spread from the first to the last."""
+  starts = range(0, len(tokens), CHECK_CHUNK)
+  if sample and len(starts) > SAMPLE_CHUNKS:
+    starts = sorted({starts[int(i)] for i in np.linspace(0, len(starts) - 1, SAMPLE_CHUNKS)})
+  for start in starts:
+    checked(np.asarray(tokens[start:start + CHECK_CHUNK]), start, vocab_size, name)
+
+
+def checked(chunk: np.ndarray, start: int, vocab_size: int, name: str) -> np.ndarray:
+  """`chunk` (the ids from offset `start` of `name`), or a ValueError naming the first id
+  outside [0, vocab_size) and its offset."""
+  bad = np.flatnonzero((chunk >= vocab_size) | (chunk < 0))
+  if bad.size:
+    off = start + int(bad[0])
+    raise ValueError(f'{name}: token id {int(chunk[bad[0]])} at offset {off} is outside the '
+                     f'vocabulary of {vocab_size}')
+  return chunk
 
 
 class ArrayTokens:
@@ -60,30 +76,27 @@ def write_token_file(path: str, tokens, vocab_size: int, tokenizer: str):
                        'tokenizer': tokenizer, 'num_tokens': int(tokens.size)}).encode()
   head = MAGIC + struct.pack('<Q', len(header)) + header
   head += b'\0' * (-len(head) % 64)
-  tmp = path + '.tmp'
-  with open(tmp, 'wb') as f:
-    f.write(head)
-    f.write(tokens.astype(dtype).tobytes())
-  os.replace(tmp, path)
+  storage.write_bytes(path, head + tokens.astype(dtype).tobytes())
 
 
 def read_header(path: str) -> tuple[dict[str, Any], int]:
   """(header, byte offset of the tokens) of a token file, with clear errors."""
-  if not os.path.exists(path):
+  if not storage.exists(path):
     raise FileNotFoundError(f'token file {path!r} does not exist')
-  with open(path, 'rb') as f:
-    magic = f.read(8)
-    if magic != MAGIC:
-      raise ValueError(f'token file {path!r}: not a loopmoe token file (bad magic {magic!r})')
-    (n,) = struct.unpack('<Q', f.read(8))
-    size = os.path.getsize(path)
-    if 16 + n > size:
-      raise ValueError(f'token file {path!r}: its header length field says {n} bytes, but the '
-                       f'file has {size} bytes (corrupt or truncated)')
-    try:
-      header = json.loads(f.read(n))
-    except ValueError as e:
-      raise ValueError(f'token file {path!r}: corrupt JSON header ({e})') from None
+  size = storage.size(path)
+  head = storage.read_range(path, 0, min(size, 4096))
+  magic = head[:8]
+  if magic != MAGIC:
+    raise ValueError(f'token file {path!r}: not a loopmoe token file (bad magic {magic!r})')
+  (n,) = struct.unpack('<Q', head[8:16])
+  if 16 + n > size:
+    raise ValueError(f'token file {path!r}: its header length field says {n} bytes, but the '
+                     f'file has {size} bytes (corrupt or truncated)')
+  body = head[16:16 + n] if 16 + n <= len(head) else storage.read_range(path, 16, 16 + n)
+  try:
+    header = json.loads(body)
+  except ValueError as e:
+    raise ValueError(f'token file {path!r}: corrupt JSON header ({e})') from None
   missing = [k for k in ('num_tokens', 'dtype', 'vocab_size', 'tokenizer') if k not in header]
   if missing:
     raise ValueError(f'token file {path!r}: header lacks {missing} (has {sorted(header)})')
@@ -106,28 +119,37 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
 
 
 class TokenFile:
-  """A flat token file read through numpy memmap."""
+  """A flat token file: a numpy memmap of a local file, ranged reads of an object (gs://).
+  `check`: a sample of its ids at opening (module docstring); every read is checked."""
 
   def __init__(self, path: str, check: bool = True):
-    header, offset = read_header(path)
+    header, self.offset = read_header(path)
     self.name, self.vocab_size, self.tokenizer = path, header['vocab_size'], header['tokenizer']
-    self.tokens = np.memmap(path, dtype=header['dtype'], mode='r', offset=offset,
-                            shape=(header['num_tokens'],))
+    self.dtype, self.num = np.dtype(header['dtype']), header['num_tokens']
+    self.tokens = None if storage.is_url(path) else np.memmap(
+        path, dtype=self.dtype, mode='r', offset=self.offset, shape=(self.num,))
     if check:
-      check_ids(self.tokens, self.vocab_size, path)
+      check_ids(Sliceable(self), self.vocab_size, path, sample=True)
 
   def __len__(self):
-    return len(self.tokens)
+    return self.num
 
   def read(self, start: int, stop: int) -> np.ndarray:
-    return np.asarray(self.tokens[start:stop], np.int32)
+    stop = min(stop, self.num)
+    if self.tokens is not None:
+      ids = np.asarray(self.tokens[start:stop])
+    else:
+      item = self.dtype.itemsize
+      ids = np.frombuffer(storage.read_range(self.name, self.offset + start * item,
+                                             self.offset + stop * item), self.dtype)
+    return checked(ids.astype(np.int32), start, self.vocab_size, self.name)
 
 
 def zarr_spec(path_or_spec: str) -> dict:
   """A local path, or a JSON kvstore spec (e.g. {"driver": "gcs", "bucket": ..., "path": ...})."""
   if path_or_spec.lstrip().startswith('{'):
     kv = json.loads(path_or_spec)
-  elif '://' in path_or_spec:
+  elif storage.is_url(path_or_spec):
     kv = path_or_spec
   else:
     kv = {'driver': 'file', 'path': os.path.abspath(path_or_spec)}
@@ -166,13 +188,14 @@ class ZarrTokens:
     self.name, self.vocab_size = path_or_spec, int(attrs['vocab_size'])
     self.tokenizer = attrs.get('tokenizer', '')
     if check:
-      check_ids(Sliceable(self), self.vocab_size, path_or_spec)
+      check_ids(Sliceable(self), self.vocab_size, path_or_spec, sample=True)
 
   def __len__(self):
     return self.arr.shape[0]
 
   def read(self, start: int, stop: int) -> np.ndarray:
-    return np.asarray(self.arr[start:stop].read().result(), np.int32)
+    return checked(np.asarray(self.arr[start:stop].read().result(), np.int32), start,
+                   self.vocab_size, self.name)
 
 
 class Sliceable:

@@ -13,7 +13,6 @@ import errno
 import json
 import logging
 import os
-import shutil
 import sys
 import traceback
 
@@ -21,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+
+from loopmoe_jax import storage
 
 
 log = logging.getLogger(__name__)
@@ -96,23 +97,18 @@ def manager(directory: str, keep: int = 3, async_save: bool = True, read_only: b
                                       enable_async_checkpointing=async_save, read_only=read_only)
   handlers = {'state': ocp.StandardCheckpointHandler(), 'data': ocp.JsonCheckpointHandler(),
               'config': ocp.JsonCheckpointHandler()}
-  return ocp.CheckpointManager(os.path.abspath(directory), options=opts, item_handlers=handlers)
+  return ocp.CheckpointManager(storage.absolute(directory), options=opts,
+                               item_handlers=handlers)
 
 
 class CheckpointSaveError(RuntimeError):
   """A checkpoint could not be written (one line: step, directory, cause, free space)."""
 
 
-def _free_bytes(path: str) -> int:
-  while not os.path.exists(path):
-    path = os.path.dirname(path)
-  return shutil.disk_usage(path).free
-
-
 def _remove_temporaries(directory: str):
-  for name in os.listdir(directory) if os.path.isdir(directory) else ():
+  for name in storage.listdir(directory):
     if '.orbax-checkpoint-tmp' in name:
-      shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+      storage.rmtree(storage.join(directory, name))
 
 
 def _cause(e: BaseException) -> str:
@@ -127,9 +123,10 @@ def _cause(e: BaseException) -> str:
 def save_error(e: BaseException, step: int, directory: str) -> CheckpointSaveError:
   """The one-line error for a failed save; removes the save's temporary directories."""
   _remove_temporaries(directory)
-  free = _free_bytes(directory) / 2**20
-  return CheckpointSaveError(f'saving checkpoint step {step} to {directory} failed ({_cause(e)}; '
-                             f'{free:.1f} MiB free there); earlier steps are kept')
+  free = storage.free_bytes(directory)
+  where = '' if free is None else f'; {free / 2**20:.1f} MiB free there'
+  return CheckpointSaveError(f'saving checkpoint step {step} to {directory} failed ({_cause(e)}'
+                             f'{where}); earlier steps are kept')
 
 
 # Checksums: every array of the train state gets two 32-bit sums of its bits (plain and
@@ -196,8 +193,8 @@ def save(mngr, step: int, state, data_state, config_json: str, force: bool = Fal
   directory = str(mngr.directory)
   check_background(mngr, wait=True)  # the previous save (Orbax waits for it anyway)
   need = sum(x.nbytes for x in jax.tree.leaves(state)) + (1 << 20)
-  free = _free_bytes(directory)
-  if free < need:
+  free = storage.free_bytes(directory)  # None on object storage: no check there
+  if free is not None and free < need:
     raise CheckpointSaveError(
         f'checkpoint step {step} not saved: {directory} has {free / 2**20:.1f} MiB free, the '
         f'step needs about {need / 2**20:.1f} MiB; earlier steps are kept')
@@ -229,7 +226,7 @@ def check_background(mngr, wait: bool = False):
     mngr.check_for_errors()
   except Exception as e:  # pylint: disable=broad-except
     raise save_error(e, step, str(mngr.directory)) from None
-  if not os.path.isdir(os.path.join(str(mngr.directory), str(step))):
+  if not storage.isdir(storage.join(str(mngr.directory), str(step))):
     # Orbax logs (and does not raise) a failure while it finalizes the step
     raise save_error(RuntimeError('the step was never finalized (see the log)'), step,
                      str(mngr.directory))
@@ -266,27 +263,27 @@ def unreadable_part(mngr, step: int) -> str | None:
   """'PATH (error)' of the first part of the step (config, data-iterator state, train state)
   that does not read back as stored, or None when all do. The train state is restored spread
   over every device (`spread`), never whole on one."""
-  base = os.path.join(str(mngr.directory), str(step))
+  base = storage.join(str(mngr.directory), str(step))
   for item in ('config', 'data'):
     try:
       mngr.restore(step, args=ocp.args.Composite(**{item: ocp.args.JsonRestore()}))
     except Exception as e:  # pylint: disable=broad-except
-      return f'{os.path.join(base, item)} ({type(e).__name__}: {str(e)[:120]})'
+      return f'{storage.join(base, item)} ({type(e).__name__}: {str(e)[:120]})'
   try:
     target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype,
                                                          sharding=spread(m.shape)),
                           mngr.item_metadata(step)['state'])
     mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
   except Exception as e:  # pylint: disable=broad-except
-    return f'{os.path.join(base, "state")} ({type(e).__name__}: {str(e)[:120]})'
+    return f'{storage.join(base, "state")} ({type(e).__name__}: {str(e)[:120]})'
   return None
 
 
 def _free_name(folder: str, name: str) -> str:
   """folder/name, or folder/name.1, .2, ... if taken (an earlier set-aside's: kept too)."""
-  dst, n = os.path.join(folder, name), 1
-  while os.path.exists(dst):
-    dst, n = os.path.join(folder, f'{name}.{n}'), n + 1
+  dst, n = storage.join(folder, name), 1
+  while storage.exists(dst):
+    dst, n = storage.join(folder, f'{name}.{n}'), n + 1
   return dst
 
 
@@ -298,15 +295,15 @@ def set_aside(mngr, steps, workdir: str, files=()) -> list[str]:
   if jax.process_count() > 1:
     raise RuntimeError(f'checkpoint steps {list(steps)} in {mngr.directory} are unreadable; '
                        'move them out of the directory and restart')
-  aside = os.path.join(workdir, 'unreadable_checkpoints')
-  os.makedirs(aside, exist_ok=True)
+  aside = storage.join(workdir, 'unreadable_checkpoints')
+  storage.makedirs(aside)
   moved = []
   for s in steps:
     moved.append(_free_name(aside, str(s)))
-    os.rename(os.path.join(str(mngr.directory), str(s)), moved[-1])
+    storage.rename(storage.join(str(mngr.directory), str(s)), moved[-1])
   for name in files:
-    if os.path.exists(os.path.join(workdir, name)):
-      os.rename(os.path.join(workdir, name), _free_name(aside, name))
+    if storage.exists(storage.join(workdir, name)):
+      storage.rename(storage.join(workdir, name), _free_name(aside, name))
   mngr.reload()
   return moved
 
@@ -357,7 +354,7 @@ def _verify(out, step: int, directory: str) -> str | None:
   bad = checksum_mismatch(out['state'], stored)
   if bad is None:
     return None
-  return (f'{os.path.join(directory, str(step), "state")} (the checksum of {bad} differs from '
+  return (f'{storage.join(directory, str(step), "state")} (the checksum of {bad} differs from '
           'the one saved with it: the file is damaged)')
 
 

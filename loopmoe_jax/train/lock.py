@@ -6,6 +6,13 @@ recognised as such (its holder is printed and the new run takes over). The file 
 holder (pid, host, start time) for the error a second trainer gets. In a multi-host run
 process 0 holds it for all processes of that run (they are one owner). flock is per host:
 on a network file system shared by hosts, two hosts' trainers are not kept apart.
+
+On object storage (a gs:// workdir) there is no flock: the lock is a lease object,
+WORKDIR/.lock, naming its holder and when the lease runs out (`LEASE_S` after its last
+renewal; a thread renews it every `LEASE_S / 4`). A trainer takes it when there is none or
+it has run out (a dead holder's: stale, said so), written only if the object is still the
+one it read (a generation-matched write; GCS refuses the second of two racing writers) and
+read back after a moment, so two trainers that raced both see who won.
 """
 from __future__ import annotations
 
@@ -13,21 +20,43 @@ import fcntl
 import json
 import os
 import socket
+import threading
 import time
+import uuid
+
+from loopmoe_jax import storage
+
+LEASE_S = 120.0
 
 
 class WorkdirLocked(RuntimeError):
   """Another live trainer holds the workdir."""
 
 
+def _holder() -> dict:
+  return {'pid': os.getpid(), 'host': socket.gethostname(),
+          'started': time.strftime('%Y-%m-%d %H:%M:%S')}
+
+
+def _locked(path: str, holder: dict) -> WorkdirLocked:
+  return WorkdirLocked(
+      f'{storage.dirname(path)} is in use by another trainer (pid {holder.get("pid", "?")} on '
+      f'host {holder.get("host", "?")}, started {holder.get("started", "?")}); wait for it to '
+      'finish or use another workdir')
+
+
 class WorkdirLock:
-  def __init__(self, workdir: str, owner: bool = True):
-    self.path = os.path.join(workdir, '.lock')
-    self.owner = owner
-    self._fd = None
+  def __init__(self, workdir: str, owner: bool = True, lease_s: float = LEASE_S):
+    self.path = storage.join(workdir, '.lock')
+    self.owner, self.lease_s = owner, lease_s
+    self._fd = self._lease = None
 
   def __enter__(self):
     if not self.owner:
+      return self
+    if storage.is_url(self.path):
+      self._lease = _Lease(self.path, self.lease_s)
+      self._lease.acquire()
       return self
     os.makedirs(os.path.dirname(self.path), exist_ok=True)
     fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -36,23 +65,22 @@ class WorkdirLock:
     except BlockingIOError:
       holder = _read(fd)
       os.close(fd)
-      raise WorkdirLocked(
-          f'{os.path.dirname(self.path)} is in use by another trainer (pid '
-          f'{holder.get("pid", "?")} on host {holder.get("host", "?")}, started '
-          f'{holder.get("started", "?")}); wait for it to finish or use another workdir') from None
+      raise _locked(self.path, holder) from None
     stale = _read(fd)
     if stale:
       print(f'note: {self.path} was left by pid {stale.get("pid")} on host '
             f'{stale.get("host")}, which no longer holds it (a stale lock); taking it over',
             flush=True)
     os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps({'pid': os.getpid(), 'host': socket.gethostname(),
-                              'started': time.strftime('%Y-%m-%d %H:%M:%S')}).encode(), 0)
+    os.pwrite(fd, json.dumps(_holder()).encode(), 0)
     os.fsync(fd)
     self._fd = fd
     return self
 
   def __exit__(self, *exc):
+    if self._lease is not None:
+      self._lease.release()
+      self._lease = None
     if self._fd is None:
       return
     os.ftruncate(self._fd, 0)  # a clean exit leaves no holder behind
@@ -66,3 +94,69 @@ def _read(fd) -> dict:
     return json.loads(text) if text.strip() else {}
   except (OSError, ValueError):
     return {}
+
+
+class _Lease:
+  """The lease object of a workdir on object storage (module docstring), through tensorstore's
+  key-value store (conditional writes by generation)."""
+
+  def __init__(self, url: str, lease_s: float):
+    import tensorstore as ts  # pylint: disable=import-outside-toplevel
+    scheme, rest = url.split('://', 1)
+    bucket, self.key = rest.split('/', 1)
+    driver = {'gs': 'gcs', 's3': 's3'}.get(scheme)
+    if driver is None:
+      raise ValueError(f'{url}: no lease lock for {scheme}:// workdirs (gs:// and s3:// have one)')
+    self.kv = ts.KvStore.open({'driver': driver, 'bucket': bucket}).result()
+    self.url, self.lease_s = url, lease_s
+    self.token = uuid.uuid4().hex
+    self._stop, self._thread, self._generation = threading.Event(), None, None
+
+  def _read(self):
+    r = self.kv.read(self.key).result()
+    try:
+      body = json.loads(r.value) if r.state == 'value' and r.value.strip() else {}
+    except ValueError:
+      body = {}
+    return body, r.stamp.generation
+
+  def _write(self, generation) -> bool:
+    body = dict(_holder(), token=self.token, expires=time.time() + self.lease_s)
+    written = self.kv.write(self.key, json.dumps(body).encode(), if_equal=generation).result()
+    # an empty generation: the object changed since it was read (another trainer wrote it)
+    self._generation = written.generation or self._generation
+    return bool(written.generation)
+
+  def acquire(self):
+    body, generation = self._read()
+    live = body.get('token') and body.get('expires', 0) > time.time()
+    if live:
+      raise _locked(self.url, body)
+    if body.get('token'):
+      print(f'note: {self.url} was left by pid {body.get("pid")} on host {body.get("host")}, '
+            'whose lease ran out (a stale lock); taking it over', flush=True)
+    if not self._write(generation):
+      raise _locked(self.url, self._read()[0])
+    time.sleep(min(1.0, self.lease_s / 10))  # a racing trainer's write lands, or not
+    body, self._generation = self._read()
+    if body.get('token') != self.token:
+      raise _locked(self.url, body)
+    self._thread = threading.Thread(target=self._renew, daemon=True, name='workdir-lease')
+    self._thread.start()
+
+  def _renew(self):
+    while not self._stop.wait(self.lease_s / 4):
+      body, generation = self._read()
+      if body.get('token') != self.token:
+        print(f'warning: {self.url}: the lease was taken by pid {body.get("pid")} on host '
+              f'{body.get("host")}', flush=True)
+        return
+      self._write(generation)
+
+  def release(self):
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join()
+    body, generation = self._read()
+    if body.get('token') == self.token:  # a clean exit leaves no holder behind
+      self.kv.write(self.key, None, if_equal=generation).result()

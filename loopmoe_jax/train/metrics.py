@@ -7,6 +7,8 @@ import os
 import sys
 import time
 
+from loopmoe_jax import storage
+
 
 # The files a run writes beside its checkpoints (train/run.py's RunDir reads them back).
 METRICS, ROUTING, SUMMARY = 'metrics.jsonl', 'routing.jsonl', 'summary.json'
@@ -15,8 +17,13 @@ FINAL_STEPS = 'final_steps.jsonl'  # the LM loss of every step of the final wind
 
 def append_lines(path: str, lines: list[str]):
   """Appends whole lines to `path` in one write: a write cut short (a full disk) is undone, so
-  the file never ends in a partial line, and the error names the file."""
+  the file never ends in a partial line, and the error names the file. On object storage the
+  object is written again whole (an upload is atomic)."""
   data = ''.join(line + '\n' for line in lines).encode()
+  if storage.is_url(path):
+    old = storage.read_bytes(path) if storage.exists(path) else b''
+    storage.write_bytes(path, old + data)
+    return
   fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
   try:
     size = os.fstat(fd).st_size
@@ -44,15 +51,15 @@ class Writer:
     self.t0 = time.time()
     self._jsonl = self._tb = None
     if enabled:
-      os.makedirs(workdir, exist_ok=True)
-      path = os.path.join(workdir, METRICS)
+      storage.makedirs(workdir)
+      path = storage.join(workdir, METRICS)
       for name in (METRICS, ROUTING, FINAL_STEPS):  # rows past the restored step go
-        _drop_rows_after(os.path.join(workdir, name), resume_step)
+        _drop_rows_after(storage.join(workdir, name), resume_step)
       self._jsonl = path
-      self._final = os.path.join(workdir, FINAL_STEPS)
-      if tensorboard:
+      self._final = storage.join(workdir, FINAL_STEPS)
+      if tensorboard:  # (tensorboardX writes gs:// itself, through google-cloud-storage)
         from tensorboardX import SummaryWriter
-        self._tb = SummaryWriter(os.path.join(workdir, 'tb'))
+        self._tb = SummaryWriter(storage.join(workdir, 'tb'))
 
   def write(self, step: int, scalars: dict, prefix: str = ''):
     if not self.enabled:
@@ -97,25 +104,21 @@ def _drop_rows_after(path: str, step: int):
   """On resume, forgets rows logged after the restored step (they will be logged again). A
   line that does not parse as a row (a write torn by a full disk or a kill) does not block the
   resume: it is moved to PATH.torn, nothing lost, with a warning naming the file and line."""
-  if not os.path.exists(path):
+  if not storage.exists(path):
     return
   rows, torn = [], []
-  with open(path) as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        row_step = json.loads(line)['step']
-      except (ValueError, KeyError, TypeError):
-        torn.append((number, line if line.endswith('\n') else line + '\n'))
-        continue
-      if row_step <= step:
-        rows.append(line if line.endswith('\n') else line + '\n')
+  for number, line in enumerate(storage.read_text(path).splitlines(keepends=True), 1):
+    if not line.strip():
+      continue
+    try:
+      row_step = json.loads(line)['step']
+    except (ValueError, KeyError, TypeError):
+      torn.append((number, line if line.endswith('\n') else line + '\n'))
+      continue
+    if row_step <= step:
+      rows.append(line if line.endswith('\n') else line + '\n')
   if torn:
-    with open(path + '.torn', 'a') as f:
-      f.writelines(line for _, line in torn)
+    append_lines(path + '.torn', [line.rstrip('\n') for _, line in torn])
     print(f'warning: {path}: line {", ".join(str(n) for n, _ in torn)} is not a whole row (a '
           f'write cut short); moved to {path}.torn', flush=True)
-  with open(path + '.tmp', 'w') as f:
-    f.writelines(rows)
-  os.replace(path + '.tmp', path)
+  storage.write_text(path, ''.join(rows))

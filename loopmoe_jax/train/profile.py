@@ -12,9 +12,9 @@ steps' device work, and the data loading of steps A+1..B-1. Every process traces
 """
 from __future__ import annotations
 
-import os
-
 import jax
+
+from loopmoe_jax import storage
 
 
 class StepProfiler:
@@ -32,7 +32,7 @@ class StepProfiler:
 
   def _start(self, step: int) -> None:
     if self.steps and not self.active and self.steps[0] <= step < self.steps[1]:
-      os.makedirs(self.directory, exist_ok=True)
+      storage.makedirs(self.directory)
       jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
       self.active = True
       if not self.quiet:

@@ -26,7 +26,7 @@ import jax
 import ml_collections
 import orbax.checkpoint as ocp
 
-from loopmoe_jax import experiment, sharding
+from loopmoe_jax import experiment, sharding, storage
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.train import checkpoint
@@ -67,7 +67,7 @@ class RunDir:
     self.path = os.fspath(workdir)
 
   def file(self, name: str) -> str:
-    return os.path.join(self.path, name)
+    return storage.join(self.path, name)
 
   @property
   def checkpoints(self) -> str:
@@ -82,12 +82,11 @@ class RunDir:
 
   def _jsonl(self, name: str, required: bool = False) -> list[dict]:
     path = self.file(name)
-    if not os.path.exists(path):
+    if not storage.exists(path):
       if required:
         raise FileNotFoundError(f'{self.path}: no {name} (not a run directory?)')
       return []
-    with open(path) as f:
-      return [json.loads(line) for line in f if line.strip()]
+    return [json.loads(line) for line in storage.read_text(path).splitlines() if line.strip()]
 
   def metrics(self, required: bool = False) -> list[dict]:
     """metrics.jsonl's rows in order ([] when there is none, unless `required`)."""
@@ -114,21 +113,18 @@ class RunDir:
 
   def summary(self) -> dict | None:
     path = self.file(SUMMARY)
-    if not os.path.exists(path):
+    if not storage.exists(path):
       return None
-    with open(path) as f:
-      return json.load(f)
+    return json.loads(storage.read_text(path))
 
   def stored_config(self) -> dict:
     """The resolved config saved with the newest checkpoint step whose config reads back
     (checkpoints/<step>/config/metadata, JSON), without Orbax."""
     ckpt = self.checkpoints
-    steps = sorted((int(s) for s in os.listdir(ckpt) if s.isdigit()), reverse=True) \
-        if os.path.isdir(ckpt) else []
+    steps = sorted((int(s) for s in storage.listdir(ckpt) if s.isdigit()), reverse=True)
     for s in steps:
       try:
-        with open(os.path.join(ckpt, str(s), 'config', 'metadata')) as f:
-          return json.load(f)
+        return json.loads(storage.read_text(storage.join(ckpt, str(s), 'config', 'metadata')))
       except (OSError, ValueError):
         continue
     raise FileNotFoundError(f'{self.path}: no checkpoint step with a readable config')
@@ -174,8 +170,8 @@ def _params_reader(ckpt_dir: str):
 
 def _checkpoint_dir(directory: str) -> str:
   """A run directory's checkpoints/ (or `directory` itself when it is one)."""
-  sub = os.path.join(directory, 'checkpoints')
-  return sub if os.path.isdir(sub) else directory
+  sub = storage.join(directory, 'checkpoints')
+  return sub if storage.isdir(sub) else directory
 
 
 def read_params(directory: str, step: int | None = None, mesh=None):
@@ -190,9 +186,9 @@ def read_params(directory: str, step: int | None = None, mesh=None):
 def _read(directory: str, step: int | None, mesh):
   """(the built Experiment, params, step, config dict): `read_params`'s reading."""
   ckpt_dir = _checkpoint_dir(directory)
-  if not os.path.isdir(ckpt_dir):
+  if not storage.isdir(ckpt_dir):
     raise FileNotFoundError(f'no checkpoint directory at {directory!r}')
-  mngr = _params_reader(os.path.abspath(ckpt_dir))
+  mngr = _params_reader(storage.absolute(ckpt_dir))
   existing = sorted(mngr.all_steps(), reverse=True)
   if not existing:
     raise FileNotFoundError(f'no checkpoint in {ckpt_dir!r}: no complete step was written there')
@@ -231,7 +227,7 @@ def read_router_bias(directory: str, step: int):
   """The router bias ({segment: array}, onto this machine's first device) of checkpoint
   `step` in `directory` (as `read_params` found it), or None when the run had none."""
   ckpt_dir = _checkpoint_dir(directory)
-  mngr = _params_reader(os.path.abspath(ckpt_dir))
+  mngr = _params_reader(storage.absolute(ckpt_dir))
   shapes = mngr.item_metadata(step)['state'].get('router_bias')
   if shapes is None:
     return None

@@ -28,7 +28,7 @@ import time
 import jax
 import numpy as np
 
-from loopmoe_jax import accounting, attention_impls, sharding, targets
+from loopmoe_jax import accounting, attention_impls, sharding, storage, targets
 from loopmoe_jax.dispatch import resolve_backend
 from loopmoe_jax.expert_parallel import exchange_kind
 from loopmoe_jax.data import pipeline
@@ -72,6 +72,9 @@ def check_workdir(workdir: str):
   directory (or the nearest existing parent) this user cannot write."""
   if not workdir or not workdir.strip():
     raise ValueError('--workdir is empty: give the run directory, e.g. --workdir=/tmp/run')
+  if storage.is_url(workdir):  # object storage: the bucket must be reachable
+    storage.check_reachable(workdir, '--workdir')
+    return
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise ValueError(f'--workdir={workdir} is a file, not a directory: choose another path')
   existing = os.path.abspath(workdir)
@@ -103,10 +106,9 @@ def _train(cfg, exp, workdir: str, caught: preempt.StopSignals, force: bool = Fa
     state, data_state, start = _initial_state(mngr, target, model, tx, exp, state_sh, workdir,
                                               start_over)
   summary_path = run_dir.file(SUMMARY)
-  if start >= tc.steps and os.path.exists(summary_path):
+  if start >= tc.steps and storage.exists(summary_path):
     print(f'{workdir} already finished at step {start}', flush=True)
-    with open(summary_path) as f:
-      return json.load(f)
+    return json.loads(storage.read_text(summary_path))
   data_state = data_state or {}
   # The last W per-step losses travel with the checkpoint so the summary is exact on resume.
   losses = list(data_state.get('recent_losses', []))
@@ -186,7 +188,7 @@ def _train(cfg, exp, workdir: str, caught: preempt.StopSignals, force: bool = Fa
     writer.progress(s, m)
     t_log, tok_log, flops_log = time.time(), 0, 0.0
 
-  profiler = StepProfiler(tc.profile_range, os.path.join(workdir, 'profile'), quiet=proc != 0)
+  profiler = StepProfiler(tc.profile_range, storage.join(workdir, 'profile'), quiet=proc != 0)
   vote = preempt.Vote(mesh, tc.save_every_minutes)
   decision = preempt.Decision()
   caught.arm()  # from here a signal saves and stops (before: the default handlers)
@@ -262,8 +264,7 @@ def _train(cfg, exp, workdir: str, caught: preempt.StopSignals, force: bool = Fa
              'replayed': replayed, 'compiled_programs': len(programs),
              **{k: v for k, v in clock.row().items() if not k.startswith('step_time')}}
   if proc == 0:
-    with open(summary_path, 'w') as f:
-      json.dump(summary, f, indent=1)
+    storage.write_text(summary_path, json.dumps(summary, indent=1))
     print('summary: ' + json.dumps({k: summary[k] for k in
                                     ('steps', 'final_window_loss', 'val_loss', 'val_step',
                                      'tokens_per_s', 'compiled_programs')}))
@@ -331,9 +332,9 @@ def _initial_state(mngr, target, model, tx, exp, state_sh, workdir, start_over=F
       print(f'moved the unreadable checkpoint to {path}', flush=True)
     if restored is None:
       print(f'starting {workdir} over (--start_over): its old logs are in '
-            f'{os.path.join(workdir, "unreadable_checkpoints")}', flush=True)
+            f'{storage.join(workdir, "unreadable_checkpoints")}', flush=True)
   if restored is None and tc.init_from:
-    src = checkpoint.manager(os.path.join(tc.init_from, 'checkpoints'), read_only=True,
+    src = checkpoint.manager(storage.join(tc.init_from, 'checkpoints'), read_only=True,
                              async_save=False)
     src_config = checkpoint.stored_config(src)
     where = f'train.init_from={tc.init_from!r}'
