@@ -24,7 +24,12 @@ setup(
     # (scripts/dry_run.py --target, scripts/fit.py; loopmoe_jax/targets.py). jax's extras pin
     # libtpu and the CUDA plugin to the installed jax; 'cuda12-local' is the plugin without the
     # NVIDIA runtime wheels (several GB), of which compiling needs ptxas / nvJitLink only.
-    extras_require={'test': ['pytest', 'pytest-xdist', 'filelock'],
+    # gcs: gs:// paths (loopmoe_jax/storage.py: gcsfs, the library Orbax's paths use;
+    # google-cloud-storage for TensorBoard's gs:// writer). The tests run gs:// against a local
+    # GCS-protocol server (gcp-storage-emulator).
+    extras_require={'test': ['pytest', 'pytest-xdist', 'filelock', 'gcsfs', 'google-cloud-storage',
+                             'gcp-storage-emulator'],
+                    'gcs': ['gcsfs', 'google-cloud-storage'],
                     'lm_eval': ['lm-eval==0.4.13'],
                     'tpu': ['jax[tpu]'],
                     'cuda': ['jax[cuda12-local]', 'nvidia-cuda-nvcc-cu12', 'nvidia-nvjitlink-cu12']},

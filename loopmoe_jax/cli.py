@@ -162,7 +162,7 @@ class _QuietOrbax:
 
   def filter(self, record):
     text = record.getMessage()
-    if 'read only' in text or 'read_only=True' in text:
+    if 'read only' in text or 'read_only=True' in text or 'Skipping merge of OCDBT' in text:
       return False
     from_orbax = '/orbax/' in record.pathname or 'orbax' in text
     return not (from_orbax and record.levelno >= logging.ERROR)

@@ -14,9 +14,11 @@ Orbax writes the arrays with).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
+import uuid
 
 _PACKAGES = {'gs': 'gcsfs', 'gcs': 'gcsfs', 's3': 's3fs', 'az': 'adlfs', 'abfs': 'adlfs',
              'hf': 'huggingface_hub'}
@@ -206,3 +208,29 @@ def check_reachable(url: str, what: str):
   if not ok:
     raise ValueError(f'{what}={url}: bucket {bucket!r} does not exist (or is not visible to '
                      'these credentials)')
+
+
+def kvstore(url: str):
+  """(tensorstore key-value store of the bucket, key of `url` in it) for gs:// and s3://."""
+  import tensorstore as ts  # pylint: disable=import-outside-toplevel
+  scheme, rest = url.split('://', 1)
+  bucket, _, key = rest.partition('/')
+  driver = {'gs': 'gcs', 's3': 's3'}.get(scheme)
+  if driver is None:
+    raise ValueError(f'{url}: no key-value store for {scheme}:// (gs:// and s3:// have one)')
+  return ts.KvStore.open({'driver': driver, 'bucket': bucket}).result(), key
+
+
+@functools.lru_cache(maxsize=16)
+def honours_preconditions(url: str) -> bool:
+  """Whether the object store of `url` refuses a create-only write of an object that exists
+  (GCS does; some local emulators do not). Orbax's OCDBT checkpoint format commits by such
+  writes: where they are ignored, checkpoints are written one file per array instead
+  (train/checkpoint.py). Probed once per URL with a temporary object."""
+  kv, key = kvstore(url)
+  probe = f'{key.rstrip("/")}/.precondition-probe-{uuid.uuid4().hex}'.lstrip('/')
+  absent = kv.read(probe).result().stamp.generation
+  kv.write(probe, b'1', if_equal=absent).result()
+  second = kv.write(probe, b'2', if_equal=absent).result()
+  kv.write(probe, None).result()
+  return not second.generation

@@ -11,6 +11,7 @@ import tempfile
 
 import numpy as np
 
+from loopmoe_jax import storage
 from loopmoe_jax.export import mixtral, safetensors_io
 from loopmoe_jax.train.metrics import FINAL_STEPS, METRICS, ROUTING, SUMMARY
 
@@ -39,7 +40,17 @@ def check_out(out: str, overwrite: bool = False) -> str:
   """`out` as an absolute path, if an export may be written there: an existing non-empty
   `out` is refused unless `overwrite` and it is an earlier export, and an `out` that holds a
   training run (checkpoints/ or its logs, at any depth) or lies inside one always. Cheap:
-  export_workdir calls it before reading the checkpoint."""
+  export_workdir calls it before reading the checkpoint. On object storage (gs://) the same
+  rules, over the objects under `out`."""
+  if storage.is_url(out):
+    names = storage.listdir(out)
+    if RUN_FILES & set(names) or 'checkpoints' in names:
+      raise FileExistsError(f'--out={out} holds a training run; --overwrite replaces exports '
+                            'only: choose another --out')
+    if names and not overwrite:
+      raise FileExistsError(f'--out={out} exists and is not empty (pass --overwrite to replace '
+                            'it)')
+    return out
   out = os.path.abspath(out)
   if os.path.exists(out) and not os.path.isdir(out):
     raise FileExistsError(f'--out={out} exists and is not a directory')
@@ -67,8 +78,18 @@ def check_out(out: str, overwrite: bool = False) -> str:
 @contextlib.contextmanager
 def output_dir(out: str, overwrite: bool = False):
   """Yields a fresh temporary directory beside `out`, renamed to `out` on success and
-  removed on failure; `out` as `check_out` allows."""
+  removed on failure; `out` as `check_out` allows. On object storage the export is written to
+  a local temporary directory and uploaded to `out` when complete."""
   out = check_out(out, overwrite)
+  if storage.is_url(out):
+    tmp = tempfile.mkdtemp(prefix='loopmoe-export-')
+    try:
+      yield tmp
+      storage.rmtree(out)  # an earlier export (check_out allowed it)
+      storage.upload_tree(tmp, out)
+    finally:
+      shutil.rmtree(tmp, ignore_errors=True)
+    return
   parent = os.path.dirname(out)
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(dir=parent, prefix=f'.{os.path.basename(out)}.tmp-')
@@ -143,6 +164,9 @@ def export_workdir(workdir: str, out: str, fmt: str, step: int | None = None,
   from loopmoe_jax.train.run import RunDir
   if fmt not in FORMATS:
     raise ValueError(f'--format={fmt!r}: one of {FORMATS}')
+  if verify and storage.is_url(out):
+    raise ValueError(f'--verify reads the export back from local disk: export to a local --out '
+                     f'(then copy it to {out})')
   if verify and fmt == 'hf-mixtral':
     _verify_packages()  # before anything is written
   check_out(out, overwrite)  # before the checkpoint is read
@@ -162,8 +186,8 @@ def export_workdir(workdir: str, out: str, fmt: str, step: int | None = None,
       hf_config, generation, tensors = mixtral.to_hf(cfg, params, max(seq_len, 4096))
       write_hf(tmp, hf_config, generation, tensors)
       layers = hf_config['num_hidden_layers']
-  size = sum(os.path.getsize(os.path.join(out, n)) for n in os.listdir(out))
-  summary = {'step': s, 'format': fmt, 'out': os.path.abspath(out), 'bytes': size,
+  size = sum(storage.size(storage.join(out, n)) for n in storage.listdir(out))
+  summary = {'step': s, 'format': fmt, 'out': storage.absolute(out), 'bytes': size,
              'layers': layers}
   if verify:
     summary['verify'] = verify_export(run, out, fmt)

@@ -95,10 +95,27 @@ def manager(directory: str, keep: int = 3, async_save: bool = True, read_only: b
     kept = dict(preservation_policy=policies.AnyPreservationPolicy(rules))
   opts = ocp.CheckpointManagerOptions(**kept, create=not read_only,
                                       enable_async_checkpointing=async_save, read_only=read_only)
-  handlers = {'state': ocp.StandardCheckpointHandler(), 'data': ocp.JsonCheckpointHandler(),
+  handlers = {'state': ocp.StandardCheckpointHandler(use_ocdbt=use_ocdbt(directory)),
+              'data': ocp.JsonCheckpointHandler(),
               'config': ocp.JsonCheckpointHandler()}
   return ocp.CheckpointManager(storage.absolute(directory), options=opts,
                                item_handlers=handlers)
+
+
+def use_ocdbt(directory: str) -> bool:
+  """Orbax's OCDBT format (few large files), except on an object store that ignores write
+  preconditions (storage.honours_preconditions: OCDBT's commits rely on them there), where
+  each array is its own files (said once)."""
+  if not storage.is_url(directory) or storage.honours_preconditions(directory):
+    return True
+  if directory not in _SAID:
+    _SAID.add(directory)
+    print(f'note: the store of {directory} ignores write preconditions: checkpoints are written '
+          'one file per array (no OCDBT)', flush=True)
+  return False
+
+
+_SAID = set()
 
 
 class CheckpointSaveError(RuntimeError):

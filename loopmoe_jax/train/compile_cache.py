@@ -38,6 +38,8 @@ def use(setting: str, workdir: str) -> str | None:
     return None
   from jax.experimental.compilation_cache import compilation_cache  # pylint: disable=import-outside-toplevel
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+  if '://' in path:  # eviction locks a local file beside the cache: none on object storage
+    jax.config.update('jax_compilation_cache_max_size', -1)
   compilation_cache.set_cache_dir(path)
   compilation_cache.reset_cache()  # a cache this process initialised before is re-opened here
   return path

@@ -164,7 +164,8 @@ def _params_reader(ckpt_dir: str):
   opts = ocp.CheckpointManagerOptions(read_only=True, create=False,
                                       enable_async_checkpointing=False)
   return ocp.CheckpointManager(ckpt_dir, options=opts, item_handlers={
-      'state': ocp.PyTreeCheckpointHandler(), 'data': ocp.JsonCheckpointHandler(),
+      'state': ocp.PyTreeCheckpointHandler(use_ocdbt=checkpoint.use_ocdbt(ckpt_dir)),
+      'data': ocp.JsonCheckpointHandler(),
       'config': ocp.JsonCheckpointHandler()})
 
 
