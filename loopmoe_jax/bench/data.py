@@ -23,6 +23,9 @@ manifest_batches_per_s / main_job_steps_per_s = manifest_batches_over_steps: bat
 Grain pipeline over the embedded corpus prepared as a sharded manifest (data.source=manifest,
 shards of 2**21 tokens) over the default config's (the README main job's) train steps/s
 (target >= 20: data never stalls training).
+
+Pod operations (bench/pod_ops.py): preempt_agreement_step_overhead, gcs_tokens_per_s_over_local,
+gcs_data_wait_fraction, restart_compile_over_cold, restart_ready_over_cold.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from loopmoe_jax.bench import register
+from loopmoe_jax.bench.pod_ops import pod_ops
 from loopmoe_jax import DEFAULT_CONFIG
 from loopmoe_jax.data import corpus, pipeline
 from loopmoe_jax.data.prepare import prepare
@@ -88,6 +92,7 @@ def bench_data(quick: bool = False):
   res.update(manifest_throughput(dc, mc.vocab_size, n_batches, step_tps / tokens_per_batch))
   res.update(prepare_scaling(1 if quick else 2, 1 if quick else 3))
   res.update(checkpoint_seconds(16 if quick else 256, 1 if quick else 3))
+  res.update(pod_ops(quick))  # preemption agreement, gs:// reads, restart compile (pod_ops.py)
   return res
 
 
