@@ -90,3 +90,26 @@ def test_a_signal_to_one_or_both_apart_saves_the_same_step_on_both(tmp_path):
   one, apart = losses(works['one']), losses(works['apart'])
   assert sorted(one) == sorted(apart) == list(range(1, STEPS + 1))
   assert one == apart, [s for s in one if one[s] != apart[s]][:5]
+
+
+def test_the_vote_is_every_process_flags_maximum_read_a_step_later():
+  """Vote's program over a mesh of every device (as a multi-process run uses it): a signal
+  posted at one step is the decision the next step returns; a timed save comes from the
+  clock after save_every_minutes, and restarts after a save."""
+  import jax
+  from loopmoe_jax import sharding
+  from loopmoe_jax.train import preempt
+  mesh = sharding.make_mesh(sharding.MeshConfig(data=-1), jax.devices())
+  vote = preempt.Vote(mesh, collective=True)
+  assert vote(0) == preempt.Decision()  # nothing posted before
+  assert vote(signal.SIGTERM) == preempt.Decision()  # the previous step's flags: none
+  assert vote(0) == preempt.Decision(stop='SIGTERM')
+  assert vote(signal.SIGINT) == preempt.Decision()
+  assert vote(0).stop == 'SIGINT'
+  now = [0.0]
+  timed = preempt.Vote(mesh, save_every_minutes=1, clock=lambda: now[0])
+  assert not timed(0).timed_save
+  now[0] = 61.0
+  assert timed(0) == preempt.Decision(timed_save=True)  # one process: at once
+  timed.saved()
+  assert not timed(0).timed_save

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import io
 
 import numpy as np
 
@@ -24,10 +25,12 @@ def read_csv(path: str) -> dict[str, np.ndarray]:
 
 def write_csv(path: str, rows: list[dict]):
   keys = list(dict.fromkeys(k for r in rows for k in r))
-  with open(path, 'w', newline='') as f:
-    w = csv.DictWriter(f, fieldnames=keys)
-    w.writeheader()
-    w.writerows(rows)
+  text = io.StringIO(newline='')
+  w = csv.DictWriter(text, fieldnames=keys)
+  w.writeheader()
+  w.writerows(rows)
+  from loopmoe_jax import storage  # pylint: disable=import-outside-toplevel
+  storage.write_text(path, text.getvalue())
 
 
 def chinchilla_epoch(path: str, drop_highest: int = 5) -> dict[str, np.ndarray]:

@@ -25,9 +25,9 @@ import copy
 import importlib.util
 import itertools
 import json
-import os
 from typing import Any, Callable, Mapping, Sequence
 
+from loopmoe_jax import storage
 from loopmoe_jax.accounting import count
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.experiment import RUN_SETTINGS, build, config_diff
@@ -92,11 +92,10 @@ FREE_FIELDS = tuple(f'train.{k}' for k in (
 def config_changes(workdir: str, cfg) -> list[str]:
   """The fields (other than FREE_FIELDS) where the config a point ran with (its config.json)
   differs from cfg."""
-  path = os.path.join(workdir, 'config.json')
-  if not os.path.exists(path):
+  path = storage.join(workdir, 'config.json')
+  if not storage.exists(path):
     return []
-  with open(path) as f:
-    stored = json.load(f)
+  stored = json.loads(storage.read_text(path))
   return [f'{k}: {old!r} then, {new!r} now' for k, old, new in config_diff(stored, build(cfg))
           if k not in FREE_FIELDS]
 
@@ -186,11 +185,11 @@ def run_sweep(cfg, sweeps: Mapping[str, Sequence[Any]], root: str,
       build(c)
     except ValueError as e:
       raise ValueError(f'sweep point {point_name(point)}: {e}') from None
-  os.makedirs(root, exist_ok=True)
+  storage.makedirs(root)
   rows = []
   for i, (point, c) in enumerate(zip(points, cfgs)):
     name = point_name(point)
-    workdir = os.path.join(root, name)
+    workdir = storage.join(root, name)
     summary = finished(workdir, c.train.steps)
     changes = config_changes(workdir, c)
     if changes:
@@ -201,11 +200,9 @@ def run_sweep(cfg, sweeps: Mapping[str, Sequence[Any]], root: str,
     else:
       log(f'[{i + 1}/{len(points)}] {name}: running in {workdir}')
       if writer:
-        os.makedirs(workdir, exist_ok=True)
-        with open(os.path.join(workdir, 'point.json'), 'w') as f:
-          json.dump(point, f)
-        with open(os.path.join(workdir, 'config.json'), 'w') as f:
-          f.write(c.to_json())
+        storage.makedirs(workdir)
+        storage.write_text(storage.join(workdir, 'point.json'), json.dumps(point))
+        storage.write_text(storage.join(workdir, 'config.json'), c.to_json())
       summary = run(c, workdir)
       if summary.get('stopped_by') or summary.get('final_window_loss') is None:
         log(f'{name}: stopped before the end; re-run the sweep to resume')
@@ -213,5 +210,5 @@ def run_sweep(cfg, sweeps: Mapping[str, Sequence[Any]], root: str,
     rows.append({'point': name, **{k: point[k] for k in point}, **point_row(c, summary),
                  'workdir': workdir})
   if rows and writer:
-    write_csv(os.path.join(root, 'sweep.csv'), rows)
+    write_csv(storage.join(root, 'sweep.csv'), rows)
   return rows
