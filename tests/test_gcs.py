@@ -176,3 +176,21 @@ def test_bad_gs_paths_are_one_line(gcs):
     sources.TokenFile(f'gs://{BUCKET}/none.bin')
   with pytest.raises(ValueError, match=r'unknown URL scheme nosuch://'):
     storage.exists('nosuch://x/y')
+
+
+def test_a_corpus_prepared_to_gs_reads_as_the_local_one(gcs, tmp_path):
+  """scripts/prepare_data.py's preparation with --output=gs://: the shards are made on local
+  disk and uploaded whole; the pipeline reads the same tokens from the bucket as from a
+  local copy (ranged reads of each shard)."""
+  from loopmoe_jax.data import manifest
+  from loopmoe_jax.data.prepare import prepare
+  url = f'gs://{BUCKET}/corpus'
+  info = prepare(['embedded'], url, shard_tokens=1 << 16, val_fraction=0.1, progress=False)
+  assert info['manifest'] == f'{url}/manifest.json' and info['shards']['train'] > 1
+  prepare(['embedded'], str(tmp_path / 'c'), shard_tokens=1 << 16, val_fraction=0.1,
+          progress=False)
+  remote = manifest.ManifestTokens(url, 'train')
+  local = manifest.ManifestTokens(str(tmp_path / 'c'), 'train')
+  assert len(remote) == len(local)
+  for start in (0, len(local) // 3, len(local) - 1000):
+    np.testing.assert_array_equal(remote.read(start, start + 1000), local.read(start, start + 1000))

@@ -34,12 +34,14 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import types
 
 import numpy as np
 
+from loopmoe_jax import storage
 from loopmoe_jax.data import manifest as manifests
 from loopmoe_jax.data import readers, shards, sources
 from loopmoe_jax.data.tokenizers import load_tokenizer, train_bpe
@@ -89,11 +91,12 @@ class PrepareConfig:
 
   @property
   def single(self) -> bool:
-    """One token file / zarr array (the output ends in .bin / .zarr, or is a kvstore spec or
-    URL) rather than a directory of shards with a manifest."""
+    """One token file / zarr array (the output ends in .bin / .zarr, or is a kvstore spec)
+    rather than a directory of shards with a manifest (a gs:// URL too, unless it ends in
+    .bin / .zarr)."""
     out = self.output.rstrip('/')
-    return (out.endswith(SINGLE_SUFFIXES) or self.output.lstrip().startswith('{')
-            or '://' in self.output) and not self.output.endswith('/')
+    return (out.endswith(SINGLE_SUFFIXES) or self.output.lstrip().startswith('{')) and \
+        not self.output.endswith('/')
 
 
 def is_validation(doc_ids, fraction: float) -> np.ndarray:
@@ -438,6 +441,11 @@ def run(cfg: PrepareConfig) -> dict:
     tok = load_tokenizer(cfg.tokenizer)
   if cfg.single:
     return _prepare_single(cfg, tok, cfg.tokenizer, inputs)
+  if storage.is_url(cfg.output):  # shards made on local disk, uploaded when complete
+    with tempfile.TemporaryDirectory() as tmp:
+      out = _prepare_dir(dataclasses.replace(cfg, output=tmp), tok, cfg.tokenizer, inputs)
+      storage.upload_tree(tmp, cfg.output)
+    return dict(out, output=cfg.output, manifest=storage.join(cfg.output, manifests.MANIFEST))
   return _prepare_dir(cfg, tok, cfg.tokenizer, inputs)
 
 
