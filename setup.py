@@ -27,9 +27,11 @@ setup(
     # gcs: gs:// paths (loopmoe_jax/storage.py: gcsfs, the library Orbax's paths use;
     # google-cloud-storage for TensorBoard's gs:// writer). The tests run gs:// against a local
     # GCS-protocol server (gcp-storage-emulator).
+    # wandb: train.wandb's Weights & Biases logger (tested offline).
     extras_require={'test': ['pytest', 'pytest-xdist', 'filelock', 'gcsfs', 'google-cloud-storage',
-                             'gcp-storage-emulator'],
+                             'gcp-storage-emulator', 'wandb'],
                     'gcs': ['gcsfs', 'google-cloud-storage'],
+                    'wandb': ['wandb'],
                     'lm_eval': ['lm-eval==0.4.13'],
                     'tpu': ['jax[tpu]'],
                     'cuda': ['jax[cuda12-local]', 'nvidia-cuda-nvcc-cu12', 'nvidia-nvjitlink-cu12']},

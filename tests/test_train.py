@@ -3,6 +3,7 @@ import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -411,3 +412,51 @@ def test_profile_steps_trace_exactly_those_steps(tmp_path):
   for bad, needle in (('4:2', '1 <= A < B'), ('2-4', 'expected A:B'), ('9:12', 'train.steps=6')):
     with pytest.raises(ValueError, match=f"train.profile_steps='{bad}'.*{needle}"):
       TrainConfig(profile_steps=bad, steps=6)
+
+
+def test_a_wandb_run_offline_logs_the_metrics_rows(tmp_path, monkeypatch):
+  """train.wandb=PROJECT with W&B's offline mode: the run's local W&B files (WORKDIR/wandb)
+  hold the metrics rows the JSONL holds, under a run id that is the workdir's."""
+  wandb = pytest.importorskip('wandb', reason='pip install wandb')
+  monkeypatch.setenv('WANDB_MODE', 'offline')
+  monkeypatch.setenv('WANDB_SILENT', 'true')
+  work = str(tmp_path / 'w')
+  cfg = tiny(steps=3)
+  cfg.train.wandb = 'loopmoe-test'
+  train(cfg, work)
+  runs = [d for d in os.listdir(os.path.join(work, 'wandb')) if d.startswith('offline-run-')]
+  assert len(runs) == 1
+  records = os.path.join(work, 'wandb', runs[0])
+  data = [f for f in os.listdir(records) if f.endswith('.wandb')]
+  assert data, os.listdir(records)
+  logged = {}
+  from wandb.proto import wandb_internal_pb2
+  for raw in _wandb_records(os.path.join(records, data[0])):
+    rec = wandb_internal_pb2.Record()
+    rec.ParseFromString(raw)
+    if rec.WhichOneof('record_type') == 'history':
+      items = {i.key or '/'.join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+      logged[int(items['_step'])] = items.get('loss')
+  assert logged == losses(work)
+  del wandb
+
+
+def _wandb_records(path):
+  """The records of a W&B run file: a 7-byte header (':W&B', magic, version), then 32 KiB
+  blocks of chunks, each with a 7-byte header (crc32, length, type: 1 whole record, 2 first,
+  3 middle, 4 last part of one)."""
+  data, block, pos, buf = open(path, 'rb').read(), 32768, 7, b''
+  assert data[:4] == b':W&B'
+  while pos + 7 <= len(data):
+    left = block - pos % block
+    if left < 7:
+      pos += left
+      continue
+    _, n, kind = struct.unpack('<IHB', data[pos:pos + 7])
+    if n == 0 and kind == 0:  # padding to the end of the block
+      pos += left
+      continue
+    buf, pos = buf + data[pos + 7:pos + 7 + n], pos + 7 + n
+    if kind in (1, 4):
+      yield buf
+      buf = b''

@@ -40,6 +40,8 @@ class TrainConfig:
   keep_every: int = 0            # also keep every multiple of this step for good (0: none)
   keep_steps: str = ''           # also keep these steps for good: '45000' or '1000,45000'
   async_save: bool = True
+  wandb: str = ''                # a Weights & Biases project to log to ('' off; WANDB_MODE
+  #                                as W&B reads it: 'offline' keeps the run local)
   compile_cache: str = ''        # persistent compilation cache: '' WORKDIR/compile_cache, a
   #                                path, or 'off' (train/compile_cache.py)
   routing_every: int = 50        # per-layer-per-pass routing statistics

@@ -1,7 +1,10 @@
-"""Metric writers: a progress line, JSONL and TensorBoard event files."""
+"""Metric writers: a progress line, JSONL, TensorBoard event files and, with train.wandb, a
+Weights & Biases run (its mode from W&B's own WANDB_MODE: `offline` writes it locally for
+`wandb sync`; the run id is the workdir's, so a resumed run continues the same W&B run)."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import sys
@@ -46,10 +49,10 @@ def append_lines(path: str, lines: list[str]):
 
 class Writer:
   def __init__(self, workdir: str, total_steps: int, tensorboard: bool = True, enabled=True,
-               resume_step: int = 0):
+               resume_step: int = 0, wandb_project: str = '', config: dict | None = None):
     self.enabled, self.total = enabled, total_steps
     self.t0 = time.time()
-    self._jsonl = self._tb = None
+    self._jsonl = self._tb = self._wandb = None
     if enabled:
       storage.makedirs(workdir)
       path = storage.join(workdir, METRICS)
@@ -60,6 +63,8 @@ class Writer:
       if tensorboard:  # (tensorboardX writes gs:// itself, through google-cloud-storage)
         from tensorboardX import SummaryWriter
         self._tb = SummaryWriter(storage.join(workdir, 'tb'))
+      if wandb_project:
+        self._wandb = _wandb_run(wandb_project, workdir, config, resume_step)
 
   def write(self, step: int, scalars: dict, prefix: str = ''):
     if not self.enabled:
@@ -70,6 +75,8 @@ class Writer:
       for k, v in row.items():
         if k != 'step':
           self._tb.add_scalar(k, v, step)
+    if self._wandb is not None:
+      self._wandb.log({k: v for k, v in row.items() if k != 'step'}, step=step)
 
   def record_step(self, step: int, loss: float):
     """One row of final_steps.jsonl (the trainer calls it for every step of the final
@@ -98,6 +105,23 @@ class Writer:
   def close(self):
     if self._tb is not None:
       self._tb.close()
+    if self._wandb is not None:
+      self._wandb.finish()
+
+
+def _wandb_run(project: str, workdir: str, config: dict | None, resume_step: int):
+  """The W&B run of `workdir` (train.wandb = the project): its id a hash of the workdir, its
+  local files in WORKDIR/wandb (W&B's WANDB_DIR, or its default, for a gs:// workdir)."""
+  try:
+    import wandb  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise ValueError(f'train.wandb={project!r} needs the wandb package: pip install wandb') from None
+  run_id = hashlib.sha256(storage.absolute(workdir).encode()).hexdigest()[:16]
+  kw = {} if storage.is_url(workdir) or os.environ.get('WANDB_DIR') else {
+      'dir': storage.join(workdir)}
+  return wandb.init(project=project, id=run_id, resume='allow', config=config,
+                    name=os.path.basename(storage.absolute(workdir).rstrip('/')),
+                    settings=wandb.Settings(quiet=True, console='off'), **kw)
 
 
 def _drop_rows_after(path: str, step: int):

@@ -122,9 +122,10 @@ def _train(cfg, exp, workdir: str, caught: preempt.StopSignals, force: bool = Fa
   eval_step = steps.make_eval_step(model, mesh=mesh)
   routing_step = steps.make_routing_step(model, mesh=mesh)
   acct = accounting.count(mc, dc.seq_len)
-  writer = Writer(workdir, tc.steps, enabled=proc == 0, resume_step=start)
-  peak = peak_flops(tc.peak_flops) * n_dev
   config_json = cfg.to_json()
+  writer = Writer(workdir, tc.steps, enabled=proc == 0, resume_step=start,
+                  wandb_project=tc.wandb, config=json.loads(config_json) if tc.wandb else None)
+  peak = peak_flops(tc.peak_flops) * n_dev
   if proc == 0:
     print(f"model: {acct['params_total']:,} params ({acct['params_active']:,} active/token), "
           f"{mc.executed_layers} executed layers; data: {dc.source}, batch {dc.batch_size} x "
