@@ -21,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import sys
+import threading
 
 MODES = ('auto', 'on', 'off')
 _GOOGLE_PCI_VENDOR = '0x1ae0'
@@ -102,12 +104,26 @@ def initialize(mode: str = 'auto', coordinator_address=None, num_processes=None,
                        'alone')
     return None
   import jax  # pylint: disable=import-outside-toplevel
+  where = coordinator_address or os.environ.get('JAX_COORDINATOR_ADDRESS') or 'the coordinator'
+  me = '?' if process_id is None else process_id
+  message = (f'distributed start ({launch.launcher}): process {me} of '
+             f'{launch.processes or "?"} waited {timeout_s} s at {where} and not every process '
+             'came; start the same command on every host')
+  # JAX aborts the process (a C++ fatal error, thousands of characters) when its own timeout
+  # passes: this one fires first, with one line
+  watchdog = threading.Timer(timeout_s, _give_up, (message,))
+  watchdog.daemon = True
+  watchdog.start()
   try:
-    jax.distributed.initialize(**dict(launch.args), initialization_timeout=timeout_s)
+    jax.distributed.initialize(**dict(launch.args), initialization_timeout=timeout_s + 60)
   except Exception as e:  # pylint: disable=broad-except
-    where = coordinator_address or os.environ.get('JAX_COORDINATOR_ADDRESS') or 'the coordinator'
     text = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-    raise RuntimeError(f'distributed start ({launch.launcher}, {launch.processes or "?"} '
-                       f'processes): {where} did not gather every process within {timeout_s} s '
-                       f'({text}); start the same command on every host') from None
+    raise RuntimeError(f'{message} ({text})') from None
+  finally:
+    watchdog.cancel()
   return launch
+
+
+def _give_up(message: str):
+  print(f'error: {message}', file=sys.stderr, flush=True)
+  os._exit(1)  # pylint: disable=protected-access  (the main thread is blocked in JAX)

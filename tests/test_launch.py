@@ -79,3 +79,23 @@ def test_a_restart_loads_its_train_program_from_the_run_compile_cache(tmp_path):
   print(f"restart compile over cold: {warm['compile'] / cold['compile']:.3f} "
         f"({warm['compile']:.2f} s / {cold['compile']:.2f} s)")
   assert warm['compile'] <= 0.5 * cold['compile'], (cold, warm)
+
+
+def test_a_run_started_on_some_hosts_only_stops_with_one_line():
+  """Process 0 of 2 started alone: after --distributed_timeout it exits with one line naming
+  the coordinator and the counts (JAX's own timeout would abort with a C++ stack)."""
+  import socket
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    port = s.getsockname()[1]
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  p = subprocess.run([sys.executable, 'scripts/train.py', '--workdir=/nonexistent-never-made',
+                      f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
+                      '--process_id=0', '--distributed_timeout=3'],
+                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert p.returncode == 1
+  errors = [l for l in p.stderr.splitlines() if l.startswith('error:')]
+  assert errors == [f'error: distributed start (explicit): process 0 of 2 waited 3 s at '
+                    f'127.0.0.1:{port} and not every process came; start the same command on '
+                    'every host'], p.stderr[-2000:]
+  assert 'Check failure' not in p.stderr
