@@ -144,6 +144,12 @@ def distributed_flags():
   }
 
 
+def main_process() -> bool:
+  """Process 0 of the run (the one that prints results and writes files), or a process alone."""
+  import jax
+  return jax.process_index() == 0
+
+
 def initialize_distributed(holders) -> None:
   """Joins the multi-process run (distributed.initialize) before any other JAX call, and says
   so in one line per process."""

@@ -13,7 +13,8 @@ import json
 
 from absl import flags
 
-from loopmoe_jax.cli import pass_counts, run
+from loopmoe_jax.cli import (distributed_flags, initialize_distributed, main_process,
+                             pass_counts, run)
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory.', required=True)
 _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step (default: latest readable).')
@@ -28,10 +29,12 @@ _EXIT = flags.DEFINE_enum('exit', None, ['kl', 'gate'], 'Early-exit rule (model.
                           'sweep over --thresholds.')
 _THRESH = flags.DEFINE_list('thresholds', [], 'model.exit_threshold values for --exit.')
 _OUT = flags.DEFINE_string('out', None, 'PNG of loss against average passes (--exit).')
+_DISTRIBUTED = distributed_flags()
 
 
 def main(argv):
   del argv
+  initialize_distributed(_DISTRIBUTED)  # every process evaluates; process 0 prints
   from loopmoe_jax.train.evaluation import evaluate_checkpoint
   loops = pass_counts(_LOOPS.value)
   if _EXIT.value and (_KV.value or _SCALE.value):  # flags that would be ignored are refused
@@ -43,15 +46,17 @@ def main(argv):
     from loopmoe_jax.train import depth_eval
     out = depth_eval.exit_tradeoff(_WORKDIR.value, _EXIT.value, _THRESH.value, loops,
                                    _STEP.value)
-    print(depth_eval.tradeoff_table(out))
-    if _OUT.value:
+    if main_process():
+      print(depth_eval.tradeoff_table(out))
+    if _OUT.value and main_process():
       out['plot'] = depth_eval.plot_tradeoff(out, _OUT.value)
   elif _KV.value:
     from loopmoe_jax.train.depth_eval import kv_cache_losses
     out = kv_cache_losses(_WORKDIR.value, _KV.value, loops, _STEP.value, _SCALE.value)
   else:
     out = evaluate_checkpoint(_WORKDIR.value, loops, _STEP.value, _SCALE.value)
-  print(json.dumps(out, indent=1))
+  if main_process():
+    print(json.dumps(out, indent=1))
 
 
 if __name__ == '__main__':

@@ -12,7 +12,7 @@ import json
 
 from absl import flags
 
-from loopmoe_jax.cli import run
+from loopmoe_jax.cli import distributed_flags, initialize_distributed, main_process, run
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory to export from.')
 _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step (default: latest readable).')
@@ -23,6 +23,7 @@ _OVERWRITE = flags.DEFINE_bool('overwrite', False, 'Replace a non-empty --out.')
 _IMPORT = flags.DEFINE_enum('import', None, ['hf-mixtral'], 'Import instead of export.')
 _SRC = flags.DEFINE_string('src', None, 'Directory to import (with --import).')
 _SPAN = flags.DEFINE_string('loop_span', None, 'START:STOP:LOOPS for --import.')
+_DISTRIBUTED = distributed_flags()
 _VERIFY = flags.DEFINE_bool('verify', False, 'After exporting, compare the export with our model '
                             'on validation tokens (logits, greedy tokens); hf-mixtral loads it '
                             'in transformers (needs torch).')
@@ -30,6 +31,7 @@ _VERIFY = flags.DEFINE_bool('verify', False, 'After exporting, compare the expor
 
 def main(argv):
   del argv
+  initialize_distributed(_DISTRIBUTED)
   from loopmoe_jax.export import files
   given = {'--workdir': _WORKDIR.value, '--format': _FORMAT.value, '--step': _STEP.value,
            '--verify': _VERIFY.value or None, '--src': _SRC.value, '--loop_span': _SPAN.value}
@@ -51,8 +53,12 @@ def main(argv):
       span = tuple(int(p) for p in parts)
     print(json.dumps(files.import_hf(_SRC.value, _OUT.value, span, _OVERWRITE.value), indent=1))
     return
-  print(json.dumps(files.export_workdir(_WORKDIR.value, _OUT.value, _FORMAT.value, _STEP.value,
-                                        _OVERWRITE.value, verify=_VERIFY.value), indent=1))
+  # in a multi-process run every process reads the checkpoint (Orbax's restore is collective);
+  # process 0 writes the export and prints
+  out = files.export_workdir(_WORKDIR.value, _OUT.value, _FORMAT.value, _STEP.value,
+                             _OVERWRITE.value, verify=_VERIFY.value, write=main_process())
+  if main_process():
+    print(json.dumps(out, indent=1))
 
 
 if __name__ == '__main__':

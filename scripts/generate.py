@@ -5,7 +5,7 @@
 """
 from absl import flags
 
-from loopmoe_jax.cli import run
+from loopmoe_jax.cli import distributed_flags, initialize_distributed, main_process, run
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory.', required=True)
 _PROMPT = flags.DEFINE_string('prompt', 'def ', 'Prompt text.')
@@ -18,13 +18,17 @@ _SCALE = flags.DEFINE_enum('scale_passes', None, ['trained', 'executed'],
                            'r of the 1/r residual scale at another pass count.')
 _KV = flags.DEFINE_string('kv_cache', None, "The core's KV-cache layout, model.kv_cache "
                           "(per_pass, last_pass, first_pass; default: the model's).")
+_DISTRIBUTED = distributed_flags()
 
 
 def main(argv):
   del argv
+  initialize_distributed(_DISTRIBUTED)  # every process samples the same; process 0 prints
   from loopmoe_jax.train.evaluation import sample_text
-  print(sample_text(_WORKDIR.value, _PROMPT.value, _TOKENS.value, _TEMP.value, _SEED.value,
-                    _LOOPS.value, _STEP.value, _SCALE.value, _KV.value))
+  text = sample_text(_WORKDIR.value, _PROMPT.value, _TOKENS.value, _TEMP.value, _SEED.value,
+                    _LOOPS.value, _STEP.value, _SCALE.value, _KV.value)
+  if main_process():
+    print(text)
 
 
 if __name__ == '__main__':

@@ -91,3 +91,37 @@ def test_two_processes_match_one(tmp_path):
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(one_params)):
       np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                  rtol=1e-3, atol=1e-5, err_msg=spec)
+
+
+def test_evaluate_and_export_join_a_two_process_run(tmp_path):
+  """scripts/evaluate.py and export.py started on two processes (--coordinator_address, as a
+  launcher would start them): both join, exit 0, and process 0 alone prints the result (the
+  one-process result) and writes the export."""
+  work = str(tmp_path / 'run')
+  train(tiny(steps=3), work)
+  env = dict(os.environ, JAX_PLATFORMS='cpu', JAX_NUM_CPU_DEVICES='1')
+  env.pop('JAX_COMPILATION_CACHE_DIR', None)
+  root = os.path.dirname(HERE)
+
+  def both(script, *args):
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, f'scripts/{script}.py', *args,
+                               f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
+                               f'--process_id={p}'], cwd=root, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for p in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+      assert p.returncode == 0, err[-2000:]
+    return [o for o, _ in outs]
+
+  alone = subprocess.run([sys.executable, 'scripts/evaluate.py', f'--workdir={work}',
+                          '--distributed=off'], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=300)
+  assert alone.returncode == 0, alone.stderr[-2000:]
+  outs = both('evaluate', f'--workdir={work}')
+  result = lambda text: json.loads(text[text.index('{\n'):])  # noqa: E731
+  assert result(outs[0]) == result(alone.stdout) and '{' not in outs[1]
+  assert outs[0].startswith('process 0 of 2') and outs[1].startswith('process 1 of 2')
+  out = str(tmp_path / 'export')
+  both('export', f'--workdir={work}', '--format=safetensors', f'--out={out}')
+  assert any(n.endswith('.safetensors') for n in os.listdir(out))

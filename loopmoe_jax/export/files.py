@@ -157,10 +157,12 @@ def read_hf(directory: str) -> tuple[dict, dict[str, np.ndarray]]:
 
 
 def export_workdir(workdir: str, out: str, fmt: str, step: int | None = None,
-                   overwrite: bool = False, verify: bool = False) -> dict:
+                   overwrite: bool = False, verify: bool = False, write: bool = True) -> dict:
   """Exports a checkpoint of `workdir` (a step, or the latest readable) as `fmt` into `out`;
   returns a summary (step, format, out, bytes, layers, and with `verify` verify_export's
-  check of the written export against the same loaded checkpoint)."""
+  check of the written export against the same loaded checkpoint). `write` False: the
+  checkpoint is read (a collective restore) and nothing written, {} returned (the processes
+  other than 0 of a multi-process run)."""
   from loopmoe_jax.train.run import RunDir
   if fmt not in FORMATS:
     raise ValueError(f'--format={fmt!r}: one of {FORMATS}')
@@ -171,6 +173,8 @@ def export_workdir(workdir: str, out: str, fmt: str, step: int | None = None,
     _verify_packages()  # before anything is written
   check_out(out, overwrite)  # before the checkpoint is read
   run = RunDir(workdir).load(step)
+  if not write:  # another process of a multi-process run writes it
+    return {}
   cfg, s, config = run.model_cfg, run.step, run.config
   if fmt == 'hf-mixtral':
     mixtral.check_exportable(cfg)

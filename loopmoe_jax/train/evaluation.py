@@ -28,7 +28,7 @@ def evaluate_checkpoint(workdir, num_loops=(None,), step: int | None = None,
     check_loops(cfg, n)
   batches = validation_batches(run)
   batch_sh = sharding.batch_sharding(sharding.make_mesh(sharding.MeshConfig(data=1),
-                                                       jax.devices()[:1]))
+                                                       jax.local_devices()[:1]))
   out = {'step': s, 'scale_passes': cfg.scale_passes, 'val_loss': {}}
   for n in num_loops:
     model = LoopedMoE(cfg)
