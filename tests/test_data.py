@@ -1,6 +1,8 @@
 """Data: corpus split, tokenizers, token sources with bad-input errors, Grain pipeline order."""
 import json
 import os
+import re
+import struct
 
 import numpy as np
 import pytest
@@ -239,3 +241,31 @@ def test_lossy_tokenizer_on_the_embedded_corpus_warns(tmp_path, capsys):
   pipeline._embedded(path, 0.02)  # pylint: disable=protected-access
   err = capsys.readouterr().err
   assert f"data.tokenizer='{path}' does not read back" in err
+
+
+def test_a_bad_id_is_found_by_the_read_that_meets_it_not_by_a_scan_at_start(tmp_path,
+                                                                            monkeypatch):
+  """Opening a token file checks its header and a sample of its ids (first and last chunk
+  here), not every id; the read whose window holds a bad id fails with one line naming the
+  file and the offset."""
+  monkeypatch.setattr(sources, 'CHECK_CHUNK', 64)
+  monkeypatch.setattr(sources, 'SAMPLE_CHUNKS', 2)
+  path = str(tmp_path / 'bad.bin')
+  tokens = np.random.default_rng(0).integers(0, 200, 640)
+  sources.write_token_file(path, tokens, 256, 'byte')
+  raw = bytearray(open(path, 'rb').read())
+  _, offset = sources.read_header(path)
+  struct.pack_into('<H', raw, offset + 2 * 300, 999)  # id 999 at offset 300 (chunk 4 of 10)
+  open(path, 'wb').write(bytes(raw))
+  src = sources.TokenFile(path)  # the sampled chunks (0 and 9) are clean: it opens
+  np.testing.assert_array_equal(src.read(0, 100), tokens[:100])
+  with pytest.raises(ValueError, match=rf"{re.escape(path)}: token id 999 at offset 300 is "
+                                       r'outside the vocabulary of 256'):
+    src.read(290, 310)
+  raw_last = bytearray(raw)
+  struct.pack_into('<H', raw_last, offset + 2 * 630, 999)  # in the last chunk: found at open
+  open(path, 'wb').write(bytes(raw_last))
+  with pytest.raises(ValueError, match=r'token id 999 at offset 300'):  # the first bad one
+    sources.check_ids(sources.Sliceable(sources.TokenFile(path, check=False)), 256, path)
+  with pytest.raises(ValueError, match=r'token id 999 at offset 630'):
+    sources.TokenFile(path)

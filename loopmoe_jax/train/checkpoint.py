@@ -211,6 +211,10 @@ def save(mngr, step: int, state, data_state, config_json: str, force: bool = Fal
   check_background(mngr, wait=True)  # the previous save (Orbax waits for it anyway)
   need = sum(x.nbytes for x in jax.tree.leaves(state)) + (1 << 20)
   free = storage.free_bytes(directory)  # None on object storage: no check there
+  if free is None and ('free', directory) not in _SAID:
+    _SAID.add(('free', directory))
+    print(f'note: {directory} is object storage: free space is not checked before saving',
+          flush=True)
   if free is not None and free < need:
     raise CheckpointSaveError(
         f'checkpoint step {step} not saved: {directory} has {free / 2**20:.1f} MiB free, the '
