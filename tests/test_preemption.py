@@ -113,3 +113,13 @@ def test_the_vote_is_every_process_flags_maximum_read_a_step_later():
   assert timed(0) == preempt.Decision(timed_save=True)  # one process: at once
   timed.saved()
   assert not timed(0).timed_save
+  # over several processes the clock's flag is read a step late: a save in between voids it
+  now[0] = 0.0
+  timed = preempt.Vote(mesh, save_every_minutes=1, collective=True, clock=lambda: now[0])
+  now[0] = 61.0
+  assert timed(0) == preempt.Decision()  # posted: due
+  assert timed(0).timed_save  # read: save (and the flag posted now is due too)
+  timed.saved()
+  now[0] = 62.0
+  assert not timed(0).timed_save  # the flag posted before the save is void
+  assert not timed(0).timed_save

@@ -79,7 +79,7 @@ class Vote:
   def __init__(self, mesh, save_every_minutes: float = 0.0, collective: bool | None = None,
                clock=time.monotonic):
     self.every_s = save_every_minutes * 60.0
-    self.clock, self.last_save = clock, clock()
+    self.clock, self.last_save, self.saves = clock, clock(), 0
     self.collective = jax.process_count() > 1 if collective is None else collective
     self._pending = None
     if self.collective:
@@ -89,8 +89,9 @@ class Vote:
                             out_shardings=NamedSharding(mesh, P()))
 
   def saved(self):
-    """A checkpoint was written: the clock of timed saves starts again."""
-    self.last_save = self.clock()
+    """A checkpoint was written: the clock of timed saves starts again (and a timed save
+    posted before it is void)."""
+    self.last_save, self.saves = self.clock(), self.saves + 1
 
   def _flags(self, signum: int) -> np.ndarray:
     due = (self.every_s > 0 and jax.process_index() == 0 and
@@ -104,8 +105,8 @@ class Vote:
       return Decision(_name(int(flags[0])), bool(flags[1]))
     x_ND = jax.make_array_from_callback((self._n, 2), self._sh,
                                         lambda idx: flags[None].repeat(len(range(self._n)[idx[0]]), 0))
-    previous, self._pending = self._pending, self._agree(x_ND)
+    previous, self._pending = self._pending, (self._agree(x_ND), self.saves)
     if previous is None:
       return Decision()
-    agreed = np.asarray(jax.device_get(previous))
-    return Decision(_name(int(agreed[0])), bool(agreed[1]))
+    agreed = np.asarray(jax.device_get(previous[0]))
+    return Decision(_name(int(agreed[0])), bool(agreed[1]) and previous[1] == self.saves)
