@@ -7,7 +7,6 @@ bit for bit; it evaluates and exports to gs://; a second trainer on the workdir 
 import importlib.util
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -17,15 +16,12 @@ import time
 import numpy as np
 import pytest
 
-from loopmoe_jax import storage
+from loopmoe_jax import gcs_server, storage
 from loopmoe_jax.data import sources
 from loopmoe_jax.train import lock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUCKET = 'loopmoe-test'
-EMULATOR = shutil.which('gcp-storage-emulator',
-                        path=os.pathsep.join([os.path.dirname(sys.executable),
-                                              os.environ.get('PATH', '')]))
 
 
 def _importable(name):
@@ -36,46 +32,17 @@ def _importable(name):
 
 
 pytestmark = pytest.mark.skipif(
-    EMULATOR is None or not all(map(_importable, ('gcsfs', 'google.cloud.storage'))),
-    reason="needs a local GCS server: pip install gcp-storage-emulator gcsfs google-cloud-storage "
-           "(or pip install -e '.[test]')")
-
-
-def _free_port():
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
+    gcs_server.executable() is None or
+    not all(map(_importable, ('gcsfs', 'google.cloud.storage'))),
+    reason=f"needs a local GCS server: {gcs_server.INSTALL} (or pip install -e '.[test]')")
 
 
 @pytest.fixture(scope='module')
 def gcs():
-  """The server's environment: an in-memory server with the bucket, its variables set in this
-  process too (for the test's own reads and writes)."""
-  port = _free_port()
-  proc = subprocess.Popen([EMULATOR, 'start', '--host=127.0.0.1', f'--port={port}',
-                           '--in-memory', f'--default-bucket={BUCKET}'],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  deadline = time.time() + 30
-  while time.time() < deadline:
-    try:
-      socket.create_connection(('127.0.0.1', port), timeout=1).close()
-      break
-    except OSError:
-      time.sleep(0.2)
-  url = f'http://127.0.0.1:{port}'
-  env = {'STORAGE_EMULATOR_HOST': url, 'TENSORSTORE_GCS_HTTP_URL': url}
-  saved = {k: os.environ.get(k) for k in env}
-  os.environ.update(env)
-  try:
+  """The server's environment (its variables set in this process too, for the test's own
+  reads and writes)."""
+  with gcs_server.local_gcs(BUCKET) as env:
     yield env
-  finally:
-    for k, v in saved.items():
-      if v is None:
-        os.environ.pop(k, None)
-      else:
-        os.environ[k] = v
-    proc.kill()
-    proc.wait()
 
 
 def _cmd(script, *args):

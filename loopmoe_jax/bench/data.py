@@ -42,16 +42,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from loopmoe_jax.bench import register
-from loopmoe_jax.bench.pod_ops import pod_ops
+from loopmoe_jax.bench.pod_ops import main_job_step, pod_ops
 from loopmoe_jax import DEFAULT_CONFIG
 from loopmoe_jax.data import corpus, pipeline
 from loopmoe_jax.data.prepare import prepare
 from loopmoe_jax.data.tokenizers import train_bpe
 from loopmoe_jax.experiment import build, load_config
-from loopmoe_jax.model import LoopedMoE
-from loopmoe_jax import sharding
-from loopmoe_jax.train import checkpoint, step as steps
-from loopmoe_jax.train.optimizer import make_optimizer
+from loopmoe_jax.train import checkpoint
 
 
 def _default_experiment():
@@ -61,7 +58,7 @@ def _default_experiment():
 @register('data')
 def bench_data(quick: bool = False):
   exp = _default_experiment()
-  mc, tc, dc = exp.model, exp.train, exp.data
+  mc, dc = exp.model, exp.data
   n_steps, n_batches = (3, 50) if quick else (10, 400)
   tokens_per_batch = dc.batch_size * dc.seq_len
 
@@ -72,14 +69,7 @@ def bench_data(quick: bool = False):
     next(it)
   data_tps = n_batches * tokens_per_batch / (time.perf_counter() - t)
 
-  model = LoopedMoE(mc)
-  tx, schedule = make_optimizer(tc)
-  mesh = sharding.make_mesh(sharding.MeshConfig(data=1), jax.devices()[:1])
-  state_sh, batch_sh = steps.shardings(mesh, model, tx, dc.seq_len)
-  state = steps.create_state(model, tx, 0, dc.seq_len, state_sh)
-  train_step = steps.make_train_step(model, tx, schedule, tc.lb_coef, tc.z_coef, state_sh,
-                                     batch_sh)
-  batch = steps.put_batch(next(it), batch_sh)
+  train_step, state, batch, _ = main_job_step(exp, next(it))
   state, m = train_step(state, batch)
   jax.block_until_ready(m)
   t = time.perf_counter()

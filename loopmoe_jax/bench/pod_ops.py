@@ -23,8 +23,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,7 +31,7 @@ import time
 import jax
 import numpy as np
 
-from loopmoe_jax import DEFAULT_CONFIG, sharding, storage
+from loopmoe_jax import DEFAULT_CONFIG, gcs_server, sharding, storage
 from loopmoe_jax.data import pipeline, sources
 from loopmoe_jax.experiment import build, load_config
 from loopmoe_jax.model import LoopedMoE
@@ -43,8 +41,9 @@ from loopmoe_jax.train.optimizer import make_optimizer
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def preempt_overhead(n_steps: int, trials: int) -> dict:
-  exp = build(load_config(DEFAULT_CONFIG))
+def main_job_step(exp, host_batch):
+  """(train step, its state, the batch on the device, the mesh) of `exp` on this machine's
+  first device: the train step the data benchmarks time."""
   mc, tc, dc = exp.model, exp.train, exp.data
   model = LoopedMoE(mc)
   tx, schedule = make_optimizer(tc)
@@ -53,7 +52,13 @@ def preempt_overhead(n_steps: int, trials: int) -> dict:
   state = steps.create_state(model, tx, 0, dc.seq_len, state_sh)
   train_step = steps.make_train_step(model, tx, schedule, tc.lb_coef, tc.z_coef, state_sh,
                                      batch_sh)
-  batch = steps.put_batch(next(pipeline.train_iterator(dc, mc.vocab_size, 2)), batch_sh)
+  return train_step, state, steps.put_batch(host_batch, batch_sh), mesh
+
+
+def preempt_overhead(n_steps: int, trials: int) -> dict:
+  exp = build(load_config(DEFAULT_CONFIG))
+  train_step, state, batch, mesh = main_job_step(
+      exp, next(pipeline.train_iterator(exp.data, exp.model.vocab_size, 2)))
   vote = preempt.Vote(mesh, collective=True)
   state, m = train_step(state, batch)
   vote(0)
@@ -73,27 +78,6 @@ def preempt_overhead(n_steps: int, trials: int) -> dict:
           'preempt_agreement_step_overhead': med['with'] / med['without']}
 
 
-def _emulator():
-  exe = shutil.which('gcp-storage-emulator', path=os.pathsep.join(
-      [os.path.dirname(sys.executable), os.environ.get('PATH', '')]))
-  if exe is None:
-    return None, None
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    port = s.getsockname()[1]
-  proc = subprocess.Popen([exe, 'start', '--host=127.0.0.1', f'--port={port}', '--in-memory',
-                           '--default-bucket=loopmoe-bench'],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  for _ in range(150):
-    try:
-      socket.create_connection(('127.0.0.1', port), timeout=1).close()
-      break
-    except OSError:
-      time.sleep(0.2)
-  url = f'http://127.0.0.1:{port}'
-  return proc, {'STORAGE_EMULATOR_HOST': url, 'TENSORSTORE_GCS_HTTP_URL': url}
-
-
 def _read_rate(dc, path: str, n_windows: int) -> float:
   cfg = pipeline.DataConfig(**{**dc.__dict__, 'source': 'tokens', 'path': path, 'val_path': ''})
   windows = pipeline.Windows(cfg, 'train', 1 << 20)
@@ -106,13 +90,10 @@ def _read_rate(dc, path: str, n_windows: int) -> float:
 
 
 def gcs_reads(n_windows: int, n_steps: int) -> dict:
-  proc, env = _emulator()
-  if proc is None:
+  if gcs_server.executable() is None:
     return {'gcs_tokens_per_s_over_local': None, 'gcs_data_wait_fraction': None,
-            'gcs_note': 'pip install gcp-storage-emulator gcsfs to measure'}
-  saved = {k: os.environ.get(k) for k in env}
-  os.environ.update(env)
-  try:
+            'gcs_note': gcs_server.INSTALL}
+  with gcs_server.local_gcs('loopmoe-bench') as env:
     exp = build(load_config(DEFAULT_CONFIG))
     dc = exp.data
     tokens = {split: np.asarray(pipeline.open_source(dc, split).tokens)
@@ -132,18 +113,10 @@ def gcs_reads(n_windows: int, n_steps: int) -> dict:
                '--config.data.source=tokens', f'--config.data.path={remote}/train.bin',
                f'--config.data.val_path={remote}/val.bin'], env)
       row = [json.loads(l) for l in open(os.path.join(work, 'metrics.jsonl'))][-1]
-    run_s = _wall(row) - row['time_compile_s'] - row['time_restore_s']
-    return {'gcs_tokens_per_s': gcs_rate, 'local_tokens_per_s': local_rate,
-            'gcs_tokens_per_s_over_local': gcs_rate / local_rate,
-            'gcs_data_wait_fraction': row['time_data_s'] / max(run_s, 1e-9)}
-  finally:
-    for k, v in saved.items():
-      if v is None:
-        os.environ.pop(k, None)
-      else:
-        os.environ[k] = v
-    proc.kill()
-    proc.wait()
+  run_s = _wall(row) - row['time_compile_s'] - row['time_restore_s']
+  return {'gcs_tokens_per_s': gcs_rate, 'local_tokens_per_s': local_rate,
+          'gcs_tokens_per_s_over_local': gcs_rate / local_rate,
+          'gcs_data_wait_fraction': row['time_data_s'] / max(run_s, 1e-9)}
 
 
 def _wall(row: dict) -> float:
