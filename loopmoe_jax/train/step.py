@@ -323,19 +323,22 @@ def make_routing_step(model, mesh=None):
 
 def put_batch(batch, batch_sh, batch_size: int | None = None):
   """Global arrays of a batch of `batch_size` rows (None: `batch` is the whole global batch)
-  from this process's rows of it, sharding.process_rows(batch_sh, batch_size) in order: each
-  addressable device gets its slice of those rows, whichever mesh axes span the processes."""
+  from `batch`: the whole batch, or this process's rows of it,
+  sharding.process_rows(batch_sh, batch_size), in order. Each addressable device gets its
+  slice, whichever mesh axes span the processes."""
   out = {}
   for k, v in batch.items():
     v = np.asarray(v)
     n = v.shape[0] if batch_size is None else batch_size
     rows = sharding.process_rows(batch_sh, n)
-    if v.shape[0] != rows.size:
+    if v.shape[0] == n:  # the whole batch: each device's slice as it is
+      fetch = lambda idx, v=v: v[idx[0]]  # noqa: E731
+    elif v.shape[0] == rows.size:  # this process's rows: each global row at its place
+      fetch = lambda idx, v=v, rows=rows, n=n: v[np.searchsorted(rows, _range(idx[0], n))]  # noqa: E731
+    else:
       raise ValueError(f'batch {k!r}: {v.shape[0]} rows fed, but this process\'s devices hold '
                        f'{rows.size} of the {n} rows')
-    shape = (n,) + v.shape[1:]
-    out[k] = jax.make_array_from_callback(
-        shape, batch_sh, lambda idx, v=v, rows=rows: v[np.searchsorted(rows, _range(idx[0], n))])
+    out[k] = jax.make_array_from_callback((n,) + v.shape[1:], batch_sh, fetch)
   return out
 
 
