@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import shutil
 import uuid
 
@@ -198,6 +199,9 @@ def check_reachable(url: str, what: str):
     return
   fs, p = _fs(url)
   bucket = p.split('/', 1)[0]
+  if url.startswith('gs://') and not re.fullmatch(r'[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]', bucket):
+    raise ValueError(f'{what}={url}: {bucket!r} is not a GCS bucket name (3 to 63 lowercase '
+                     'letters, digits, dots, dashes, underscores)')
   try:
     ok = fs.exists(bucket)
   except Exception as e:  # pylint: disable=broad-except  (network, credentials)

@@ -139,6 +139,8 @@ def test_bad_gs_paths_are_one_line(gcs):
   with pytest.raises(ValueError, match=r"--workdir=gs://no-such-bucket/run: bucket "
                                        r"'no-such-bucket' does not exist"):
     check_workdir('gs://no-such-bucket/run')
+  with pytest.raises(ValueError, match=r"--workdir=gs://b/run: 'b' is not a GCS bucket name"):
+    check_workdir('gs://b/run')
   with pytest.raises(FileNotFoundError, match=r"token file 'gs://loopmoe-test/none.bin' does not"):
     sources.TokenFile(f'gs://{BUCKET}/none.bin')
   with pytest.raises(ValueError, match=r'unknown URL scheme nosuch://'):
