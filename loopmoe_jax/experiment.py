@@ -143,6 +143,11 @@ def check_adaptive_depth(mc: ModelConfig, tc: TrainConfig):
     most = L if not mc.tie_attention else MAX_LOOPS_FACTOR * L
     raise ValueError(f'{high_key}: every count the run draws must run on the weights, and '
                      f'{e}; set --config.train.loops_high to at most {most}') from None
+  # a step drawing r passes backpropagates through its last min(k, r) (train/depth.py): a
+  # draw below k keeps every pass's gradient, as Huginn's short draws do
+  if tc.backprop_loops > high:
+    raise ValueError(f'train.backprop_loops={tc.backprop_loops} exceeds the most passes a '
+                     f'step draws ({high_key}): set it to at most {high} (0: all)')
 
 
 # How the same parameters run, not what they are: the same results up to float summation order

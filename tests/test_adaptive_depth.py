@@ -35,10 +35,10 @@ def _rows(workdir):
 
 
 def test_resumed_run_draws_the_same_counts_and_losses(tmp_path):
-  """Uniform counts over [1, 3] with gradient through the last pass: a run killed after step
-  3 and resumed logs the counts and losses (bitwise) of the uninterrupted run; each step's
+  """Uniform counts over [1, 3] with gradient through the last 2 passes (all of a 1-pass
+  draw's, Huginn's rule): a run killed after step 3 and resumed logs the counts and losses (bitwise) of the uninterrupted run; each step's
   count is sample_loops(seed, step), and each run made one program per count it drew."""
-  kw = dict(loops_sampler='uniform', loops_low=1, loops_high=3, backprop_loops=1)
+  kw = dict(loops_sampler='uniform', loops_low=1, loops_high=3, backprop_loops=2)
   straight = train(tiny(steps=6, **kw), str(tmp_path / 'a'))
   train(tiny(steps=3, schedule_steps=6, **kw), str(tmp_path / 'b'))   # "killed" after step 3
   resumed = train(tiny(steps=6, **kw), str(tmp_path / 'b'))
@@ -132,6 +132,32 @@ def test_truncated_backprop_equals_the_stop_gradient_reference(name):
                                err_msg=jax.tree_util.keystr(path))
 
 
+def test_a_draw_below_k_backpropagates_through_all_its_passes():
+  """Huginn's rule, train.backprop_loops = k with sampled counts: a step drawing r passes
+  has the gradient of the last min(k, r): r <= k gives exactly the full-backprop gradient
+  (backprop_loops=0 at that r), r > k the truncated one; k above loops_low is accepted."""
+  exp = build(_exp(None, loops_sampler='uniform', loops_low=1, loops_high=3, backprop_loops=2))
+  tc, cfg = exp.train, make_cfg(dispatch='xla')
+  params = make_params(cfg)
+  t = tokens(cfg, seed=5, batch=2, length=6)
+  batch = {'inputs': t, 'targets': jnp.roll(t, -1, axis=1)}
+  grads = jax.jit(lambda p, n, k: steps.loss_and_grads(p, LoopedMoE(cfg), batch, 0.01, 0.001,
+                                                       num_loops=n, backprop_loops=k)[1],
+                  static_argnums=(1, 2))
+  for r in (1, 2, 3):
+    got, full = grads(params, r, depth.backprop(tc, r)), grads(params, r, 0)
+    gap = max(float(jnp.max(jnp.abs(g - f))) for g, f in
+              zip(jax.tree.leaves(got), jax.tree.leaves(full)))
+    scale = max(float(jnp.max(jnp.abs(f))) for f in jax.tree.leaves(full))
+    if r <= tc.backprop_loops:
+      assert gap == 0.0, r
+    else:
+      assert gap > 1e-3 * scale, r
+      want = grads(params, r, tc.backprop_loops)       # the truncated program's gradient
+      for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(g, w)
+
+
 def test_aux_losses_average_over_the_passes_run():
   """At 2 of 3 trained passes the aux losses are the mean over the visits run: prelude 1 +
   core 2 passes x 2 layers + coda 1 = 6 visits."""
@@ -216,8 +242,10 @@ def _exp(model=None, **train_kw):
     (None, dict(loops_sampler='uniform', loops_low=3),
      ('train.loops_low=3', 'train.loops_high=0 (model.num_loops=2)', 'at least 3')),
     (None, dict(backprop_loops=3), ('train.backprop_loops=3', 'model.num_loops=2', 'at most 2')),
-    (None, dict(loops_sampler='uniform', loops_low=1, loops_high=4, backprop_loops=2),
-     ('train.backprop_loops=2', 'train.loops_low=1', 'backprop_loops <= loops_low')),
+    (None, dict(loops_sampler='uniform', loops_low=1, loops_high=3, backprop_loops=4),
+     ('train.backprop_loops=4', 'train.loops_high=3', 'at most 3')),
+    (None, dict(loops_sampler='uniform', backprop_loops=3),
+     ('train.backprop_loops=3', 'train.loops_high=0 (model.num_loops=2)', 'at most 2')),
     (None, dict(loops_low=0), ('train.loops_low=0', '>= 1')),
     (None, dict(loops_low=3, loops_high=2), ('train.loops_low=3', 'train.loops_high=2')),
     (None, dict(loops_sampler='poisson_lognormal'), ('train.loops_mean=0.0', 'loops_mean=4')),

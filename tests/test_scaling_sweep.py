@@ -135,3 +135,33 @@ def test_sweep_with_the_trainer_skips_and_resumes(tmp_path, capsys):
   assert 'resuming from step 3' in capsys.readouterr().out
   assert calls == ['num_loops=2'] * 2 and rows[0]['steps'] == 5
   assert rows[0]['D'] == 5 * cfg.data.batch_size * cfg.data.seq_len
+
+
+def test_a_sweep_holds_one_point_of_programs_and_arrays(tmp_path):
+  """Six real points of different shapes in one process: what the process holds after a
+  point (live compiled programs and device arrays) does not grow with the points run, since
+  each point's programs are released when it ends (train/step.release_programs)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  flags.FLAGS.mark_as_parsed()
+  cfg = _config('smoke,core_layers=1')
+  cfg.model.prelude_layers, cfg.model.coda_layers, cfg.run.dispatch = 1, 0, 'xla'
+  cfg.train.steps, cfg.train.sample_tokens, cfg.train.log_every = 2, 0, 1
+  cfg.train.async_save = False
+  cfg.data.batch_size, cfg.data.seq_len, cfg.data.val_batches = 8, 16, 1
+  from loopmoe_jax.train.trainer import train
+  client, held = jax.devices()[0].client, []
+
+  def measured(c, workdir):
+    held.append((len(client.live_executables()), len(jax.live_arrays())))
+    return train(c, workdir)
+
+  grid = {'model.num_loops': [1, 2, 3], 'model.core_experts': [2, 4]}
+  sweep.release_programs()
+  base = (len(client.live_executables()), len(jax.live_arrays()))
+  rows = sweep.run_sweep(cfg, grid, str(tmp_path), run=measured)
+  held.append((len(client.live_executables()), len(jax.live_arrays())))
+  assert len(rows) == 6 and len(held) == 7
+  # after the first point: nothing of it kept but what every point shares
+  assert all(h <= held[1] for h in held[2:]), held
+  print('held before the sweep and before each point, then after:', base, held)
+  assert held[1][0] <= base[0] + 2, (base, held)  # a point compiles dozens; none outlive it

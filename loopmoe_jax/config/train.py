@@ -59,8 +59,8 @@ class TrainConfig:
   loops_high: int = 0            # 0: model.num_loops
   loops_mean: float = 0.0        # poisson_lognormal: Huginn's mean recurrence (the Poisson
                                  # rate's mean; a count's mean is loops_mean + 1 before the clip)
-  backprop_loops: int = 0        # truncated backprop: gradient through the last k passes only
-                                 # (0: all passes)
+  backprop_loops: int = 0        # truncated backprop: gradient through the last min(k, r)
+                                 # of a step's r passes (0: all passes)
   profile_steps: str = ''        # 'A:B': a jax.profiler trace of steps A..B-1 into RUN/profile
                                  # (train/profile.py; '' none)
 
@@ -119,10 +119,6 @@ class TrainConfig:
       raise ValueError(f'train.loops_mean={self.loops_mean}: must be > 0 with '
                        "train.loops_sampler='poisson_lognormal' (Huginn's mean recurrence; "
                        'e.g. --config.train.loops_mean=4)')
-    if self.sampled and self.backprop_loops > self.loops_low:
-      raise ValueError(f'train.backprop_loops={self.backprop_loops} exceeds train.loops_low='
-                       f'{self.loops_low}: a step drawing the fewest passes could not '
-                       'backpropagate through that many; set backprop_loops <= loops_low')
 
   def loops_bounds(self, trained: int) -> tuple[int, int]:
     """[low, high] of the sampled pass counts (loops_high 0: `trained`, model.num_loops)."""

@@ -25,6 +25,7 @@ import copy
 import importlib.util
 import itertools
 import json
+import os
 from typing import Any, Callable, Mapping, Sequence
 
 from loopmoe_jax import storage
@@ -32,6 +33,7 @@ from loopmoe_jax.accounting import count
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.experiment import RUN_SETTINGS, build, config_diff
 from loopmoe_jax.scaling.data import write_csv
+from loopmoe_jax.train.step import release_programs
 
 EXPERTS_ALIAS = 'model.num_experts'
 EXPERT_FIELDS = ('prelude_experts', 'core_experts', 'coda_experts')
@@ -169,6 +171,15 @@ def finished(workdir: str, steps: int) -> dict | None:
   return s if ok else None
 
 
+def resident_bytes() -> int:
+  """This process's resident memory now (Linux /proc; 0 where it is not readable)."""
+  try:
+    with open('/proc/self/statm') as f:
+      return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+  except (OSError, ValueError, IndexError):
+    return 0
+
+
 def run_sweep(cfg, sweeps: Mapping[str, Sequence[Any]], root: str,
               run: Callable[[Any, str], dict] | None = None, log=print) -> list[dict]:
   """Runs (or skips, or resumes) every grid point, one after another (in a multi-process run
@@ -204,9 +215,13 @@ def run_sweep(cfg, sweeps: Mapping[str, Sequence[Any]], root: str,
         storage.write_text(storage.join(workdir, 'point.json'), json.dumps(point))
         storage.write_text(storage.join(workdir, 'config.json'), c.to_json())
       summary = run(c, workdir)
+      # the point's programs go with it: the sweep's memory stays that of one point
+      release_programs()
       if summary.get('stopped_by') or summary.get('final_window_loss') is None:
         log(f'{name}: stopped before the end; re-run the sweep to resume')
         break
+      log(f'[{i + 1}/{len(points)}] {name}: loss {summary["final_window_loss"]:.4f}, '
+          f'rss {resident_bytes() / 2**30:.2f} GiB')
     rows.append({'point': name, **{k: point[k] for k in point}, **point_row(c, summary),
                  'workdir': workdir})
   if rows and writer:

@@ -8,7 +8,9 @@ of each train step (train.loops_sampler: fixed, uniform or poisson_lognormal) fr
 (train.seed, step) alone, so a resumed run draws what an uninterrupted one does;
 `TrainSteps` compiles one train step per count drawn (the count is static, so a step of 2
 passes runs a 2-pass program, not the largest one masked) and keeps them for the run; with
-train.backprop_loops = k the gradient flows through the last k passes (core.Core).
+train.backprop_loops = k the gradient flows through the last min(k, r) of a step's r passes
+(core.Core): a short draw keeps every pass's gradient (Huginn's rule), so k may exceed
+train.loops_low.
 """
 from __future__ import annotations
 

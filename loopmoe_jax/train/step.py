@@ -20,7 +20,9 @@ count per step and keeps a run's programs).
 """
 from __future__ import annotations
 
+import ctypes
 import functools
+import gc
 
 import flax.linen as nn
 import jax
@@ -79,16 +81,36 @@ def update_router_bias(collection, loads, rate: float):
   return {'bias': out}
 
 
+_KEPT = []  # every _programs cache, for release_programs
+
+
 def _programs(fn):
   """Keeps `fn`'s results (an LRU of 32) under its arguments and the kernel settings in force
   when it is called (pallas_kernels.ops.trace_context: a program traced for another platform,
   or with other tiles, is another program)."""
   kept = functools.lru_cache(maxsize=32)(lambda context, *args, **kw: fn(*args, **kw))
+  _KEPT.append(kept)
 
   @functools.wraps(fn)
   def wrapper(*args, **kw):
     return kept(ops.trace_context(), *args, **kw)
   return wrapper
+
+
+def release_programs():
+  """Forgets every kept program (train and eval steps, shardings) and jax's own caches of
+  traced and compiled functions, then returns freed heap pages to the system: a process
+  that runs many configs one after another (a sweep) holds the current one's programs only.
+  A later run of a forgotten config compiles it again (or loads it from the compilation
+  cache)."""
+  for kept in _KEPT:
+    kept.cache_clear()
+  jax.clear_caches()
+  gc.collect()
+  try:  # glibc keeps freed pages of its arenas; without this RSS does not come down
+    ctypes.CDLL('libc.so.6').malloc_trim(0)
+  except (OSError, AttributeError):
+    pass
 
 
 def _key(tree):
