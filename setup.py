@@ -28,7 +28,7 @@ setup(
     # google-cloud-storage for TensorBoard's gs:// writer). The tests run gs:// against a local
     # GCS-protocol server (gcp-storage-emulator).
     # wandb: train.wandb's Weights & Biases logger (tested offline).
-    extras_require={'test': ['pytest', 'pytest-xdist', 'filelock', 'gcsfs', 'google-cloud-storage',
+    extras_require={'test': ['pytest', 'pytest-xdist', 'pytest-timeout', 'filelock', 'gcsfs', 'google-cloud-storage',
                              'gcp-storage-emulator', 'wandb'],
                     'gcs': ['gcsfs', 'google-cloud-storage'],
                     'wandb': ['wandb'],

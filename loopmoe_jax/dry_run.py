@@ -3,6 +3,11 @@ abstract shapes (no arrays are made), then read per-device bytes and collective 
 
     report = dry_run(config_dict, platform='tpu')   # on as many fake CPU devices as the mesh
 
+Library, not an application, so it stays beside aot.py: the program-reading functions here
+(train_step_program, partitioned_compile, classify, step_flops, analytic_flops,
+remat_policies) are what aot.py (the real-compiler dry run), fit.py, bench/memory.py and
+bench/scale.py build on; the application is scripts/dry_run.py, a thin script over them.
+
 Per device: parameter and optimizer-state bytes (their shardings' shard shapes, and the
 parameters by group), temporaries (the memory analysis of the program compiled for this CPU,
 labelled so: XLA:CPU's buffers, not a TPU's or GPU's).

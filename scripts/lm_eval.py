@@ -22,7 +22,8 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 from absl import flags  # pylint: disable=wrong-import-position
 
-from loopmoe_jax.cli import pass_counts, run  # pylint: disable=wrong-import-position
+from loopmoe_jax.cli import (distributed_flags, initialize_distributed, main_process,  # pylint: disable=wrong-import-position
+                             pass_counts, run)
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory.', required=True)
 _TASKS = flags.DEFINE_list('tasks', [], 'Harness task names (e.g. loopmoe_next_line).')
@@ -33,10 +34,14 @@ _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step (default: latest rea
 _OUT = flags.DEFINE_string('out', None, 'Output directory.', required=True)
 _MESH = flags.DEFINE_string('mesh', '', "Score on a mesh of this process's devices, e.g. "
                             "'data=2,expert=4' (the mesh config's axes; default: one device).")
+_DISTRIBUTED = distributed_flags()
 
 
 def main(argv):
   del argv
+  # started on every host of a multi-process run, each process scores on its own devices
+  # (the results are the same on each); process 0 alone writes and prints
+  initialize_distributed(_DISTRIBUTED)
   loops = pass_counts(_LOOPS.value)
   if _LIMIT.value is not None and _LIMIT.value < 1:
     raise ValueError(f'--limit={_LIMIT.value}: must be >= 1')
@@ -49,9 +54,12 @@ def main(argv):
     except ValueError:
       raise ValueError(f'--mesh={_MESH.value!r}: expected axis=size pairs, e.g. '
                        'data=2,expert=4') from None
-    mesh = make_mesh(MeshConfig.from_dict(axes))
+    import jax  # pylint: disable=import-outside-toplevel
+    mesh = make_mesh(MeshConfig.from_dict(axes), jax.local_devices())
   out = lm_harness.evaluate(_WORKDIR.value, _TASKS.value, loops, _LIMIT.value, _BATCH.value,
                             _STEP.value, mesh=mesh)
+  if not main_process():
+    return
   os.makedirs(_OUT.value, exist_ok=True)
   with open(os.path.join(_OUT.value, 'results.json'), 'w') as f:
     json.dump(out['passes'], f, indent=1)  # {passes: the harness's results}

@@ -2,6 +2,7 @@
 both processes (2 CPU devices each, so the expert exchange crosses them): each process feeds
 only its rows of every global batch; the losses equal a single-process run's and the
 checkpoint restores."""
+import importlib.util
 import json
 import os
 import socket
@@ -94,9 +95,9 @@ def test_two_processes_match_one(tmp_path):
 
 
 def test_evaluate_and_export_join_a_two_process_run(tmp_path):
-  """scripts/evaluate.py and export.py started on two processes (--coordinator_address, as a
-  launcher would start them): both join, exit 0, and process 0 alone prints the result (the
-  one-process result) and writes the export."""
+  """scripts/evaluate.py, export.py and lm_eval.py started on two processes
+  (--coordinator_address, as a launcher would start them): both join, exit 0, and process 0
+  alone prints the result (the one-process result) and writes the export and the scores."""
   work = str(tmp_path / 'run')
   train(tiny(steps=3), work)
   env = dict(os.environ, JAX_PLATFORMS='cpu', JAX_NUM_CPU_DEVICES='1')
@@ -125,3 +126,10 @@ def test_evaluate_and_export_join_a_two_process_run(tmp_path):
   out = str(tmp_path / 'export')
   both('export', f'--workdir={work}', '--format=safetensors', f'--out={out}')
   assert any(n.endswith('.safetensors') for n in os.listdir(out))
+  if importlib.util.find_spec('lm_eval') is None:
+    return  # the lm_eval extra: its adapter's own tests skip alike
+  scored = str(tmp_path / 'lm_eval')
+  outs = both('lm_eval', f'--workdir={work}', '--tasks=loopmoe_next_line', '--limit=4',
+              '--batch_size=4', f'--out={scored}')
+  assert 'loopmoe_next_line' in outs[0] and 'loopmoe_next_line' not in outs[1]
+  assert json.load(open(os.path.join(scored, 'results.json')))

@@ -414,16 +414,21 @@ def test_profile_steps_trace_exactly_those_steps(tmp_path):
       TrainConfig(profile_steps=bad, steps=6)
 
 
-def test_a_wandb_run_offline_logs_the_metrics_rows(tmp_path, monkeypatch):
+def test_a_wandb_run_offline_logs_the_metrics_rows(tmp_path):
   """train.wandb=PROJECT with W&B's offline mode: the run's local W&B files (WORKDIR/wandb)
-  hold the metrics rows the JSONL holds, under a run id that is the workdir's."""
+  hold the metrics rows the JSONL holds, under a run id that is the workdir's. The run is a
+  child process: W&B's service (a process and threads) would otherwise outlive the test in
+  the test worker."""
   wandb = pytest.importorskip('wandb', reason='pip install wandb')
-  monkeypatch.setenv('WANDB_MODE', 'offline')
-  monkeypatch.setenv('WANDB_SILENT', 'true')
   work = str(tmp_path / 'w')
-  cfg = tiny(steps=3)
-  cfg.train.wandb = 'loopmoe-test'
-  train(cfg, work)
+  env = dict(os.environ, JAX_PLATFORMS='cpu', WANDB_MODE='offline', WANDB_SILENT='true')
+  out = subprocess.run(
+      [sys.executable, 'scripts/train.py', f'--workdir={work}', '--config=configs/default.py:smoke',
+       '--config.train.steps=3', '--config.train.log_every=1', '--config.train.sample_tokens=0',
+       '--config.data.batch_size=4', '--config.data.seq_len=32', '--config.run.dispatch=xla',
+       '--config.train.wandb=loopmoe-test'],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
   runs = [d for d in os.listdir(os.path.join(work, 'wandb')) if d.startswith('offline-run-')]
   assert len(runs) == 1
   records = os.path.join(work, 'wandb', runs[0])

@@ -19,37 +19,26 @@ missing shards: the small val split's first shard finishes late (after about sha
 val_fraction tokens of input), so an interruption before it re-tokenizes the input from the
 start (the finished train shards are kept, not rewritten). A finished preparation run again is verified and left as it is.
 
-Workers are `spawn`ed processes that import this module (no JAX) and never the caller's
-script; each exits if the preparing process dies.
+Tokenizing in worker processes: tokenize_workers.py; writing shards and their records:
+shard_writer.py.
 """
 from __future__ import annotations
 
-import collections
-import contextlib
 import dataclasses
 import json
-import multiprocessing
-import multiprocessing.connection
 import os
 import shutil
-import signal
-import sys
 import tempfile
-import threading
-import time
-import types
 
 import numpy as np
 
 from loopmoe_jax import storage
 from loopmoe_jax.data import manifest as manifests
 from loopmoe_jax.data import readers, shards, sources
+from loopmoe_jax.data.shard_writer import STATE_DIR, Progress, SplitWriter
+from loopmoe_jax.data.tokenize_workers import tokenized
 from loopmoe_jax.data.tokenizers import load_tokenizer, train_bpe
 
-STATE_DIR = '.prepare'         # records of finished shards while a preparation runs
-CHUNK_CHARS = 1 << 18          # a worker's task: documents up to this many characters ...
-CHUNK_DOCS = 512               # ... or this many documents
-KILL_ENV = 'LOOPMOE_PREPARE_KILL_AT'  # 'N:tmp' | 'N:renamed': SIGKILL at this run's Nth shard
 SINGLE_SUFFIXES = ('.bin', '.zarr')
 
 
@@ -106,174 +95,6 @@ def is_validation(doc_ids, fraction: float) -> np.ndarray:
   z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
   z ^= z >> np.uint64(31)
   return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53) < fraction
-
-
-# Tokenizing (in workers or in this process) -----------------------------------------------------
-
-class _Tokenize:
-  """chunk (first document number, [Doc]) -> (first, lengths incl. EOS, tokens incl. EOS)."""
-
-  def __init__(self, tokenizer: str, field: str):
-    self.tok, self.field = load_tokenizer(tokenizer), field
-    self.dtype = sources.token_dtype(self.tok.vocab_size)
-    self.eos = np.asarray([self.tok.eos_id], np.int32)
-
-  def __call__(self, chunk):
-    first, docs = chunk
-    pieces, lengths = [], np.empty(len(docs), np.int64)
-    for i, doc in enumerate(docs):
-      ids = self.tok.encode(readers.text_of(doc, self.field))
-      pieces += [ids, self.eos]
-      lengths[i] = len(ids) + 1
-    return first, lengths, np.concatenate(pieces).astype(self.dtype)
-
-
-_WORKER: _Tokenize | None = None
-
-
-def _init_worker(tokenizer: str, field: str):
-  global _WORKER
-  os.environ['TOKENIZERS_PARALLELISM'] = 'false'  # one core per worker
-  parent = multiprocessing.parent_process()
-  if parent is not None:  # exit with the preparing process, even when it is killed
-    threading.Thread(target=_exit_with, args=(parent.sentinel,), daemon=True).start()
-  _WORKER = _Tokenize(tokenizer, field)
-
-
-def _exit_with(sentinel):
-  multiprocessing.connection.wait([sentinel])
-  os._exit(1)  # pylint: disable=protected-access
-
-
-def _run_chunk(chunk):
-  return _WORKER(chunk)
-
-
-@contextlib.contextmanager
-def _pool(workers: int, tokenizer: str, field: str):
-  """`workers` spawned processes. While they start, __main__ is a blank module, so they do not
-  re-import the caller's script (which may import JAX, or run a benchmark)."""
-  ctx = multiprocessing.get_context('spawn')
-  main = sys.modules.get('__main__')
-  sys.modules['__main__'] = types.ModuleType('__main__')
-  try:
-    pool = ctx.Pool(workers, _init_worker, (tokenizer, field))
-  finally:
-    sys.modules['__main__'] = main
-  try:
-    yield pool
-  finally:
-    pool.terminate()
-    pool.join()
-
-
-def _chunks(docs, start: int):
-  """(first document number, documents) in order, from document number `start` on."""
-  batch, chars, first = [], 0, start
-  for i, doc in enumerate(docs):
-    if i < start:
-      continue
-    batch.append(doc)
-    chars += len(doc.payload) if isinstance(doc.payload, str) else 0  # (null: an error later)
-    if chars >= CHUNK_CHARS or len(batch) >= CHUNK_DOCS:
-      yield first, batch
-      first, batch, chars = i + 1, [], 0
-  if batch:
-    yield first, batch
-
-
-def tokenized(cfg: PrepareConfig, tokenizer: str, inputs, start: int = 0):
-  """(document numbers, lengths, tokens) per chunk, in document order, from `start` on."""
-  chunks = _chunks(readers.documents(inputs, cfg.text_field), start)
-  with contextlib.ExitStack() as stack:
-    if cfg.workers:
-      pool = stack.enter_context(_pool(cfg.workers, tokenizer, cfg.text_field))
-      results = _ordered(pool, chunks, 2 * cfg.workers + 2)
-    else:
-      results = map(_Tokenize(tokenizer, cfg.text_field), chunks)
-    for first, lengths, tokens in results:
-      yield first + np.arange(len(lengths)), lengths, tokens
-
-
-def _ordered(pool, chunks, window: int):
-  """pool results in submission order, at most `window` chunks in flight."""
-  pending = collections.deque()
-  for chunk in chunks:
-    pending.append(pool.apply_async(_run_chunk, (chunk,)))
-    if len(pending) >= window:
-      yield pending.popleft().get()
-  while pending:
-    yield pending.popleft().get()
-
-
-class _Progress:
-  """A progress line on stderr: documents, tokens, their rates, shards written."""
-
-  def __init__(self, enabled: bool):
-    self.enabled, self.t0, self.last = enabled, time.perf_counter(), 0.0
-    self.docs = self.tokens = self.shards = 0
-
-  def update(self, docs: int = 0, tokens: int = 0, shards_: int = 0, final: bool = False):
-    self.docs, self.tokens, self.shards = (self.docs + docs, self.tokens + tokens,
-                                           self.shards + shards_)
-    now = time.perf_counter()
-    if not self.enabled or (now - self.last < 0.5 and not final):
-      return
-    self.last, dt = now, max(now - self.t0, 1e-9)
-    print(f'\rprepare: {self.docs:,} documents ({self.docs / dt:,.0f}/s), {self.tokens:,} '
-          f'tokens ({self.tokens / dt:,.0f}/s), {self.shards} shards, {dt:.1f}s',
-          end='\n' if final else '', file=sys.stderr, flush=True)
-
-
-# Shards, records, resuming ----------------------------------------------------------------------
-
-def _kill_point(count: int, point: str):
-  """The test hook: SIGKILL this process at shard `count` of this run, at `point`."""
-  spec = os.environ.get(KILL_ENV, '')
-  if spec and spec == f'{count}:{point}':
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-class _SplitWriter:
-  """Cuts one split's documents into shards, writes each, then its record."""
-
-  def __init__(self, cfg: PrepareConfig, tok, split: str, records: list, progress: _Progress):
-    self.cfg, self.tok, self.split, self.progress = cfg, tok, split, progress
-    self.records, self.pending, self.n = list(records), [], 0
-
-  def add(self, ids, lengths, tokens):
-    if len(ids):
-      self.pending.append((ids, lengths, tokens))
-      self.n += tokens.size
-    while self.n >= self.cfg.shard_tokens:
-      self._cut()
-
-  def finish(self):
-    if self.n:
-      self._cut(final=True)
-
-  def _cut(self, final: bool = False):
-    ids, lengths, tokens = (np.concatenate(p) for p in zip(*self.pending))
-    cum = np.cumsum(lengths)
-    k = len(ids) if final else int(np.searchsorted(cum, self.cfg.shard_tokens)) + 1
-    n = int(cum[k - 1])
-    self._write(ids[:k], tokens[:n])
-    self.pending = [(ids[k:], lengths[k:], tokens[n:])] if k < len(ids) else []
-    self.n = tokens.size - n
-
-  def _write(self, ids, tokens):
-    out, fmt = self.cfg.output, self.cfg.format
-    name = f'{self.split}-{len(self.records):05d}{shards.SUFFIX[fmt]}'
-    count = self.progress.shards
-    shards.write(fmt, os.path.join(out, name), tokens, self.tok.vocab_size, self.tok.name,
-                 before_rename=lambda: _kill_point(count, 'tmp'))
-    _kill_point(count, 'renamed')
-    record = {'file': name, 'num_tokens': int(tokens.size), 'num_documents': int(ids.size),
-              'sha256': shards.sha256(tokens, sources.token_dtype(self.tok.vocab_size)),
-              'documents': [int(ids[0]), int(ids[-1]) + 1]}
-    manifests.write_json(os.path.join(out, STATE_DIR, f'{name}.json'), record)
-    self.records.append(record)
-    self.progress.update(shards_=1)
 
 
 def _verified(cfg: PrepareConfig, tok, record: dict) -> bool:
@@ -379,10 +200,11 @@ def _prepare_dir(cfg: PrepareConfig, tok, tok_spec: str, inputs) -> dict:
   resumed = sum(len(r) for r in done.values())
   if not whole:
     _remove_temporaries(out)
-    progress = _Progress(cfg.progress)
-    writers = {s: _SplitWriter(cfg, tok, s, done[s], progress) for s in splits}
+    progress = Progress(cfg.progress)
+    writers = {s: SplitWriter(cfg, tok, s, done[s], progress) for s in splits}
     next_doc = {s: done[s][-1]['documents'][1] if done[s] else 0 for s in splits}
-    for ids, lengths, tokens in tokenized(cfg, tok_spec, inputs, min(next_doc.values())):
+    for ids, lengths, tokens in tokenized(inputs, tok_spec, cfg.text_field, cfg.workers,
+                                              min(next_doc.values())):
       val = is_validation(ids, cfg.val_fraction)
       for s in splits:
         keep = (val if s == 'val' else ~val) & (ids >= next_doc[s])
@@ -407,9 +229,9 @@ def _prepare_dir(cfg: PrepareConfig, tok, tok_spec: str, inputs) -> dict:
 
 
 def _prepare_single(cfg: PrepareConfig, tok, tok_spec: str, inputs) -> dict:
-  progress = _Progress(cfg.progress)
+  progress = Progress(cfg.progress)
   pieces = []
-  for ids, _, tokens in tokenized(cfg, tok_spec, inputs):
+  for ids, _, tokens in tokenized(inputs, tok_spec, cfg.text_field, cfg.workers):
     pieces.append(tokens)
     progress.update(len(ids), tokens.size)
   progress.update(final=True)
