@@ -15,9 +15,9 @@ REQUIRED = ('compile_s_L1', 'compile_s_L16', 'compile_ratio_L16_over_L1', 'step_
 
 
 def test_model_benchmark_quick(tmp_path, capsys, monkeypatch):
-  """Also: the compile times it reports are real compiles with the persistent compilation
-  cache on (this test session's conftest turns it on): none of them is answered from the
-  cache, where compiling one of its timed steps again is."""
+  """Also: the compile times it reports are real compiles although the persistent compilation
+  cache is on (this test session's conftest turns it on): none of them is answered from the
+  cache, where compiling a step the benchmark ran (and so cached) again is."""
   assert 'model' in bench.SUBCOMMANDS
   hits, timed = [], []
   def listener(event, **_):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from loopmoe_jax.data import manifest, pipeline, prepare as prep, readers, shards, sources
+from loopmoe_jax.data import shard_writer, tokenize_workers
 from loopmoe_jax.data.prepare import prepare
 from loopmoe_jax.data.tokenizers import ByteTokenizer, train_bpe
 
@@ -129,7 +130,7 @@ def test_each_output_format_reads_back_the_same_tokens(tmp_path, fmt):
 
 
 def test_shards_are_the_same_whatever_the_worker_count(tmp_path, monkeypatch):
-  monkeypatch.setattr(prep, 'CHUNK_DOCS', 7)  # many chunks in flight
+  monkeypatch.setattr(tokenize_workers, 'CHUNK_DOCS', 7)  # many chunks in flight
   path, _ = _corpus(tmp_path, 300)
   outs = []
   for workers in (0, 1, 2):
@@ -152,7 +153,7 @@ def test_killed_preparation_restarts_to_byte_identical_shards(tmp_path, kill_at,
   out = tmp_path / 'killed'
   code = (f'from loopmoe_jax.data.prepare import prepare; '
           f'prepare([{path!r}], {str(out)!r}, workers={workers}, **{kw!r})')
-  run = subprocess.run([sys.executable, '-c', code], env={**os.environ, prep.KILL_ENV: kill_at},
+  run = subprocess.run([sys.executable, '-c', code], env={**os.environ, shard_writer.KILL_ENV: kill_at},
                        capture_output=True, text=True, timeout=120)
   assert run.returncode == -9, run.stderr
   names = os.listdir(out)

@@ -13,15 +13,14 @@ from __future__ import annotations
 import importlib
 import json
 import math
-import secrets
 import time
 from typing import Any, Callable
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from loopmoe_jax.aot import no_persistent_cache
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.model import LoopedMoE, for_init
 from loopmoe_jax.objective import loss_fn
@@ -149,12 +148,10 @@ def init_params(module: nn.Module, x, cache: dict | None = None):
   return cache[sig]
 
 
-def _uncached(step):
-  """`step` as a new function whose program carries a random constant among its outputs: no
-  trace cache, in-memory compile cache or persistent compilation cache (JAX_COMPILATION_CACHE_DIR)
-  can answer its compile, so what is timed is a real compile."""
-  tag = secrets.randbits(31)
-  return lambda params, batch: (step(params, batch), jnp.int32(tag))
+def _fresh(step):
+  """`step` as a new function object: no trace cache or in-memory compile cache answers its
+  compile (compile_seconds turns the persistent compilation cache off around it)."""
+  return lambda params, batch: step(params, batch)
 
 
 def compile_seconds(cfgs: dict[str, ModelConfig], batch, repeats: int, options=None):
@@ -165,9 +162,10 @@ def compile_seconds(cfgs: dict[str, ModelConfig], batch, repeats: int, options=N
   cpu = {name: [] for name in cfgs}
   for _ in range(repeats):
     for name, (model, params) in abstract.items():
-      step = _uncached(make_train_step(model))
+      step = _fresh(make_train_step(model))
       t0, c0 = time.perf_counter(), time.process_time()
-      jax.jit(step).lower(params, batch).compile(options)
+      with no_persistent_cache():  # a real compile, and no entry written for a timing
+        jax.jit(step).lower(params, batch).compile(options)
       wall[name].append(time.perf_counter() - t0)
       cpu[name].append(time.process_time() - c0)
   med = lambda d: {k: float(np.median(v)) for k, v in d.items()}
