@@ -13,9 +13,11 @@ The probe set is the first N tokens of the run's validation split: by default 16
 --tokens overrides the count. diagnostics.json's 'probe_set' and the first printed line
 name the count, the split and how it was chosen.
 """
+import tempfile
+
 from absl import flags
 
-from loopmoe_jax.cli import run
+from loopmoe_jax.cli import distributed_flags, initialize_distributed, main_process, run
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory.', required=True)
 _OUT = flags.DEFINE_string('out', None, 'Output directory (diagnostics.json, PNGs).',
@@ -36,12 +38,24 @@ _RECURRENCE = flags.DEFINE_integer('recurrence', 0, 'Test-time recurrence: loss 
                                    'accuracy at passes 1..R (0: skip).')
 
 
+_DISTRIBUTED = distributed_flags()
+
+
 def main(argv):
   del argv
+  # started on every host of a multi-process run, each process analyses the checkpoint on its
+  # own devices (the same figures); process 0 alone writes --out and prints, the others write
+  # into a temporary directory removed at the end
+  initialize_distributed(_DISTRIBUTED)
   from loopmoe_jax.analysis.diagnose import diagnose, summary_lines
-  report = diagnose(_WORKDIR.value, _OUT.value, _TOKENS.value, _STEP.value, _MASK_TOP.value,
-                    _MASK_DRAWS.value, probes=_PROBES.value, evals=_EVALS.value,
-                    recurrence=_RECURRENCE.value, scale=_SCALE.value)
+  with tempfile.TemporaryDirectory() as scratch:
+    out = _OUT.value if main_process() else scratch
+    report = diagnose(_WORKDIR.value, out, _TOKENS.value, _STEP.value, _MASK_TOP.value,
+                      _MASK_DRAWS.value, probes=_PROBES.value, evals=_EVALS.value,
+                      recurrence=_RECURRENCE.value, scale=_SCALE.value,
+                      log=print if main_process() else lambda *a, **k: None)
+  if not main_process():
+    return
   print('\n'.join(summary_lines(report)))
   print(f'wrote {_OUT.value}/diagnostics.json and {", ".join(report["figures"]) or "no figures"}')
 

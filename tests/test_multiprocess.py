@@ -95,7 +95,7 @@ def test_two_processes_match_one(tmp_path):
 
 
 def test_evaluate_and_export_join_a_two_process_run(tmp_path):
-  """scripts/evaluate.py, export.py and lm_eval.py started on two processes
+  """scripts/evaluate.py, export.py, diagnose.py and lm_eval.py started on two processes
   (--coordinator_address, as a launcher would start them): both join, exit 0, and process 0
   alone prints the result (the one-process result) and writes the export and the scores."""
   work = str(tmp_path / 'run')
@@ -126,6 +126,11 @@ def test_evaluate_and_export_join_a_two_process_run(tmp_path):
   out = str(tmp_path / 'export')
   both('export', f'--workdir={work}', '--format=safetensors', f'--out={out}')
   assert any(n.endswith('.safetensors') for n in os.listdir(out))
+  diag = str(tmp_path / 'diag')
+  outs = both('diagnose', f'--workdir={work}', f'--out={diag}', '--tokens=512', '--probes=0',
+              '--mask_draws=1')
+  assert 'wrote' in outs[0] and 'wrote' not in outs[1]
+  assert os.path.exists(os.path.join(diag, 'diagnostics.json'))
   if importlib.util.find_spec('lm_eval') is None:
     return  # the lm_eval extra: its adapter's own tests skip alike
   scored = str(tmp_path / 'lm_eval')
