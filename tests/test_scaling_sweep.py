@@ -108,13 +108,19 @@ def test_skips_finished_and_reruns_unfinished(tmp_path):
   assert csv['C'][1] > csv['C'][0]  # a pass costs compute
 
 
-def test_sweep_with_the_trainer_skips_and_resumes(tmp_path, capsys):
+def _trainer_config(steps: int, seq_len: int):
+  """A tiny loop-laws config for sweeps that run the real trainer."""
   flags.FLAGS.mark_as_parsed()
   cfg = _config('smoke,core_layers=1')
   cfg.model.prelude_layers, cfg.model.coda_layers, cfg.run.dispatch = 1, 0, 'xla'
-  cfg.train.steps, cfg.train.sample_tokens, cfg.train.log_every = 3, 0, 1
+  cfg.train.steps, cfg.train.sample_tokens, cfg.train.log_every = steps, 0, 1
   cfg.train.async_save = False
-  cfg.data.batch_size, cfg.data.seq_len, cfg.data.val_batches = 8, 32, 1
+  cfg.data.batch_size, cfg.data.seq_len, cfg.data.val_batches = 8, seq_len, 1
+  return cfg
+
+
+def test_sweep_with_the_trainer_skips_and_resumes(tmp_path, capsys):
+  cfg = _trainer_config(steps=3, seq_len=32)
   from loopmoe_jax.train.trainer import train
   calls = []
 
@@ -142,12 +148,7 @@ def test_a_sweep_holds_one_point_of_programs_and_arrays(tmp_path):
   point (live compiled programs and device arrays) does not grow with the points run, since
   each point's programs are released when it ends (train/step.release_programs)."""
   import jax  # pylint: disable=import-outside-toplevel
-  flags.FLAGS.mark_as_parsed()
-  cfg = _config('smoke,core_layers=1')
-  cfg.model.prelude_layers, cfg.model.coda_layers, cfg.run.dispatch = 1, 0, 'xla'
-  cfg.train.steps, cfg.train.sample_tokens, cfg.train.log_every = 2, 0, 1
-  cfg.train.async_save = False
-  cfg.data.batch_size, cfg.data.seq_len, cfg.data.val_batches = 8, 16, 1
+  cfg = _trainer_config(steps=2, seq_len=16)
   from loopmoe_jax.train.trainer import train
   client, held = jax.devices()[0].client, []
 
