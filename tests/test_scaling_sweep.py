@@ -166,3 +166,22 @@ def test_a_sweep_holds_one_point_of_programs_and_arrays(tmp_path):
   assert all(h <= held[1] for h in held[2:]), held
   print('held before the sweep and before each point, then after:', base, held)
   assert held[1][0] <= base[0] + 2, (base, held)  # a point compiles dozens; none outlive it
+
+
+def test_points_in_child_processes_train_as_in_process(tmp_path):
+  """A one-process sweep trains each point in a child process (the default): the same losses
+  as training in-process, and the sweep's own process compiles nothing of any point."""
+  import jax  # pylint: disable=import-outside-toplevel
+  cfg = _trainer_config(steps=2, seq_len=16)
+  grid = {'model.num_loops': [1, 2]}
+  here = sweep.run_sweep(cfg, grid, str(tmp_path / 'here'), isolate=False, log=lambda *_: None)
+  sweep.release_programs()
+  client = jax.devices()[0].client
+  before = len(client.live_executables())
+  lines = []
+  apart = sweep.run_sweep(cfg, grid, str(tmp_path / 'apart'), log=lines.append)
+  assert len(client.live_executables()) == before
+  assert [r['loss'] for r in apart] == [r['loss'] for r in here]
+  assert any("point's process peak" in line for line in lines), lines
+  with pytest.raises(ValueError, match='isolate'):
+    sweep.run_sweep(cfg, grid, str(tmp_path / 'x'), run=lambda c, w: {}, isolate=True)

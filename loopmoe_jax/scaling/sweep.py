@@ -18,6 +18,13 @@ token over every executed pass), N_block_stored, N_block_active (the looped bloc
 D (tokens), C (training FLOPs = 3 x forward FLOPs/token x D), F
 (forward FLOPs/token), S (sparsity), r (passes), E (core experts), k (top-k), loss (final
 window) -- are written to ROOT/sweep.csv, ready for `fit_laws.py`.
+
+Memory: in a one-process sweep each point trains in a child process (`isolate`), so what a
+point compiles and allocates -- programs, arrays, the compiler's own heap -- goes when it ends
+and the sweep's memory is one point's however many points it has. SIGTERM to the sweep
+reaches the point (it saves and stops; re-running resumes); Ctrl-C reaches it through the
+terminal. A multi-process sweep runs its points in-process (every process joins each point's
+collectives), releasing each point's programs when it ends (`train.step.release_programs`).
 """
 from __future__ import annotations
 
@@ -25,7 +32,11 @@ import copy
 import importlib.util
 import itertools
 import json
+import multiprocessing
 import os
+import resource
+import signal
+import threading
 from typing import Any, Callable, Mapping, Sequence
 
 from loopmoe_jax import storage
@@ -180,13 +191,80 @@ def resident_bytes() -> int:
     return 0
 
 
+def peak_resident_bytes() -> int:
+  """This process's largest resident memory so far (Linux reports kilobytes)."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# what the sweep's process set for JAX that a child would not read from the environment
+INHERITED_JAX_CONFIG = ('jax_platforms', 'jax_num_cpu_devices', 'jax_enable_x64',
+                        'jax_default_matmul_precision', 'jax_threefry_partitionable')
+
+
+def _train_point(c, workdir: str, jax_config: Mapping[str, Any], conn) -> None:
+  """A child process's work: train one point, send back (summary, peak RSS) or the error."""
+  try:
+    import jax  # pylint: disable=import-outside-toplevel
+    for name, value in jax_config.items():
+      jax.config.update(name, value)
+    from loopmoe_jax.train.trainer import train  # pylint: disable=import-outside-toplevel
+    conn.send(('summary', train(c, workdir), peak_resident_bytes()))
+  except BaseException as e:  # pylint: disable=broad-except
+    plain = isinstance(e, (ValueError, RuntimeError, OSError)) and str(e)
+    conn.send(('error', str(e) if plain else f'{type(e).__name__}: {e}', peak_resident_bytes()))
+  finally:
+    conn.close()
+
+
+def train_isolated(c, workdir: str) -> tuple[dict, int]:
+  """Trains one point in a fresh child process; returns (its summary, the child's peak RSS).
+  A child that dies without a word (killed, out of memory) is a RuntimeError naming its exit
+  status; its checkpoints stay, so re-running the sweep resumes it."""
+  import jax  # pylint: disable=import-outside-toplevel
+  jax_config = {name: getattr(jax.config, name) for name in INHERITED_JAX_CONFIG}
+  ctx = multiprocessing.get_context('spawn')
+  receive, send = ctx.Pipe(duplex=False)
+  child = ctx.Process(target=_train_point, args=(c, workdir, jax_config, send), daemon=False)
+  main = threading.current_thread() is threading.main_thread()
+  if main:  # SIGTERM to the sweep stops the point (which saves); Ctrl-C reaches it directly
+    old = {signal.SIGTERM: signal.getsignal(signal.SIGTERM),
+           signal.SIGINT: signal.getsignal(signal.SIGINT)}
+    signal.signal(signal.SIGTERM, lambda signum, frame: child.pid and os.kill(child.pid, signum))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+  try:
+    child.start()
+    send.close()
+    try:
+      kind, value, peak = receive.recv()
+    except EOFError:
+      kind, value, peak = 'died', None, 0
+    child.join()
+  finally:
+    if main:
+      for signum, handler in old.items():
+        signal.signal(signum, handler)
+  if kind == 'error':
+    raise RuntimeError(value)
+  if kind == 'died':
+    raise RuntimeError(f'the process training {workdir} died (exit status {child.exitcode}); '
+                       're-run the sweep to resume it')
+  return value, peak
+
+
 def run_sweep(cfg, sweeps: Mapping[str, Sequence[Any]], root: str,
-              run: Callable[[Any, str], dict] | None = None, log=print) -> list[dict]:
+              run: Callable[[Any, str], dict] | None = None, log=print,
+              isolate: bool | None = None) -> list[dict]:
   """Runs (or skips, or resumes) every grid point, one after another (in a multi-process run
   every process runs each point together; process 0 alone writes the sweep's files); returns
-  the rows and writes sweep.csv."""
+  the rows and writes sweep.csv. `isolate` (default: with the trainer in a one-process run)
+  trains each point in a child process; `run` replaces the trainer (in-process)."""
   import jax  # pylint: disable=import-outside-toplevel
   writer = jax.process_index() == 0
+  if isolate is None:
+    isolate = run is None and jax.process_count() == 1
+  if isolate and (run is not None or jax.process_count() > 1):
+    raise ValueError('isolate: points run in child processes with the trainer, in a '
+                     'one-process sweep only')
   if run is None:
     from loopmoe_jax.train.trainer import train as run
   points = grid(sweeps)
@@ -214,14 +292,18 @@ def run_sweep(cfg, sweeps: Mapping[str, Sequence[Any]], root: str,
         storage.makedirs(workdir)
         storage.write_text(storage.join(workdir, 'point.json'), json.dumps(point))
         storage.write_text(storage.join(workdir, 'config.json'), c.to_json())
-      summary = run(c, workdir)
-      # the point's programs go with it: the sweep's memory stays that of one point
-      release_programs()
+      if isolate:
+        summary, peak = train_isolated(c, workdir)
+      else:
+        summary, peak = run(c, workdir), None
+        # the point's programs go with it: the sweep's memory stays that of one point
+        release_programs()
       if summary.get('stopped_by') or summary.get('final_window_loss') is None:
         log(f'{name}: stopped before the end; re-run the sweep to resume')
         break
       log(f'[{i + 1}/{len(points)}] {name}: loss {summary["final_window_loss"]:.4f}, '
-          f'rss {resident_bytes() / 2**30:.2f} GiB')
+          f'rss {resident_bytes() / 2**30:.2f} GiB'
+          + (f' (point\'s process peak {peak / 2**30:.2f} GiB)' if peak else ''))
     rows.append({'point': name, **{k: point[k] for k in point}, **point_row(c, summary),
                  'workdir': workdir})
   if rows and writer:
