@@ -1,7 +1,8 @@
 """One process of two-process CPU training runs (used by test_multiprocess.py): N CPU devices
-per process; one run per argument 'axis=size,...[:sample]' (a mesh spanning both processes;
-`sample`: the default train.sample_tokens), in WORK/<i>, one after another in the same two
-processes. Prints what each run fed."""
+per process; one run per argument 'axis=size,...[:sample|:half]' (a mesh spanning both
+processes; `sample`: the default train.sample_tokens; `half`: 3 of a 6-step schedule, for a
+resume elsewhere), in WORK/<i>, one after another in the same two processes. Prints what each
+run fed."""
 import json
 import os
 import sys
@@ -32,10 +33,10 @@ def recording_put_batch(batch, batch_sh, batch_size=None):
 
 steps.put_batch = recording_put_batch
 for i, spec in enumerate(specs):
-  mesh, _, sample = spec.partition(':')
+  mesh, _, option = spec.partition(':')
   fed.clear()
-  cfg = tiny(steps=4)
-  if sample:
+  cfg = tiny(steps=3, schedule_steps=6) if option == 'half' else tiny(steps=4)
+  if option == 'sample':
     from loopmoe_jax.config.train import TrainConfig  # noqa: E402
     cfg.train.sample_tokens = TrainConfig().sample_tokens
   for axis_size in mesh.split(','):  # e.g. data=1,expert=4

@@ -32,11 +32,11 @@ def _free_port():
 # per launch (CPU devices per process): mesh spec (and :sample) -> the rows each process feeds,
 # its half or all rows (a non-batch axis, tensor, spans the processes: both hold every row)
 LAUNCHES = {2: {'data=1,expert=4:sample': 'half', 'data=1,dcn_data=2,expert=2': 'half',
-                'data=1,fsdp=2,expert=2': 'half'},
+                'data=1,fsdp=2,expert=2': 'half', 'data=1,expert=4:half': 'resumed'},
             1: {'data=1,tensor=2': 'all'}}
 
 
-def test_two_processes_match_one(tmp_path):
+def test_two_processes_match_one(tmp_path, capsys):
   """Two launches of two processes (2 CPU devices each, and 1 each), runs one after the other
   in each: expert=4, where the expert
   exchange crosses the processes and the run ends as a user's does (the default
@@ -44,7 +44,10 @@ def test_two_processes_match_one(tmp_path):
   process 0 prints it, both exit); dcn_data=2 x expert=2, a hybrid mesh with each process one
   granule (data parallel across them, experts inside); tensor=2 across the processes (each
   process feeds every row: the batch is replicated over tensor); fsdp=2 across them. Each
-  equals a one-process run step by step, losses and trained parameters."""
+  equals a one-process run step by step, losses and trained parameters. And a run the two
+  processes stopped at step 3 of 6 resumes in this one process (8 devices, its default mesh)
+  and ends step-exact with a straight one-process run: the data position and the state are
+  the run's, not the process count's."""
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   procs = {n: [subprocess.Popen([sys.executable, os.path.join(HERE, 'mp_worker.py'), str(p),
                                  str(port), str(tmp_path / f"mp{n}"), str(n), *specs], env=env,
@@ -73,6 +76,17 @@ def test_two_processes_match_one(tmp_path):
   single = train(tiny(steps=4), str(tmp_path / 'single'))
   one = losses(tmp_path / 'single')
   one_params = checkpoint.load_params(str(tmp_path / "single"))[1]
+  resumed = [str(work) for spec, split, work, _ in checks if split == 'resumed']
+  checks = [c for c in checks if c[1] != 'resumed']
+  train(tiny(steps=6), str(tmp_path / 'straight'))
+  assert sorted(losses(resumed[0])) == [1, 2, 3]
+  capsys.readouterr()
+  train(tiny(steps=6), resumed[0])  # steps 4-6, on one process
+  assert 'resuming from step 3' in capsys.readouterr().out
+  a, b = losses(tmp_path / 'straight'), losses(resumed[0])
+  assert sorted(a) == sorted(b) == list(range(1, 7))
+  for s in a:
+    assert b[s] == pytest.approx(a[s], rel=1e-5), s
   for spec, split, work, per_process in checks:
     assert [r['process'] for r in per_process] == [0, 1]
     for r in per_process:  # each process fed exactly the rows its devices hold
