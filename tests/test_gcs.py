@@ -163,3 +163,25 @@ def test_a_corpus_prepared_to_gs_reads_as_the_local_one(gcs, tmp_path):
   assert len(remote) == len(local)
   for start in (0, len(local) // 3, len(local) - 1000):
     np.testing.assert_array_equal(remote.read(start, start + 1000), local.read(start, start + 1000))
+
+
+def test_a_sweep_on_gs_collects_resumes_and_skips_as_a_local_one(gcs, tmp_path):
+  """scripts/sweep.py with --root=gs://: each point's workdir, config and checkpoints and the
+  sweep's CSV are on the bucket (nothing on local disk), the losses are the local sweep's,
+  a second run skips every finished point, and the CSV reads from the bucket."""
+  from loopmoe_jax.scaling import read_csv
+  env = dict(os.environ, JAX_PLATFORMS='cpu', **gcs)
+  flags = ['--config=configs/loop_laws.py:smoke,core_layers=1', '--sweep=model.num_loops=1,2',
+           '--config.train.steps=2', '--config.train.sample_tokens=0',
+           '--config.data.batch_size=8', '--config.data.seq_len=16',
+           '--config.data.val_batches=1', '--config.run.dispatch=xla']
+  local, root = str(tmp_path / 'sweep'), f'gs://{BUCKET}/sweeps/a'
+  _run(_cmd('sweep', f'--root={local}', *flags), env)
+  out = _run(_cmd('sweep', f'--root={root}', *flags), env)
+  assert out.count('running in gs://') == 2, out[-2000:]
+  assert not os.path.exists(os.path.join(ROOT, 'gs:'))
+  remote, here = read_csv(f'{root}/sweep.csv'), read_csv(f'{local}/sweep.csv')
+  np.testing.assert_array_equal(remote['loss'], here['loss'])
+  assert storage.exists(f'{root}/num_loops=2/checkpoints/2/commit_success.txt')
+  again = _run(_cmd('sweep', f'--root={root}', *flags), env)
+  assert again.count('skipped') == 2 and 'running in' not in again, again[-2000:]

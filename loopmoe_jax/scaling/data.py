@@ -8,9 +8,10 @@ import numpy as np
 
 
 def read_csv(path: str) -> dict[str, np.ndarray]:
-  """A CSV as columns: numeric columns as float64 arrays, others as arrays of str."""
-  with open(path, newline='') as f:
-    rows = list(csv.DictReader(f))
+  """A CSV (a local path or a URL such as gs://) as columns: numeric columns as float64
+  arrays, others as arrays of str."""
+  from loopmoe_jax import storage  # pylint: disable=import-outside-toplevel
+  rows = list(csv.DictReader(io.StringIO(storage.read_text(path), newline='')))
   if not rows:
     raise ValueError(f'{path}: no rows')
   out = {}
