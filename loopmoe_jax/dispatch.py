@@ -20,6 +20,11 @@
 - `auto`: per platform, the backend in FASTEST (see `resolve_backend`).
 
 No capacity limit: no token is ever dropped.
+
+The sorts move rows by permutations (`permute_rows`, `gather_tokens`), whose backward is a
+gather by the inverse permutation: a differentiated `x[perm]` would otherwise be a scatter-add
+of the whole [rows, D] gradient, which the TPU compiler lowers through extra full-size u32
+and mask buffers.
 """
 from __future__ import annotations
 
@@ -65,6 +70,51 @@ def dispatch_reference(x_TD, experts_Tk, weights_Tk, params, tile=None, plan=Non
   return y_TD.astype(x_TD.dtype)
 
 
+def inverse_permutation(perm_N):
+  """The permutation that undoes `perm_N` ([N] int32): x[perm][inverse] == x."""
+  return jnp.zeros_like(perm_N).at[perm_N].set(jnp.arange(perm_N.shape[0], dtype=perm_N.dtype))
+
+
+@jax.custom_vjp
+def permute_rows(x_ND, perm_N, inverse_N):
+  """x[perm] for a permutation `perm` of x's rows; the backward gathers the cotangent by
+  `inverse_N` (its inverse) instead of scattering it."""
+  del inverse_N
+  return x_ND[perm_N]
+
+
+def _permute_rows_fwd(x_ND, perm_N, inverse_N):
+  return x_ND[perm_N], inverse_N
+
+
+def _permute_rows_bwd(inverse_N, g_ND):
+  return g_ND[inverse_N], None, None
+
+
+permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def gather_tokens(x_TD, order_M, inverse_M, k: int):
+  """x[order // k]: the rows of the M = T*k assignments in the order `order_M` (a permutation
+  of the flat [T, k] assignments; `inverse_M` its inverse). The backward gathers the
+  cotangent back into assignment order and sums each token's k rows: no scatter."""
+  del inverse_M
+  return x_TD[order_M // k]
+
+
+def _gather_tokens_fwd(x_TD, order_M, inverse_M, k):
+  return x_TD[order_M // k], inverse_M
+
+
+def _gather_tokens_bwd(k, inverse_M, g_MD):
+  g_TkD = g_MD[inverse_M].reshape(-1, k, g_MD.shape[-1])
+  return jnp.sum(g_TkD.astype(jnp.float32), axis=1).astype(g_MD.dtype), None, None
+
+
+gather_tokens.defvjp(_gather_tokens_fwd, _gather_tokens_bwd)
+
+
 def gmm_pallas(lhs_MK, rhs_GKN, group_sizes_G, tile=None):
   del tile  # the Pallas kernels take their per-platform tiles (pallas_kernels.TILES)
   return pallas_kernels.gmm(lhs_MK, rhs_GKN, group_sizes_G)
@@ -102,13 +152,12 @@ def _grouped(backend: str):
     with jax.named_scope('permute'):
       flat_expert = experts_Tk.reshape(-1)
       order = jnp.argsort(flat_expert, stable=True)
-      token_of = order // k
-      x_MD = x_TD[token_of]
+      inverse = inverse_permutation(order)
+      x_MD = gather_tokens(x_TD, order, inverse, k)
       group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
     out_MD = grouped_ffn(x_MD, group_sizes, params, backend, tile)
     with jax.named_scope('unpermute'):
-      inverse = jnp.argsort(order)
-      out_TkD = out_MD[inverse].reshape(num_tokens, k, -1)
+      out_TkD = permute_rows(out_MD, inverse, order).reshape(num_tokens, k, -1)
     return combine(out_TkD, weights_Tk).astype(x_TD.dtype)
   return run
 

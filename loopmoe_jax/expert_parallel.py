@@ -117,7 +117,8 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, factor, 
     weights_Tk, keep_Tk, dropped = apply_capacity(experts_Tk, weights_Tk, num_experts, factor)
     key = jnp.where(keep_Tk.reshape(-1), flat, num_experts)  # dropped rows sort last
     order = jnp.argsort(key, stable=True)
-    x_send = x_TD[order // k]
+    inverse = dispatch_lib.inverse_permutation(order)
+    x_send = dispatch_lib.gather_tokens(x_TD, order, inverse, k)
     counts_E = jnp.bincount(key, length=num_experts).astype(jnp.int32)
     send_off = _exclusive_cumsum(counts_E.reshape(n, e_loc).sum(1))
     raw_counts = jax.lax.all_gather(counts_E, 'expert')                   # [n_src, E]
@@ -151,10 +152,12 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, factor, 
     seg = jnp.searchsorted(seg_start, q, side='right') - 1
     local = jnp.where(q < seg_start[seg] + seg_count[seg], seg % e_loc, e_loc)
     order2 = jnp.argsort(local, stable=True)
+    inverse2 = dispatch_lib.inverse_permutation(order2)
     sizes = recv_nE.sum(0)
 
-  out_g = dispatch_lib.grouped_ffn(recv[order2], sizes, params, backend, tile)
-  out_recv = jnp.zeros_like(out_g).at[order2].set(out_g)
+  out_g = dispatch_lib.grouped_ffn(dispatch_lib.permute_rows(recv, order2, inverse2), sizes,
+                                   params, backend, tile)
+  out_recv = dispatch_lib.permute_rows(out_g, inverse2, order2)
 
   with jax.named_scope('exchange_back'):
     if kind == 'padded':
@@ -171,7 +174,7 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, factor, 
       out_sorted = checkpoint_name(out_sorted, 'exchange')
 
   with jax.named_scope('unpermute'):
-    out_TkD = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(t, k, d)
+    out_TkD = dispatch_lib.permute_rows(out_sorted, inverse, order).reshape(t, k, d)
   y_TD = dispatch_lib.combine(out_TkD, weights_Tk)
   if tensor > 1:
     y_TD = jax.lax.psum(y_TD, 'tensor')

@@ -406,3 +406,31 @@ def test_gmm_tiled_keeps_no_float32_copy_of_its_rows():
   sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
   fwd = jax.jit(lambda l, r, s: gmm_tiled(l, r, s, 128)).lower(lhs, rhs, sizes).compile()
   assert fwd.memory_analysis().temp_size_in_bytes < 0.8 * m * n * 4
+
+
+def test_row_permutations_differentiate_as_indexing_without_a_scatter():
+  """permute_rows and gather_tokens: values and gradients (float32 and bfloat16) equal plain
+  indexing's, and their backward programs gather (no scatter of the [rows, D] gradient)."""
+  from loopmoe_jax.dispatch import gather_tokens, inverse_permutation, permute_rows
+  rng = np.random.default_rng(0)
+  t, k, d = 7, 3, 5
+  experts = jnp.asarray(rng.integers(0, 4, t * k))
+  order = jnp.argsort(experts, stable=True)
+  inverse = inverse_permutation(order)
+  np.testing.assert_array_equal(np.asarray(order)[np.asarray(inverse)], np.arange(t * k))
+  w_MD = jnp.asarray(rng.normal(size=(t * k, d)), jnp.float32)
+  for dtype in (jnp.float32, jnp.bfloat16):
+    x_TD = jnp.asarray(rng.normal(size=(t, d)), dtype)
+    ours = lambda x: permute_rows(gather_tokens(x, order, inverse, k) * w_MD.astype(dtype),
+                                  inverse, order)
+    plain = lambda x: (x[order // k] * w_MD.astype(dtype))[inverse]
+    np.testing.assert_array_equal(np.asarray(ours(x_TD), np.float32),
+                                  np.asarray(plain(x_TD), np.float32))
+    loss = lambda f: lambda x: jnp.sum(jnp.sin(f(x).astype(jnp.float32)))
+    g_ours, g_plain = jax.grad(loss(ours))(x_TD), jax.grad(loss(plain))(x_TD)
+    assert g_ours.dtype == dtype
+    np.testing.assert_allclose(np.asarray(g_ours, np.float32), np.asarray(g_plain, np.float32),
+                               rtol=1e-2 if dtype == jnp.bfloat16 else 1e-6, atol=1e-6)
+    hlo = jax.jit(jax.grad(loss(ours))).lower(x_TD).as_text()
+    assert 'scatter' not in hlo
+    assert 'scatter' in jax.jit(jax.grad(loss(plain))).lower(x_TD).as_text()

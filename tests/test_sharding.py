@@ -110,7 +110,12 @@ def test_microbatches_give_the_same_update():
   """train.microbatches=4 on a data2 x expert4 mesh: the same gradients as one batch (the
   load-balance loss, a product of batch means, is off here: it is per microbatch)."""
   (m4, g4), (m1, g1) = run('untied', 'data2_expert4', 4, 0.0), run('untied', 'one', 1, 0.0)
-  np.testing.assert_allclose(m4['loss'], m1['loss'], rtol=2e-5)
+  np.testing.assert_allclose(m4['loss'][0], m1['loss'][0], rtol=2e-5)
+  # later steps: AdamW's first update is lr * sign(g) wherever |g| >> eps, so a gradient
+  # element near 0 whose sign the summation order decides moves its weight by 2 lr; the
+  # microbatch sums and the one-batch sum round differently (gradients within 3e-6 of their
+  # scale here), which shows in the later losses at about 1e-4
+  np.testing.assert_allclose(m4['loss'][1:], m1['loss'][1:], rtol=2e-4)
   assert_grads_close(g4, g1)
 
 

@@ -33,6 +33,10 @@ Nothing is run: shapes are abstract, so full sizes compile on a laptop.
   least temporaries among those within 1.2x none's FLOPs; `tpu_compile_s` the v5p-128 step's
   compile (read from the compile cache when it was compiled before: `tpu_compile_cached`).
   `--quick`: Foil-2 smoke on v5p:2x2x1 and 8 x H100.
+- tpu_temp_over_maxtext.{none,full}: that v5p-128 compile's temporaries per chip with remat
+  none / full over MaxText's for the same executed shape with its remat_policy none / full
+  (MAXTEXT_TEMP_BYTES: docs/maxtext_reference.md, which also says why only `full` compares
+  like with like: MaxText recomputes every layer under both). Absent with --quick.
 - step_chunked_over_xla: train-step time of the README's main job (configs/default.py, 16 x 128
   tokens) with attention `chunked` over `xla`, timed interleaved (informative).
 
@@ -111,6 +115,9 @@ def remat_rows(quick: bool, batch: int = 2, seq: int | None = None,
 
 
 REAL_POLICIES = ('none', 'attention', 'pass_input', 'full')
+# MaxText's temporaries per chip, Foil-2's executed shape on v5p-128, by its remat_policy
+# (measured reference: docs/maxtext_reference.md)
+MAXTEXT_TEMP_BYTES = {'none': 12.2 * 2**30, 'full': 3.46 * 2**30}
 REAL_SHAPES = {  # platform -> (target, quick target, mesh, global batch)
     'tpu': ('v5p-128', 'v5p:2x2x1', dict(data=1, fsdp=8, expert=8), 128),
     'cuda': ('h200x8', 'h100x8', dict(data=1, expert=8), 96)}
@@ -149,6 +156,9 @@ def real_compiler_rows(quick: bool) -> dict[str, Any]:
     res[f'{platform}_remat_best_flops_over_none'] = res[f'{platform}_remat_flops_over_none.{best}']
     if platform == 'tpu':
       res['tpu_compile_s'], res['tpu_compile_cached'] = none['compile_s'], none['cached']
+      if not quick:
+        for p, ref in MAXTEXT_TEMP_BYTES.items():
+          res[f'tpu_temp_over_maxtext.{p}'] = rows[p]['temp_bytes_per_device'] / ref
   return res
 
 

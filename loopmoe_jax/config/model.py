@@ -48,9 +48,10 @@ class RunConfig:
                                  # the core, prelude and coda layers and the head and loss
   attention_impl: str = 'auto'   # attention_impls.py: auto | xla | chunked | cudnn | splash
   attention_block: int = 512     # key block of 'chunked' (a length not a multiple is padded)
-  loss_chunk: int = 0            # > 0: the head and LM loss over vocabulary chunks of at most
+  loss_chunk: int = 8192         # > 0: the head and LM loss over vocabulary chunks of at most
                                  # this many columns (objective.py; no float32 [B, T, V]
-                                 # logits); 0: the whole logits
+                                 # logits; a vocabulary of at most this many is one piece);
+                                 # 0: the whole logits
   core_collectives: str = 'once' # under a mesh: 'once' gathers the looped core's weights once a
                                  # step and reduces their gradients once (core.Core); 'per_pass'
                                  # leaves both to XLA inside the loop (weights stay sharded)
