@@ -60,12 +60,14 @@ def _on_sigint(signum, frame):
   interrupted()
 
 
-# A Ctrl-C before the training loop installs its own handler (trainer._StopFlag: save and stop)
-# exits at once with one line, while modules import (jax takes seconds; an import may swallow a
-# KeyboardInterrupt) and while the run is set up and compiled.
-sys.excepthook = _interrupt_hook(sys.excepthook)
-if threading.current_thread() is threading.main_thread():
-  signal.signal(signal.SIGINT, _on_sigint)
+def exit_on_interrupt() -> None:
+  """A Ctrl-C before the training loop installs its own handler (trainer._StopFlag: save and
+  stop) exits at once with one line, while modules import (jax takes seconds; an import may
+  swallow a KeyboardInterrupt) and while the run is set up and compiled. A script's entry
+  (`run`) installs it; importing this module changes nothing."""
+  sys.excepthook = _interrupt_hook(sys.excepthook)
+  if threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGINT, _on_sigint)
 
 
 def config_flag(default: str = DEFAULT_CONFIG):
@@ -177,11 +179,15 @@ class _QuietOrbax:
 def run(main):
   """app.run with library INFO logs (Orbax, Grain) silenced, progress printed, and an error
   printed as one line `error: ...` (exit status 1); --debug or LOOPMOE_DEBUG=1 shows the
-  traceback instead."""
+  traceback instead. A script's process gets the interrupt exit (`exit_on_interrupt`) and the
+  quiet Orbax hooks (`checkpoint.quiet_orbax_errors`) here, not on import."""
+  exit_on_interrupt()
   from absl import flags, logging as absl_logging
   flags.DEFINE_bool('debug', False, 'Show tracebacks of errors.')
 
   def quiet_main(argv):
+    from loopmoe_jax.train.checkpoint import quiet_orbax_errors  # pylint: disable=import-outside-toplevel
+    quiet_orbax_errors()
     absl_logging.set_verbosity(absl_logging.WARNING)
     for logger in (absl_logging.get_absl_logger(), logging.getLogger('asyncio')):
       logger.addFilter(_QuietOrbax())

@@ -492,3 +492,28 @@ def test_abandoned_orbax_reads_are_quiet_and_other_errors_are_not():
   other = wrapped(error_from(os.path.join(os.sep, 'site', 'mine', 'code.py')))
   hook(other)
   assert seen == [other]
+
+
+def test_importing_the_package_rewires_nothing():
+  """Importing every module of loopmoe_jax and pallas_kernels (in a fresh interpreter, as a
+  notebook would) leaves sys.excepthook, sys.unraisablehook and the SIGINT and SIGTERM
+  handlers as they were: the scripts' entry (cli.run) and the trainer install theirs."""
+  code = '\n'.join([
+      'import importlib, pkgutil, signal, sys',
+      'def hooks():',
+      '  return (sys.excepthook, sys.unraisablehook, signal.getsignal(signal.SIGINT),',
+      '          signal.getsignal(signal.SIGTERM))',
+      'before = hooks()',
+      'import loopmoe_jax, pallas_kernels',
+      'for pkg in (loopmoe_jax, pallas_kernels):',
+      '  for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):',
+      '    importlib.import_module(m.name)',
+      'from loopmoe_jax.train import checkpoint',
+      'print("SAME", [a is b for a, b in zip(before, hooks())])',
+      'checkpoint.quiet_orbax_errors(); checkpoint.quiet_orbax_errors()',
+      'print("QUIET", [a is b for a, b in zip(before, hooks())])'])
+  out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert 'SAME [True, True, True, True]' in out.stdout, out.stdout
+  assert 'QUIET [False, False, True, True]' in out.stdout, out.stdout  # installed once, on call

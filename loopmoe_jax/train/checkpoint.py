@@ -75,9 +75,20 @@ class _AbandonedOrbaxTasks(logging.Filter):
                            for frame in traceback.extract_tb(tb)))
 
 
-sys.unraisablehook = _quiet_abandoned_reads(sys.unraisablehook)
-sys.excepthook = _quiet_closed_loop(sys.excepthook)
-logging.getLogger('asyncio').addFilter(_AbandonedOrbaxTasks())
+_QUIETED = []  # set once the hooks below are installed in this process
+
+
+def quiet_orbax_errors() -> None:
+  """Installs, once per process, the hooks above: sys.unraisablehook and sys.excepthook drop
+  Orbax's abandoned-read and closed-loop errors, and asyncio's logger its never-retrieved
+  task errors (every other error passes). Called by the scripts' entry (cli.run) and by the
+  trainer; importing this module changes nothing."""
+  if _QUIETED:
+    return
+  sys.unraisablehook = _quiet_abandoned_reads(sys.unraisablehook)
+  sys.excepthook = _quiet_closed_loop(sys.excepthook)
+  logging.getLogger('asyncio').addFilter(_AbandonedOrbaxTasks())
+  _QUIETED.append(True)
 
 
 def manager(directory: str, keep: int = 3, async_save: bool = True, read_only: bool = False,

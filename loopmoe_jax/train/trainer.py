@@ -59,7 +59,9 @@ def peak_flops(cfg_peak: float) -> float:
 def train(cfg, workdir: str, force: bool = False, start_over: bool = False) -> dict:
   """Trains (or resumes) the run in `workdir`; `force` skips the pre-flight memory check
   (train/preflight.py); `start_over` starts a run none of whose checkpoints reads back from
-  step 0, its steps and logs moved to unreadable_checkpoints/ (without it that is an error)."""
+  step 0, its steps and logs moved to unreadable_checkpoints/ (without it that is an error).
+  Installs the quiet Orbax error hooks (checkpoint.quiet_orbax_errors) for the process."""
+  checkpoint.quiet_orbax_errors()
   exp = build(cfg)
   check_workdir(workdir)
   pipeline.check_data(exp.data, exp.model.vocab_size)  # before any model is built
