@@ -22,7 +22,7 @@ from loopmoe_jax.experiment import build
 # the default search: keys that change memory only, each with the values tried
 SEARCH = {'run.remat': ('none', 'attention', 'pass_input', 'full'),
           'train.microbatches': (1, 2, 4),
-          'run.loss_chunk': (0, 2048)}
+          'run.loss_chunk': (8192, 2048)}  # the default chunk, then a smaller one
 SEARCHABLE = ('run.remat', 'train.microbatches', 'run.loss_chunk', 'run.attention_impl',
               'data.batch_size_per_device')
 
