@@ -257,7 +257,9 @@ def run_sweep(cfg, sweeps: Mapping[str, Sequence[Any]], root: str,
   """Runs (or skips, or resumes) every grid point, one after another (in a multi-process run
   every process runs each point together; process 0 alone writes the sweep's files); returns
   the rows and writes sweep.csv. `isolate` (default: with the trainer in a one-process run)
-  trains each point in a child process; `run` replaces the trainer (in-process)."""
+  trains each point in a child process (spawned: a script that calls this needs the usual
+  `if __name__ == '__main__':` guard, as the project's scripts have); `run` replaces the
+  trainer (in-process)."""
   import jax  # pylint: disable=import-outside-toplevel
   writer = jax.process_index() == 0
   if isolate is None:
