@@ -123,10 +123,8 @@ def gmm_pallas(lhs_MK, rhs_GKN, group_sizes_G, tile=None):
 def sorted_positions(experts_Tk):
   """Where each (token, choice) lands in a stable sort of the flat expert ids, [T, k] int32
   (what the routing kernel returns as positions_Tk)."""
-  flat = experts_Tk.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
-  positions = jnp.zeros_like(order).at[order].set(jnp.arange(flat.shape[0], dtype=order.dtype))
-  return positions.reshape(experts_Tk.shape).astype(jnp.int32)
+  order = jnp.argsort(experts_Tk.reshape(-1), stable=True)
+  return inverse_permutation(order).reshape(experts_Tk.shape).astype(jnp.int32)
 
 
 def dispatch_pallas(x_TD, experts_Tk, weights_Tk, params, tile=None, plan=None):
