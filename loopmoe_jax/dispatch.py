@@ -198,12 +198,36 @@ FFNS = {'reference': _ffn_reference, 'tiled': _ffn_gmm(gmm_tiled), 'xla': _ffn_g
         'pallas_gmm_only': _ffn_gmm(gmm_pallas)}  # benchmark: gate and up as two gmm calls
 
 
-def grouped_ffn(x_MD, group_sizes_G, params, backend: str = 'tiled', tile: int = 64):
+def grouped_ffn(x_MD, group_sizes_G, params, backend: str = 'tiled', tile: int = 64,
+                row_blocks: int = 1):
   """The experts' SwiGLU on rows sorted by expert: rows [start_g, end_g) through expert g;
   rows past sum(group_sizes) give zeros (jax.lax.ragged_dot semantics). The grouped-matmul
-  stage of every backend, and of expert parallelism on each device's local experts."""
+  stage of every backend, and of expert parallelism on each device's local experts.
+
+  row_blocks = b > 1: the rows run in b consecutive blocks (a scan; each block's group sizes
+  are the groups' overlaps with it), each block under `jax.checkpoint` so the backward keeps
+  only its rows and recomputes its [rows/b, 2F] projections: the same sums, b-fold smaller
+  temporaries, one more forward of the FFN."""
+  ffn = FFNS[resolve_backend(backend)]
+  sizes_G = group_sizes_G.astype(jnp.int32)
   with jax.named_scope('grouped_matmul'):
-    return FFNS[resolve_backend(backend)](x_MD, group_sizes_G.astype(jnp.int32), params, tile)
+    if row_blocks <= 1:
+      return ffn(x_MD, sizes_G, params, tile)
+    m = x_MD.shape[0]
+    rows = -(-m // row_blocks)
+    x_bRD = jnp.pad(x_MD, ((0, rows * row_blocks - m), (0, 0))).reshape(row_blocks, rows, -1)
+    ends_G = jnp.cumsum(sizes_G)
+    starts_G = ends_G - sizes_G
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def block(params, x_RD, lo):
+      sizes = jnp.clip(ends_G, lo, lo + rows) - jnp.clip(starts_G, lo, lo + rows)
+      return ffn(x_RD, sizes, params, tile)
+
+    def step(_, xs):
+      return None, block(params, *xs)
+    _, out_bRD = jax.lax.scan(step, None, (x_bRD, jnp.arange(row_blocks, dtype=jnp.int32) * rows))
+    return out_bRD.reshape(row_blocks * rows, -1)[:m]
 
 
 BACKENDS = {

@@ -45,6 +45,8 @@ CONFIGS = {
                                   residual_scale='inverse_loops'),
     # gate training (exit.py): every pass's readout through the coda and head, on the mesh
     'gate': ModelConfig(**SMALL, exit='gate', exit_threshold=0.5, exit_entropy=0.05),
+    # the experts' FFN over the received rows in 3 recomputed blocks (run.expert_row_blocks)
+    'row_blocks': ModelConfig(**SMALL, tie_attention=False, expert_row_blocks=3),
 }
 BATCH, SEQ, STEPS = 8, 16, 3
 
@@ -97,7 +99,8 @@ def assert_grads_close(got, want):
 # 'untied' on data2_expert4 too); the full product would double the suite's share here.
 @pytest.mark.parametrize('mesh_name,config_name', [
     ('data2_expert4', 'tied_injection'), ('fsdp2_expert2_data2', 'untied'),
-    ('fsdp4_tensor2', 'untied'), ('fsdp4_tensor2', 'tied_injection'), ('data2_expert4', 'gate')])
+    ('fsdp4_tensor2', 'untied'), ('fsdp4_tensor2', 'tied_injection'), ('data2_expert4', 'gate'),
+    ('fsdp2_expert2_data2', 'row_blocks')])
 def test_sharded_training_equals_one_device(config_name, mesh_name):
   (m_one, g_one), (m_mesh, g_mesh) = run(config_name, 'one'), run(config_name, mesh_name)
   for key in ('loss', 'load_balance', 'z_loss'):  # every step's values

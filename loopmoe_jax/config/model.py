@@ -32,7 +32,8 @@ EXITS = ('none', 'kl', 'gate')
 
 
 RUN_FIELDS = ('dispatch', 'dispatch_tile', 'expert_exchange', 'remat', 'loop_impl',
-              'core_collectives', 'attention_impl', 'attention_block', 'loss_chunk')
+              'core_collectives', 'attention_impl', 'attention_block', 'loss_chunk',
+              'expert_row_blocks')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,11 @@ class RunConfig:
                                  # step and reduces their gradients once (core.Core); 'per_pass'
                                  # leaves both to XLA inside the loop (weights stay sharded)
   loop_impl: str = 'scan'        # 'unroll': Python loop over the same shared params
+  expert_row_blocks: int = 1     # > 1, expert parallelism: the experts' SwiGLU runs over the
+                                 # received rows in this many blocks, each recomputed in the
+                                 # backward from its rows (dispatch.grouped_ffn): the
+                                 # [rows, 2F] temporaries shrink this-fold, for one more
+                                 # forward of the expert FFN per step
 
   def __post_init__(self):
     _validate_run(self)
@@ -192,7 +198,7 @@ def _err(field: str, value: Any, why: str):
 
 
 def _validate_run(c: RunConfig):
-  for name in ('dispatch_tile', 'attention_block'):
+  for name in ('dispatch_tile', 'attention_block', 'expert_row_blocks'):
     if getattr(c, name) < 1:
       _err(name, getattr(c, name), 'must be >= 1')
   if c.loss_chunk < 0:
