@@ -228,7 +228,7 @@ def _check_tile_m(op: str, family: str, tile_m, interpret) -> None:
     raise ValueError(f'{where}: must be a multiple of 64 when compiled')
 
 
-def _gmm_impl(lhs_MK, rhs_GKN, group_sizes_G, cfg, transpose_rhs=False):
+def _gmm_impl(lhs_MK, rhs_GKN, group_sizes_G, cfg, transpose_rhs=False, zero_tail=True):
   m = lhs_MK.shape[0]
   n = rhs_GKN.shape[1 if transpose_rhs else 2]
   if m == 0:
@@ -236,7 +236,9 @@ def _gmm_impl(lhs_MK, rhs_GKN, group_sizes_G, cfg, transpose_rhs=False):
   kernels, kw, interp = _call(cfg, 'gmm', lhs_MK.dtype, n)
   out = kernels.gmm(_pad_rows(lhs_MK, kw['tile_m']), rhs_GKN, group_sizes_G.astype(jnp.int32),
                     transpose_rhs=transpose_rhs, interpret=interp, **kw)[:m]
-  return out if getattr(kernels, 'ZERO_FILLED', False) else _rows_below(out, group_sizes_G)
+  if getattr(kernels, 'ZERO_FILLED', False) or not zero_tail:
+    return out
+  return _rows_below(out, group_sizes_G)
 
 
 def _tgmm_impl(lhs_MK, grad_MN, group_sizes_G, cfg, out_dtype=jnp.float32):
@@ -254,16 +256,18 @@ def _tgmm_impl(lhs_MK, grad_MN, group_sizes_G, cfg, out_dtype=jnp.float32):
   return jnp.where((group_sizes_G > 0)[:, None, None], out, 0).astype(out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _gmm(lhs_MK, rhs_GKN, group_sizes_G, cfg):
-  return _gmm_impl(lhs_MK, rhs_GKN, group_sizes_G, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _gmm(lhs_MK, rhs_GKN, group_sizes_G, cfg, zero_tail):
+  return _gmm_impl(lhs_MK, rhs_GKN, group_sizes_G, cfg, zero_tail=zero_tail)
 
 
-def _gmm_fwd(lhs_MK, rhs_GKN, group_sizes_G, cfg):
-  return _gmm_impl(lhs_MK, rhs_GKN, group_sizes_G, cfg), (lhs_MK, rhs_GKN, group_sizes_G)
+def _gmm_fwd(lhs_MK, rhs_GKN, group_sizes_G, cfg, zero_tail):
+  return (_gmm_impl(lhs_MK, rhs_GKN, group_sizes_G, cfg, zero_tail=zero_tail),
+          (lhs_MK, rhs_GKN, group_sizes_G))
 
 
-def _gmm_bwd(cfg, res, g_MN):
+def _gmm_bwd(cfg, zero_tail, res, g_MN):
+  del zero_tail  # the input gradient's tail is always zero
   lhs_MK, rhs_GKN, group_sizes_G = res
   g_MN = g_MN.astype(lhs_MK.dtype)
   with jax.named_scope('gmm_dlhs'):
@@ -277,7 +281,8 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
 def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, target: str | None = None, interpret=None,
-        tile_m: int | None = None, tile_n: int | None = None, tiles=None):
+        tile_m: int | None = None, tile_n: int | None = None, tiles=None,
+        zero_tail: bool = True):
   """Grouped matmul with `jax.lax.ragged_dot` semantics, differentiable in lhs and rhs.
 
   lhs [M, K] rows sorted by group; rhs [G, K, N]; group_sizes [G] int summing to at most M
@@ -285,13 +290,17 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, target: str | None = None, interpret=
   operands, raise a ValueError naming them. Output dtype: the promoted input dtype, float32
   accumulation.
   `tiles` overrides TILES per op ({'gmm': {...}, 'tgmm': {...}}, each may name its
-  'family'); tile_m / tile_n set both ops."""
+  'family'); tile_m / tile_n set both ops.
+  zero_tail=False leaves the output rows past the sum as the kernel leaves them (unspecified,
+  possibly non-finite; no [M, N] select to zero them): for an output whose only consumers are
+  row-wise and then another gmm of the same sizes, which reads no row past the sum. The input
+  gradient's rows past the sum are zero either way."""
   _check_gmm('gmm', lhs_MK, rhs_GKN, group_sizes_G)
   dtype = _check_dtype('gmm', lhs_MK, rhs_GKN)  # mixed dtypes promote, as in ragged_dot
   lhs_MK, rhs_GKN = lhs_MK.astype(dtype), rhs_GKN.astype(dtype)
   with jax.named_scope('gmm'):
     return _gmm(lhs_MK, rhs_GKN, clip_sizes(group_sizes_G, lhs_MK.shape[0]),
-                (interpret,) + tiling(target, tile_m, tile_n, tiles))
+                (interpret,) + tiling(target, tile_m, tile_n, tiles), bool(zero_tail))
 
 
 def tgmm(lhs_MK, grad_MN, group_sizes_G, *, target: str | None = None, interpret=None,
@@ -310,7 +319,7 @@ def tgmm(lhs_MK, grad_MN, group_sizes_G, *, target: str | None = None, interpret
 
 def gmm_swiglu(x_MD, gate_GDF, up_GDF, group_sizes_G, **kw):
   """silu(x @ gate[g]) * (x @ up[g]) with the gate and up projections fused into one gmm
-  (weights concatenated along N, so x is read once)."""
+  (weights concatenated along N, so x is read once). `zero_tail` as in gmm."""
   if gate_GDF.shape != up_GDF.shape:
     raise _shape_error('gmm_swiglu', f'gate and up shapes differ: {gate_GDF.shape} and '
                                      f'{up_GDF.shape}')

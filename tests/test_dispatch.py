@@ -468,3 +468,29 @@ def test_row_blocked_expert_ffn_equals_whole_and_keeps_less(backend):
     temp = {b: vjp(b).lower(x, params).compile().memory_analysis().temp_size_in_bytes
             for b in (1, 4)}
     assert temp[4] < 0.6 * temp[1], temp
+
+
+@pytest.mark.filterwarnings('ignore:invalid value encountered:RuntimeWarning')
+def test_pallas_expert_ffn_contains_non_finite_rows_past_the_sum():
+  """The Pallas expert FFN leaves its gate/up output's rows past the group-size sum unzeroed
+  (gmm zero_tail=False): NaN / inf rows there (here put into its input) reach no output row,
+  no input-gradient row and no expert weight gradient; all equal the tiled FFN's."""
+  from loopmoe_jax.dispatch import grouped_ffn
+  rng = np.random.default_rng(4)
+  m, d, f, g = 96, 16, 32, 3
+  sizes = jnp.asarray([20, 31, 17], jnp.int32)  # rows 68.. past the sum
+  x = np.asarray(rng.normal(size=(m, d)), np.float32)
+  x[70], x[90] = np.nan, np.inf
+  x = jnp.asarray(x)
+  params = {k: jnp.asarray(rng.normal(size=s) / np.sqrt(s[1]), jnp.float32)
+            for k, s in (('gate', (g, d, f)), ('up', (g, d, f)), ('down', (g, f, d)))}
+  ct = jnp.asarray(rng.normal(size=(m, d)), jnp.float32)
+
+  def vjp(backend):
+    out, pull = jax.vjp(lambda x, p: grouped_ffn(x, sizes, p, backend, 8), x, params)
+    return out, *pull(ct)
+
+  got, want = jax.jit(lambda: vjp('pallas'))(), jax.jit(lambda: vjp('tiled'))()
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert np.all(np.isfinite(np.asarray(a)))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)

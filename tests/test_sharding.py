@@ -45,8 +45,9 @@ CONFIGS = {
                                   residual_scale='inverse_loops'),
     # gate training (exit.py): every pass's readout through the coda and head, on the mesh
     'gate': ModelConfig(**SMALL, exit='gate', exit_threshold=0.5, exit_entropy=0.05),
-    # the experts' FFN over the received rows in 3 recomputed blocks (run.expert_row_blocks)
-    'row_blocks': ModelConfig(**SMALL, tie_attention=False, expert_row_blocks=3),
+    # the experts' FFN over the received rows in 3 recomputed blocks (run.expert_row_blocks,
+    # under a remat policy)
+    'row_blocks': ModelConfig(**SMALL, tie_attention=False, remat='full', expert_row_blocks=3),
 }
 BATCH, SEQ, STEPS = 8, 16, 3
 
@@ -177,13 +178,22 @@ def _moe_inputs(tokens=64, d=16, f=24, experts=8, k=2, same_expert=False, seed=0
   return x, ids, w, params
 
 
-def _ep(mesh_cfg, x, ids, w, params, **cfg_kw):
+def _ep(mesh_cfg, x, ids, w, params, grads=False, **cfg_kw):
+  """(y, dropped) of the expert-parallel dispatch; grads: also the gradients of a fixed
+  linear function of y with respect to x, the weights and every expert tensor."""
   mesh = sharding.make_mesh(mesh_cfg)
   cfg = ModelConfig(**dict(dict(core_experts=params['gate'].shape[0], dispatch='tiled',
                                 dispatch_tile=8), **cfg_kw))
-  fn = jax.jit(lambda *a: expert_parallel.moe_dispatch(*a, cfg, jax.sharding.get_abstract_mesh()))
+  moe = lambda x, ids, w, p: expert_parallel.moe_dispatch(x, ids, w, p, cfg,
+                                                          jax.sharding.get_abstract_mesh())
+  fn = jax.jit(moe)
   with jax.set_mesh(mesh):
     y, dropped = fn(x, ids, w, params)
+    if grads:
+      probe = np.cos(np.arange(y.size)).reshape(y.shape).astype(np.float32)
+      g = jax.jit(jax.grad(lambda x, w, p: jnp.sum(moe(x, ids, w, p)[0] * probe),
+                           argnums=(0, 1, 2)))(x, w, params)
+      return np.asarray(y), int(dropped), jax.device_get(g)
   return np.asarray(y), int(dropped)
 
 
@@ -249,16 +259,20 @@ def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outp
 
 @pytest.mark.parametrize('factor', [0.0, 0.75])
 def test_ragged_exchange_offsets_match_the_reference(monkeypatch, factor):
-  """The GPU/TPU transport's offsets and sizes, run through an emulation of the collective."""
+  """The GPU/TPU transport's offsets and sizes (one call per local expert, received
+  expert-major) run through an emulation of the collective: the padded transport's outputs,
+  drops and gradients (its custom backward moves the rows back)."""
   monkeypatch.setattr(jax.lax, 'ragged_all_to_all', _emulated_ragged_all_to_all)
   x, ids, w, params = _moe_inputs(seed=3)
   ids[:24] = [0, 1]
-  got = _ep(MESHES['data2_expert4'], x, ids, w, params, expert_exchange='ragged',
+  got = _ep(MESHES['data2_expert4'], x, ids, w, params, True, expert_exchange='ragged',
             capacity_factor=factor)
-  want = _ep(MESHES['data2_expert4'], x, ids, w, params, expert_exchange='padded',
+  want = _ep(MESHES['data2_expert4'], x, ids, w, params, True, expert_exchange='padded',
              capacity_factor=factor)
   np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
   assert got[1] == want[1]
+  for a, b in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2])):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize('platform', ['cuda', 'tpu'])

@@ -57,11 +57,11 @@ class RunConfig:
                                  # step and reduces their gradients once (core.Core); 'per_pass'
                                  # leaves both to XLA inside the loop (weights stay sharded)
   loop_impl: str = 'scan'        # 'unroll': Python loop over the same shared params
-  expert_row_blocks: int = 1     # > 1, expert parallelism: the experts' SwiGLU runs over the
-                                 # received rows in this many blocks, each recomputed in the
-                                 # backward from its rows (dispatch.grouped_ffn): the
-                                 # [rows, 2F] temporaries shrink this-fold, for one more
-                                 # forward of the expert FFN per step
+  expert_row_blocks: int = 1     # > 1, expert parallelism under a remat policy other than
+                                 # none: the experts' SwiGLU runs over the received rows in
+                                 # this many blocks, each recomputed in the backward from its
+                                 # rows (dispatch.grouped_ffn): its [rows, 2F] temporaries
+                                 # shrink this-fold, for one more forward of the expert FFN
 
   def __post_init__(self):
     _validate_run(self)
