@@ -200,23 +200,24 @@ FFNS = {'reference': _ffn_reference, 'tiled': _ffn_gmm(gmm_tiled), 'xla': _ffn_g
 
 
 def grouped_ffn(x_MD, group_sizes_G, params, backend: str = 'tiled', tile: int = 64,
-                row_blocks: int = 1):
+                block_rows: int = 0):
   """The experts' SwiGLU on rows sorted by expert: rows [start_g, end_g) through expert g;
   rows past sum(group_sizes) give zeros (jax.lax.ragged_dot semantics). The grouped-matmul
   stage of every backend, and of expert parallelism on each device's local experts.
 
-  row_blocks = b > 1: the rows run in b consecutive blocks (a scan; each block's group sizes
-  are the groups' overlaps with it), each block under `jax.checkpoint` so the backward keeps
-  only its rows and recomputes its [rows/b, 2F] projections: the same sums, b-fold smaller
-  temporaries, one more forward of the FFN."""
+  block_rows = r > 0 with M > r: the rows run in b = ceil(M / r) consecutive blocks of
+  ceil(M / b) (a scan; each block's group sizes are the groups' overlaps with it), each under
+  `jax.checkpoint`, so the backward keeps only a block's rows and recomputes its [rows, 2F]
+  projections: the same sums, b-fold smaller temporaries, one more forward of the FFN."""
   ffn = FFNS[resolve_backend(backend)]
   sizes_G = group_sizes_G.astype(jnp.int32)
+  m = x_MD.shape[0]
   with jax.named_scope('grouped_matmul'):
-    if row_blocks <= 1:
+    if not block_rows or m <= block_rows:
       return ffn(x_MD, sizes_G, params, tile)
-    m = x_MD.shape[0]
-    rows = -(-m // row_blocks)
-    x_bRD = jnp.pad(x_MD, ((0, rows * row_blocks - m), (0, 0))).reshape(row_blocks, rows, -1)
+    blocks = -(-m // block_rows)
+    rows = -(-m // blocks)
+    x_bRD = jnp.pad(x_MD, ((0, rows * blocks - m), (0, 0))).reshape(blocks, rows, -1)
     ends_G = jnp.cumsum(sizes_G)
     starts_G = ends_G - sizes_G
 
@@ -227,8 +228,8 @@ def grouped_ffn(x_MD, group_sizes_G, params, backend: str = 'tiled', tile: int =
 
     def step(_, xs):
       return None, block(params, *xs)
-    _, out_bRD = jax.lax.scan(step, None, (x_bRD, jnp.arange(row_blocks, dtype=jnp.int32) * rows))
-    return out_bRD.reshape(row_blocks * rows, -1)[:m]
+    _, out_bRD = jax.lax.scan(step, None, (x_bRD, jnp.arange(blocks, dtype=jnp.int32) * rows))
+    return out_bRD.reshape(blocks * rows, -1)[:m]
 
 
 BACKENDS = {

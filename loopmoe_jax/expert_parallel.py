@@ -104,7 +104,7 @@ def _kept_counts(counts_sE, n: int, slot: int):
 
 
 def _local_moe(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, factor, kind,
-               backend, tile, batch_axes, tensor, buffer_factor=0.0, row_blocks=1):
+               backend, tile, batch_axes, tensor, buffer_factor=0.0, block_rows=0):
   """The per-device body (see the module docstring): returns (y_TD float32, dropped)."""
   t, k = experts_Tk.shape
   m, d = t * k, x_TD.shape[1]
@@ -156,7 +156,7 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, factor, 
     sizes = recv_nE.sum(0)
 
   out_g = dispatch_lib.grouped_ffn(dispatch_lib.permute_rows(recv, order2, inverse2), sizes,
-                                   params, backend, tile, row_blocks)
+                                   params, backend, tile, block_rows)
   out_recv = dispatch_lib.permute_rows(out_g, inverse2, order2)
 
   with jax.named_scope('exchange_back'):
@@ -186,7 +186,7 @@ def _body_kw(cfg, mesh, num_experts):
               kind=exchange_kind(cfg.expert_exchange), backend=cfg.dispatch,
               tile=cfg.dispatch_tile, batch_axes=sharding.batch_axes(mesh),
               tensor=mesh.shape['tensor'], buffer_factor=cfg.exchange_buffer_factor,
-              row_blocks=1 if cfg.remat == 'none' else cfg.expert_row_blocks)
+              block_rows=0 if cfg.remat == 'none' else cfg.expert_block_rows)
 
 
 def local_dispatch(x_TD, experts_Tk, weights_Tk, params, cfg, mesh, num_experts: int):

@@ -45,9 +45,9 @@ CONFIGS = {
                                   residual_scale='inverse_loops'),
     # gate training (exit.py): every pass's readout through the coda and head, on the mesh
     'gate': ModelConfig(**SMALL, exit='gate', exit_threshold=0.5, exit_entropy=0.05),
-    # the experts' FFN over the received rows in 3 recomputed blocks (run.expert_row_blocks,
-    # under a remat policy)
-    'row_blocks': ModelConfig(**SMALL, tie_attention=False, remat='full', expert_row_blocks=3),
+    # the experts' FFN over the received rows in recomputed blocks of at most 24 rows
+    # (run.expert_block_rows, under a remat policy; 64 rows a device: 3 blocks)
+    'block_rows': ModelConfig(**SMALL, tie_attention=False, remat='full', expert_block_rows=24),
 }
 BATCH, SEQ, STEPS = 8, 16, 3
 
@@ -101,7 +101,7 @@ def assert_grads_close(got, want):
 @pytest.mark.parametrize('mesh_name,config_name', [
     ('data2_expert4', 'tied_injection'), ('fsdp2_expert2_data2', 'untied'),
     ('fsdp4_tensor2', 'untied'), ('fsdp4_tensor2', 'tied_injection'), ('data2_expert4', 'gate'),
-    ('fsdp2_expert2_data2', 'row_blocks')])
+    ('fsdp2_expert2_data2', 'block_rows')])
 def test_sharded_training_equals_one_device(config_name, mesh_name):
   (m_one, g_one), (m_mesh, g_mesh) = run(config_name, 'one'), run(config_name, mesh_name)
   for key in ('loss', 'load_balance', 'z_loss'):  # every step's values

@@ -33,7 +33,7 @@ EXITS = ('none', 'kl', 'gate')
 
 RUN_FIELDS = ('dispatch', 'dispatch_tile', 'expert_exchange', 'remat', 'loop_impl',
               'core_collectives', 'attention_impl', 'attention_block', 'loss_chunk',
-              'expert_row_blocks')
+              'expert_block_rows')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,11 +57,12 @@ class RunConfig:
                                  # step and reduces their gradients once (core.Core); 'per_pass'
                                  # leaves both to XLA inside the loop (weights stay sharded)
   loop_impl: str = 'scan'        # 'unroll': Python loop over the same shared params
-  expert_row_blocks: int = 1     # > 1, expert parallelism under a remat policy other than
-                                 # none: the experts' SwiGLU runs over the received rows in
-                                 # this many blocks, each recomputed in the backward from its
-                                 # rows (dispatch.grouped_ffn): its [rows, 2F] temporaries
-                                 # shrink this-fold, for one more forward of the expert FFN
+  expert_block_rows: int = 16384 # expert parallelism under a remat policy other than none:
+                                 # the experts' SwiGLU runs over the received rows in blocks
+                                 # of at most this many, each recomputed in the backward from
+                                 # its rows (dispatch.grouped_ffn): the [rows, 2F] temporaries
+                                 # bounded, for one more forward of the expert FFN where there
+                                 # is more than one block; 0: one block
 
   def __post_init__(self):
     _validate_run(self)
@@ -198,11 +199,12 @@ def _err(field: str, value: Any, why: str):
 
 
 def _validate_run(c: RunConfig):
-  for name in ('dispatch_tile', 'attention_block', 'expert_row_blocks'):
+  for name in ('dispatch_tile', 'attention_block'):
     if getattr(c, name) < 1:
       _err(name, getattr(c, name), 'must be >= 1')
-  if c.loss_chunk < 0:
-    _err('loss_chunk', c.loss_chunk, 'must be >= 0')
+  for name in ('loss_chunk', 'expert_block_rows'):
+    if getattr(c, name) < 0:
+      _err(name, getattr(c, name), 'must be >= 0')
   choices = dict(remat=REMAT_POLICIES, loop_impl=LOOP_IMPLS, dispatch=DISPATCHES,
                  expert_exchange=EXCHANGES, core_collectives=CORE_COLLECTIVES,
                  attention_impl=ATTENTION_IMPLS)
