@@ -131,6 +131,7 @@ def test_bad_enum_values_name_the_field(field, value):
 
 @pytest.mark.parametrize('fields,name', [
     (dict(core_layers=-1), 'core_layers'), (dict(dispatch_tile=0), 'dispatch_tile'),
+    (dict(expert_block_rows=-1), 'expert_block_rows'),
     (dict(top_k=0), 'top_k'), (dict(num_loops=0), 'num_loops'),
     (dict(d_model=64, num_heads=4, head_dim=7), 'head_dim'),
     (dict(injection='add', core_layers=0), 'injection'),
