@@ -57,9 +57,10 @@ def gmm_xla(lhs_MK, rhs_GKN, group_sizes_G, tile=None):
 
 # Dispatch backends ----------------------------------------------------------------------------
 
-def dispatch_reference(x_TD, experts_Tk, weights_Tk, params, tile=None, plan=None):
+def dispatch_reference(x_TD, experts_Tk, weights_Tk, params, tile=None, plan=None,
+                       block_rows=0):
   """Runs every expert on every token and keeps each token's chosen outputs."""
-  del tile, plan
+  del tile, plan, block_rows
   num_experts = params['gate'].shape[0]
   y_TD = jnp.zeros(x_TD.shape, jnp.float32)
   for e in range(num_experts):
@@ -127,7 +128,7 @@ def sorted_positions(experts_Tk):
   return inverse_permutation(order).reshape(experts_Tk.shape).astype(jnp.int32)
 
 
-def dispatch_pallas(x_TD, experts_Tk, weights_Tk, params, tile=None, plan=None):
+def dispatch_pallas(x_TD, experts_Tk, weights_Tk, params, tile=None, plan=None, block_rows=0):
   """Every stage a Pallas kernel: permute (row gather) -> fused gate/up gmm -> down gmm ->
   combine (weighted gather). `plan` = the routing kernel's counts_E and positions_Tk; without
   it they are computed here from experts_Tk."""
@@ -138,12 +139,12 @@ def dispatch_pallas(x_TD, experts_Tk, weights_Tk, params, tile=None, plan=None):
             'positions_Tk': sorted_positions(experts_Tk)}
   counts_E, positions_Tk = plan['counts_E'].astype(jnp.int32), plan['positions_Tk']
   x_MD = pallas_kernels.permute(x_TD, positions_Tk)
-  out_MD = grouped_ffn(x_MD, counts_E, params, 'pallas')
+  out_MD = grouped_ffn(x_MD, counts_E, params, 'pallas', block_rows=block_rows)
   return pallas_kernels.combine(out_MD, positions_Tk, weights_Tk)
 
 
 def _grouped(backend: str):
-  def run(x_TD, experts_Tk, weights_Tk, params, tile=64, plan=None):
+  def run(x_TD, experts_Tk, weights_Tk, params, tile=64, plan=None, block_rows=0):
     del plan  # the routing kernel's plan is for 'pallas'; these backends sort here
     num_tokens, k = experts_Tk.shape
     num_experts = params['gate'].shape[0]
@@ -153,7 +154,7 @@ def _grouped(backend: str):
       inverse = inverse_permutation(order)
       x_MD = gather_tokens(x_TD, order, inverse, k)
       group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
-    out_MD = grouped_ffn(x_MD, group_sizes, params, backend, tile)
+    out_MD = grouped_ffn(x_MD, group_sizes, params, backend, tile, block_rows)
     with jax.named_scope('unpermute'):
       out_TkD = permute_rows(out_MD, inverse, order).reshape(num_tokens, k, -1)
     return combine(out_TkD, weights_Tk).astype(x_TD.dtype)
@@ -294,10 +295,11 @@ def resolve_backend(backend: str) -> str:
 
 
 def dispatch(x_TD, experts_Tk, weights_Tk, params: Mapping[str, jax.Array],
-             backend: str = 'tiled', tile: int = 64, plan=None):
+             backend: str = 'tiled', tile: int = 64, plan=None, block_rows: int = 0):
   """Applies the chosen experts of every token and combines them with their weights.
-  `plan`: the routing kernel's {counts_E, positions_Tk} (used by 'pallas', else ignored)."""
+  `plan`: the routing kernel's {counts_E, positions_Tk} (used by 'pallas', else ignored);
+  `block_rows`: the expert FFN's row blocks (grouped_ffn; 'reference' runs whole)."""
   if backend != 'auto' and backend not in BACKENDS:
     raise ValueError(f'run.dispatch={backend!r}: must be one of {sorted(BACKENDS)} or auto')
   return BACKENDS[resolve_backend(backend)](x_TD, experts_Tk, weights_Tk, params, tile=tile,
-                                            plan=plan)
+                                            plan=plan, block_rows=block_rows)

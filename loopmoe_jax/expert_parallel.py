@@ -186,7 +186,7 @@ def _body_kw(cfg, mesh, num_experts):
               kind=exchange_kind(cfg.expert_exchange), backend=cfg.dispatch,
               tile=cfg.dispatch_tile, batch_axes=sharding.batch_axes(mesh),
               tensor=mesh.shape['tensor'], buffer_factor=cfg.exchange_buffer_factor,
-              block_rows=0 if cfg.remat == 'none' else cfg.expert_block_rows)
+              block_rows=cfg.ffn_block_rows)
 
 
 def local_dispatch(x_TD, experts_Tk, weights_Tk, params, cfg, mesh, num_experts: int):

@@ -188,7 +188,8 @@ class MoE(nn.Module):
     else:
       weights_Tk, _, stats['dropped'] = expert_parallel.apply_capacity(
           experts_Tk, weights_Tk, e, c.capacity_factor)
-      y_TD = dispatch(x_TD, experts_Tk, weights_Tk, params, c.dispatch, c.dispatch_tile, plan)
+      y_TD = dispatch(x_TD, experts_Tk, weights_Tk, params, c.dispatch, c.dispatch_tile, plan,
+                      c.ffn_block_rows)
     y_BTD = checkpoint_name(y_TD, 'expert_out').reshape(b, t, d)
     if c.num_shared_experts:
       y_BTD = y_BTD + DenseMLP(c.num_shared_experts * c.shared_width, c.param_dtype,

@@ -57,15 +57,20 @@ class RunConfig:
                                  # step and reduces their gradients once (core.Core); 'per_pass'
                                  # leaves both to XLA inside the loop (weights stay sharded)
   loop_impl: str = 'scan'        # 'unroll': Python loop over the same shared params
-  expert_block_rows: int = 16384 # expert parallelism under a remat policy other than none:
-                                 # the experts' SwiGLU runs over the received rows in blocks
-                                 # of at most this many, each recomputed in the backward from
-                                 # its rows (dispatch.grouped_ffn): the [rows, 2F] temporaries
-                                 # bounded, for one more forward of the expert FFN where there
-                                 # is more than one block; 0: one block
+  expert_block_rows: int = 16384 # under a remat policy other than none, the experts' SwiGLU
+                                 # runs over its rows (a device's received rows under expert
+                                 # parallelism) in blocks of at most this many, each recomputed
+                                 # in the backward from its rows (dispatch.grouped_ffn): the
+                                 # [rows, 2F] temporaries bounded, for one more forward of the
+                                 # expert FFN where there is more than one block; 0: one block
 
   def __post_init__(self):
     _validate_run(self)
+
+  @property
+  def ffn_block_rows(self) -> int:
+    """expert_block_rows where it applies (a remat policy other than none), else 0."""
+    return 0 if self.remat == 'none' else self.expert_block_rows
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any], where: str = 'run') -> 'RunConfig':
