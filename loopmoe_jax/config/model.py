@@ -57,7 +57,7 @@ class RunConfig:
                                  # step and reduces their gradients once (core.Core); 'per_pass'
                                  # leaves both to XLA inside the loop (weights stay sharded)
   loop_impl: str = 'scan'        # 'unroll': Python loop over the same shared params
-  expert_block_rows: int = 16384 # under a remat policy other than none, the experts' SwiGLU
+  expert_block_rows: int = 16384 # under remat full or pass_input, the experts' SwiGLU
                                  # runs over its rows (a device's received rows under expert
                                  # parallelism) in blocks of at most this many, each recomputed
                                  # in the backward from its rows (dispatch.grouped_ffn): the
@@ -69,8 +69,10 @@ class RunConfig:
 
   @property
   def ffn_block_rows(self) -> int:
-    """expert_block_rows where it applies (a remat policy other than none), else 0."""
-    return 0 if self.remat == 'none' else self.expert_block_rows
+    """expert_block_rows where it applies, else 0: under the policies that recompute the
+    whole MoE layer to keep the least (full, pass_input); the selective ones (attention,
+    named, dots...) trade memory for less recompute, which blocks would add to."""
+    return self.expert_block_rows if self.remat in ('full', 'pass_input') else 0
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any], where: str = 'run') -> 'RunConfig':
