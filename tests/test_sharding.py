@@ -275,6 +275,51 @@ def test_ragged_exchange_offsets_match_the_reference(monkeypatch, factor):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def _ep_grad_temp_bytes(mesh_cfg, x, ids, w, params, **cfg_kw):
+  """The compiled temporaries of the expert-parallel dispatch's gradient (this CPU's XLA)."""
+  mesh = sharding.make_mesh(mesh_cfg)
+  cfg = ModelConfig(**dict(dict(core_experts=params['gate'].shape[0], dispatch='tiled',
+                                dispatch_tile=8), **cfg_kw))
+
+  def loss(x, w, p):
+    y, _ = expert_parallel.moe_dispatch(x, jnp.asarray(ids), w, p, cfg,
+                                        jax.sharding.get_abstract_mesh())
+    return jnp.sum(y * y)
+  with jax.set_mesh(mesh):
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, w, params).compile()
+  return grad.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize('kind', ['padded', 'ragged'])
+def test_token_chunks_equal_the_whole_exchange_and_keep_less(monkeypatch, kind):
+  """run.expert_block_rows under remat full on a dropless exchange: a device's tokens run in
+  checkpointed chunks whose receive buffers hold at most that many rows. Outputs, drops and
+  every gradient equal the unchunked dispatch's (a skewed batch: two experts take a third of
+  the rows); the gradient's compiled temporaries shrink."""
+  monkeypatch.setattr(jax.lax, 'ragged_all_to_all', _emulated_ragged_all_to_all)
+  x, ids, w, params = _moe_inputs(seed=4)
+  ids[:24] = [0, 1]
+  n, t = MESHES['data2_expert4'].expert, 64 // 8
+  assert expert_parallel.token_chunks(t, 2, 8, n, 16) == 4  # 8 tokens a device, 2 a chunk
+  for c, (rows, want_c) in enumerate([(0, 1), (64, 1), (63, 2), (16, 4), (9, 8), (1, 8)]):
+    got_c = expert_parallel.token_chunks(t, 2, 8, n, rows)
+    assert got_c == want_c, (rows, got_c)
+    assert t % got_c == 0
+  got = _ep(MESHES['data2_expert4'], x, ids, w, params, True, expert_exchange=kind,
+            remat='full', expert_block_rows=16)
+  want = _ep(MESHES['data2_expert4'], x, ids, w, params, True, expert_exchange=kind,
+             remat='full', expert_block_rows=0)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
+  assert got[1] == want[1] == 0
+  for a, b in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2])):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  if kind == 'padded':  # the CPU compiler's buffers (the ragged one is emulated here)
+    x, ids, w, params = _moe_inputs(tokens=512, d=64, f=64, seed=5)
+    temps = [_ep_grad_temp_bytes(MESHES['data2_expert4'], x, ids, w, params, remat='full',
+                                 expert_block_rows=r) for r in (0, 64)]
+    assert temps[1] < 0.5 * temps[0], temps
+
+
 @pytest.mark.parametrize('platform', ['cuda', 'tpu'])
 def test_ragged_exchange_lowers_for_accelerators(platform):
   """Forward and gradient of the ragged transport lower for `platform` from this CPU."""
