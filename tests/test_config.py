@@ -208,9 +208,11 @@ def test_config_file_bad_arguments():
 
 
 def _documented_arguments():
-  """Every `--config=configs/FILE.py:ARG` written in the config files' docstrings and README."""
+  """Every `--config=configs/FILE.py:ARG` written in the config files' docstrings, the README
+  and the documents under docs/ (docs/results.md keeps the commands that made its tables)."""
   import re
-  texts = [open(p).read() for p in CONFIG_FILES] + [open(os.path.join(ROOT, 'README.md')).read()]
+  docs = sorted(glob.glob(os.path.join(ROOT, 'docs', '*.md')))
+  texts = [open(p).read() for p in CONFIG_FILES + [os.path.join(ROOT, 'README.md')] + docs]
   found = set()
   for text in texts:
     found |= set(re.findall(r'configs/(\w+)\.py:([\w=,.]+)', text))
@@ -221,6 +223,22 @@ def _documented_arguments():
 def test_every_documented_config_argument_parses(stem, arg):
   module = load_config_file(os.path.join(ROOT, 'configs', f'{stem}.py'))
   ModelConfig.from_dict(module.get_config(arg).model)
+
+
+def test_relative_links_in_the_docs_point_to_files_that_exist():
+  """Every relative markdown link `[text](path#anchor)` in the README and docs/*.md names a
+  file of the repository (the README's sections moved to docs/ in issue 38)."""
+  docs = sorted(glob.glob(os.path.join(ROOT, 'docs', '*.md')))
+  assert {'results.md', 'design.md'} <= {os.path.basename(p) for p in docs}
+  links = 0
+  for path in [os.path.join(ROOT, 'README.md')] + docs:
+    for link in re.findall(r'\]\(([^)\s]+)\)', open(path).read()):
+      if '://' in link or link.startswith('#'):
+        continue
+      links += 1
+      target = os.path.join(os.path.dirname(path), link.split('#')[0])
+      assert os.path.exists(target), (os.path.relpath(path, ROOT), link)
+  assert links >= 4
 
 
 def test_a_bare_word_selects_the_key_whose_choices_hold_it():
