@@ -48,17 +48,22 @@ _save = jax.checkpoint_policies.save_only_these_names
 # layer (prelude, core passes, coda) is rematerialised per layer stack (one core pass), and
 # the head and LM loss with it (objective.py). Named checkpoints: 'attn_qkv' (q, k, v after
 # RoPE), 'attention' (the attention output, and chunked attention's log-sum-exp), 'router' (router
-# logits), 'expert_out' (the combined expert output: named, but no backward reads it, so no
-# policy keeps it; the expert FFN's intermediates are recomputed), 'exchange' (the rows each
-# expert-parallel all-to-all delivers). Measured memory and recompute per policy: README, scripts/dry_run.py.
+# logits), 'expert_out' (the combined expert output, [tokens, d_model]), 'exchange' (the rows
+# each expert-parallel all-to-all delivers). Under full, pass_input and attention the MoE's
+# dispatch runs in token chunks each recomputed in its own backward (run.expert_block_rows,
+# dispatch.in_token_chunks); the policies that keep 'expert_out' then recompute no MoE forward
+# for the stack's recompute (the chunks' backward reruns theirs), and a chunk's inner values
+# ('exchange' among them) are the chunk's own. Measured memory and recompute per policy:
+# docs/results.md, scripts/dry_run.py.
 REMAT = {
     'full': None,                      # keep each stack's input only
     'dots': jax.checkpoint_policies.checkpoint_dots,
     'dots_no_batch': jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-    'pass_input': _save('exchange'),   # each pass's input, and what the exchange delivered
+    # each pass's input, the expert outputs, and what an unblocked exchange delivered
+    'pass_input': _save('exchange', 'expert_out'),
     # chunked attention: no attention forward recomputed (its output and log-sum-exp are
     # kept); xla, cudnn and splash keep q, k, v and the output but rerun their forward
-    'attention': _save('exchange', 'attn_qkv', 'attention'),
+    'attention': _save('exchange', 'expert_out', 'attn_qkv', 'attention'),
     'named': _save('exchange', 'attn_qkv', 'attention', 'router', 'expert_out'),
 }
 

@@ -57,10 +57,9 @@ def gmm_xla(lhs_MK, rhs_GKN, group_sizes_G, tile=None):
 
 # Dispatch backends ----------------------------------------------------------------------------
 
-def dispatch_reference(x_TD, experts_Tk, weights_Tk, params, tile=None, plan=None,
-                       block_rows=0):
+def dispatch_reference(x_TD, experts_Tk, weights_Tk, params, tile=None, plan=None):
   """Runs every expert on every token and keeps each token's chosen outputs."""
-  del tile, plan, block_rows
+  del tile, plan
   num_experts = params['gate'].shape[0]
   y_TD = jnp.zeros(x_TD.shape, jnp.float32)
   for e in range(num_experts):
@@ -128,7 +127,7 @@ def sorted_positions(experts_Tk):
   return inverse_permutation(order).reshape(experts_Tk.shape).astype(jnp.int32)
 
 
-def dispatch_pallas(x_TD, experts_Tk, weights_Tk, params, tile=None, plan=None, block_rows=0):
+def dispatch_pallas(x_TD, experts_Tk, weights_Tk, params, tile=None, plan=None):
   """Every stage a Pallas kernel: permute (row gather) -> fused gate/up gmm -> down gmm ->
   combine (weighted gather). `plan` = the routing kernel's counts_E and positions_Tk; without
   it they are computed here from experts_Tk."""
@@ -139,12 +138,12 @@ def dispatch_pallas(x_TD, experts_Tk, weights_Tk, params, tile=None, plan=None, 
             'positions_Tk': sorted_positions(experts_Tk)}
   counts_E, positions_Tk = plan['counts_E'].astype(jnp.int32), plan['positions_Tk']
   x_MD = pallas_kernels.permute(x_TD, positions_Tk)
-  out_MD = grouped_ffn(x_MD, counts_E, params, 'pallas', block_rows=block_rows)
+  out_MD = grouped_ffn(x_MD, counts_E, params, 'pallas')
   return pallas_kernels.combine(out_MD, positions_Tk, weights_Tk)
 
 
 def _grouped(backend: str):
-  def run(x_TD, experts_Tk, weights_Tk, params, tile=64, plan=None, block_rows=0):
+  def run(x_TD, experts_Tk, weights_Tk, params, tile=64, plan=None):
     del plan  # the routing kernel's plan is for 'pallas'; these backends sort here
     num_tokens, k = experts_Tk.shape
     num_experts = params['gate'].shape[0]
@@ -154,7 +153,7 @@ def _grouped(backend: str):
       inverse = inverse_permutation(order)
       x_MD = gather_tokens(x_TD, order, inverse, k)
       group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
-    out_MD = grouped_ffn(x_MD, group_sizes, params, backend, tile, block_rows)
+    out_MD = grouped_ffn(x_MD, group_sizes, params, backend, tile)
     with jax.named_scope('unpermute'):
       out_TkD = permute_rows(out_MD, inverse, order).reshape(num_tokens, k, -1)
     return combine(out_TkD, weights_Tk).astype(x_TD.dtype)
@@ -200,37 +199,46 @@ FFNS = {'reference': _ffn_reference, 'tiled': _ffn_gmm(gmm_tiled), 'xla': _ffn_g
         'pallas_gmm_only': _ffn_gmm(gmm_pallas)}  # benchmark: gate and up as two gmm calls
 
 
-def grouped_ffn(x_MD, group_sizes_G, params, backend: str = 'tiled', tile: int = 64,
-                block_rows: int = 0):
+def grouped_ffn(x_MD, group_sizes_G, params, backend: str = 'tiled', tile: int = 64):
   """The experts' SwiGLU on rows sorted by expert: rows [start_g, end_g) through expert g;
   rows past sum(group_sizes) give zeros (jax.lax.ragged_dot semantics). The grouped-matmul
-  stage of every backend, and of expert parallelism on each device's local experts.
-
-  block_rows = r > 0 with M > r: the rows run in b = ceil(M / r) consecutive blocks of
-  ceil(M / b) (a scan; each block's group sizes are the groups' overlaps with it), each under
-  `jax.checkpoint`, so the backward keeps only a block's rows and recomputes its [rows, 2F]
-  projections: the same sums, b-fold smaller temporaries, one more forward of the FFN."""
-  ffn = FFNS[resolve_backend(backend)]
-  sizes_G = group_sizes_G.astype(jnp.int32)
-  m = x_MD.shape[0]
+  stage of every backend, and of expert parallelism on each device's local experts."""
   with jax.named_scope('grouped_matmul'):
-    if not block_rows or m <= block_rows:
-      return ffn(x_MD, sizes_G, params, tile)
-    blocks = -(-m // block_rows)
-    rows = -(-m // blocks)
-    x_bRD = jnp.pad(x_MD, ((0, rows * blocks - m), (0, 0))).reshape(blocks, rows, -1)
-    ends_G = jnp.cumsum(sizes_G)
-    starts_G = ends_G - sizes_G
+    return FFNS[resolve_backend(backend)](x_MD, group_sizes_G.astype(jnp.int32), params, tile)
 
-    @functools.partial(jax.checkpoint, prevent_cse=False)
-    def block(params, x_RD, lo):
-      sizes = jnp.clip(ends_G, lo, lo + rows) - jnp.clip(starts_G, lo, lo + rows)
-      return ffn(x_RD, sizes, params, tile)
 
-    def step(_, xs):
-      return None, block(params, *xs)
-    _, out_bRD = jax.lax.scan(step, None, (x_bRD, jnp.arange(blocks, dtype=jnp.int32) * rows))
-    return out_bRD.reshape(blocks * rows, -1)[:m]
+def dropless_rows(t: int, k: int, num_experts: int, n: int = 1) -> int:
+  """The most rows t tokens (top-k of `num_experts`) may deliver to one of n devices holding
+  E/n experts each: t * min(k, E/n) (a token sends at most one row per local expert, and at
+  most k); n = 1: the t*k routed rows."""
+  return t * min(k, num_experts // n)
+
+
+def token_chunks(t: int, k: int, num_experts: int, n: int, block_rows: int) -> int:
+  """How many consecutive token chunks t tokens run in so that one chunk's dropless buffer
+  (n * dropless_rows: the routed rows on one device, the receive buffer under expert
+  parallelism over n) holds at most `block_rows` rows: the smallest divisor c of t with
+  n * dropless_rows(t / c) <= block_rows (t itself if none); 1 when block_rows is 0 or the
+  whole buffer already fits."""
+  fits = lambda c: n * dropless_rows(t // c, k, num_experts, n) <= block_rows
+  if not block_rows or fits(1):
+    return 1
+  return next((c for c in range(2, t + 1) if t % c == 0 and fits(c)), t)
+
+
+def in_token_chunks(body, chunks: int, params, *arrays_T):
+  """body(params, *arrays) over `chunks` consecutive equal slices of the arrays' leading
+  (token) axis, in a scan, each slice under `jax.checkpoint`: the backward keeps a chunk's
+  inputs only and reruns its forward, so no buffer of `body` outlives its chunk. Returns the
+  body's outputs stacked over the chunks ([chunks, ...])."""
+  @functools.partial(jax.checkpoint, prevent_cse=False)
+  def chunk(params, *xs):
+    return body(params, *xs)
+
+  split = lambda a: a.reshape(chunks, a.shape[0] // chunks, *a.shape[1:])
+  _, out = jax.lax.scan(lambda _, xs: (None, chunk(params, *xs)), None,
+                        tuple(split(a) for a in arrays_T))
+  return out
 
 
 BACKENDS = {
@@ -297,9 +305,18 @@ def resolve_backend(backend: str) -> str:
 def dispatch(x_TD, experts_Tk, weights_Tk, params: Mapping[str, jax.Array],
              backend: str = 'tiled', tile: int = 64, plan=None, block_rows: int = 0):
   """Applies the chosen experts of every token and combines them with their weights.
-  `plan`: the routing kernel's {counts_E, positions_Tk} (used by 'pallas', else ignored);
-  `block_rows`: the expert FFN's row blocks (grouped_ffn; 'reference' runs whole)."""
+  `plan`: the routing kernel's {counts_E, positions_Tk} (used by 'pallas', else ignored).
+  `block_rows` r > 0 with more than r routed rows: the tokens run in `token_chunks` (each
+  chunk's dispatch, permute to combine, recomputed in its backward: `in_token_chunks`), each
+  chunk's routed rows at most r; the same outputs (a token's rows are its own), bounded
+  temporaries, one more forward of the experts' FFN in the backward."""
   if backend != 'auto' and backend not in BACKENDS:
     raise ValueError(f'run.dispatch={backend!r}: must be one of {sorted(BACKENDS)} or auto')
-  return BACKENDS[resolve_backend(backend)](x_TD, experts_Tk, weights_Tk, params, tile=tile,
-                                            plan=plan, block_rows=block_rows)
+  fn = BACKENDS[resolve_backend(backend)]
+  t, k = experts_Tk.shape
+  chunks = token_chunks(t, k, params['gate'].shape[0], 1, block_rows)
+  if chunks == 1:
+    return fn(x_TD, experts_Tk, weights_Tk, params, tile=tile, plan=plan)
+  y_ctD = in_token_chunks(lambda p, x, e, w: fn(x, e, w, p, tile=tile), chunks, params,
+                          x_TD, experts_Tk, weights_Tk)
+  return y_ctD.reshape(t, -1)

@@ -28,7 +28,9 @@ Analytic column (`analytic_collective_bytes_per_step`), what the model and mesh 
 device and step (V MoE visits: MoE layers of prelude and coda once, the core's L times; M =
 local tokens x k routed rows of width d_model in the compute dtype; R = 1 with no remat or a
 policy that saves the exchange's rows (pass_input, attention, named), else 2: every layer is
-rematerialised, prelude and coda too):
+rematerialised, prelude and coda too; with token chunks (run.expert_block_rows) each chunk
+reruns its exchange in its backward: R = 3 under full, 2 under pass_input and attention,
+`exchange_forwards`):
 - all-to-all: 2 exchanges (there and back) x (R forward + 1 backward) per visit, M rows each;
 - activation all-gather: 0 (routing and lookups are local);
 - gradient reduction: every parameter's gradient reduced once into its sharding: one
@@ -60,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from loopmoe_jax import accounting, aot, sharding
+from loopmoe_jax import accounting, aot, dispatch, sharding
 from loopmoe_jax.hlo import collective_bytes, collectives, dot_flops
 from loopmoe_jax.config import RUN_FIELDS
 from loopmoe_jax.experiment import build
@@ -218,6 +220,20 @@ def _with_model(cfg_dict, **fields):
 EXCHANGE_SAVED = ('none', 'pass_input', 'attention', 'named')
 
 
+def exchange_forwards(mc, n: int, local_tokens: int, num_experts: int) -> int:
+  """R, the forward exchanges per MoE visit (module docstring): 1 where the backward keeps
+  the exchanged rows, 2 where the layer's recompute repeats them; with token chunks
+  (dispatch.token_chunks > 1) every chunk reruns its exchange in its own backward, on
+  top of the pass's recompute under full (2 + 1) and alone under pass_input and attention,
+  which keep the expert output (core.REMAT)."""
+  chunked = (not mc.capacity_factor and not mc.exchange_buffer_factor and
+             dispatch.token_chunks(local_tokens, mc.top_k, num_experts, n,
+                                          mc.ffn_block_rows) > 1)
+  if chunked:
+    return 3 if mc.remat == 'full' else 2
+  return 1 if mc.remat in EXCHANGE_SAVED else 2
+
+
 def analytic(exp, mesh, params) -> dict[str, int]:
   """The analytic column (formulas in the module docstring)."""
   mc = exp.model
@@ -225,11 +241,11 @@ def analytic(exp, mesh, params) -> dict[str, int]:
   local_tokens = exp.data.batch_size * exp.data.seq_len // n_batch
   act = np.dtype(jnp.dtype(mc.dtype)).itemsize
   row = local_tokens * mc.top_k * mc.d_model * act
-  fwd = 1 if mc.remat in EXCHANGE_SAVED else 2
-  a2a = 0
-  if mesh.shape['expert'] > 1:
+  a2a, n = 0, mesh.shape['expert']
+  if n > 1:
     for _, layers, experts, passes in mc.segments:
       if experts:
+        fwd = exchange_forwards(mc, n, local_tokens, experts)
         a2a += layers * passes * 2 * (fwd + 1) * row
   grads = sharding.bytes_per_device(params, jax.tree.map(lambda s: s.sharding, params))
   return {'all-to-all': a2a, 'act-all-gather': 0, 'grad-reduce': grads}

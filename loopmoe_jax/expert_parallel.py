@@ -30,7 +30,6 @@ output is zero, the residual carries the token) and counted.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -88,7 +87,7 @@ def slot_rows(t: int, k: int, num_experts: int, n: int, factor: float = 0.0,
   E/n * C; with `buffer_factor` b, ceil(b * t * k / n), the balanced load times b (rows past it
   are dropped and counted). The ragged receive buffer holds n such slots."""
   e_loc = num_experts // n
-  rows = t * min(k, e_loc)
+  rows = dispatch_lib.dropless_rows(t, k, num_experts, n)
   if factor:
     rows = min(rows, e_loc * capacity(t, k, num_experts, factor))
   if buffer_factor:
@@ -104,52 +103,34 @@ def _kept_counts(counts_sE, n: int, slot: int):
   return jnp.clip(slot - before, 0, by_dest).reshape(counts_sE.shape)
 
 
-def token_chunks(t: int, k: int, num_experts: int, n: int, block_rows: int) -> int:
-  """How many consecutive token chunks a device's t tokens run in so that one chunk's
-  dropless receive buffer (n slots of `slot_rows`) holds at most `block_rows` rows: the
-  smallest divisor c of t with n * slot_rows(t / c) <= block_rows (t itself if none); 1 when
-  block_rows is 0 or the whole buffer already fits."""
-  if not block_rows or n * slot_rows(t, k, num_experts, n) <= block_rows:
-    return 1
-  return next((c for c in range(2, t + 1)
-               if t % c == 0 and n * slot_rows(t // c, k, num_experts, n) <= block_rows), t)
-
-
 def _local_moe(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, factor, kind,
                backend, tile, batch_axes, tensor, buffer_factor=0.0, block_rows=0):
   """The per-device body (see the module docstring): returns (y_TD float32, dropped).
 
   `block_rows` r > 0 on a dropless exchange (no capacity or buffer factor): the device's
-  tokens run in `token_chunks` consecutive chunks (a scan), each chunk's whole body (permute,
-  exchange, grouped matmul, exchange back) under `jax.checkpoint`, so no buffer sized by the
-  worst-case received rows outlives its chunk: each holds at most r rows, and the backward
-  keeps a chunk's inputs only, for one more forward (exchanges included) of the layer's
-  experts. A token's rows go to the same experts whatever the chunk, so the outputs are the
-  unchunked ones; with a capacity or buffer factor (which rank rows across the whole shard) the
-  received rows run in row blocks of r instead (dispatch.grouped_ffn)."""
+  tokens run in `dispatch.token_chunks` consecutive chunks, each chunk's whole body (permute,
+  exchange, grouped matmul, exchange back, combine) recomputed in its backward
+  (`dispatch.in_token_chunks`), so no buffer sized by the worst-case received rows outlives
+  its chunk: each holds at most r rows, for one more forward (exchanges included) of the
+  layer's experts. A token's rows go to the same experts whatever the chunk, so the outputs
+  are the unchunked ones. A capacity or buffer factor (which rank rows across the whole
+  shard) already bounds the buffers near the balanced share: no chunks."""
   t, k = experts_Tk.shape
-  chunks = 1 if factor or buffer_factor else token_chunks(t, k, num_experts, n, block_rows)
+  chunks = (1 if factor or buffer_factor else
+            dispatch_lib.token_chunks(t, k, num_experts, n, block_rows))
   kw = dict(num_experts=num_experts, n=n, factor=factor, kind=kind, backend=backend,
             tile=tile, batch_axes=batch_axes, tensor=tensor, buffer_factor=buffer_factor)
   if chunks == 1:
-    return _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, block_rows=block_rows, **kw)
-
-  @functools.partial(jax.checkpoint, prevent_cse=False)
-  def chunk(params, x_tD, experts_tk, weights_tk):
-    return _local_moe_whole(x_tD, experts_tk, weights_tk, params, **kw)
-
-  def step(_, xs):
-    return None, chunk(params, *xs)
-  split = lambda a: a.reshape(chunks, t // chunks, *a.shape[1:])
-  _, (y_ctD, dropped_c) = jax.lax.scan(step, None, (split(x_TD), split(experts_Tk),
-                                                    split(weights_Tk)))
+    return _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, **kw)
+  y_ctD, dropped_c = dispatch_lib.in_token_chunks(
+      lambda p, x, e, w: _local_moe_whole(x, e, w, p, **kw), chunks, params,
+      x_TD, experts_Tk, weights_Tk)
   return y_ctD.reshape(t, -1), jnp.sum(dropped_c)
 
 
 def _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, factor, kind,
-                     backend, tile, batch_axes, tensor, buffer_factor=0.0, block_rows=0):
-  """`_local_moe` over all of the device's tokens at once (the grouped matmul in row blocks of
-  `block_rows`)."""
+                     backend, tile, batch_axes, tensor, buffer_factor=0.0):
+  """`_local_moe` over all of the device's tokens at once."""
   t, k = experts_Tk.shape
   m, d = t * k, x_TD.shape[1]
   e_loc = params['gate'].shape[0]
@@ -200,7 +181,7 @@ def _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, fa
     sizes = recv_nE.sum(0)
 
   out_g = dispatch_lib.grouped_ffn(dispatch_lib.permute_rows(recv, order2, inverse2), sizes,
-                                   params, backend, tile, block_rows)
+                                   params, backend, tile)
   out_recv = dispatch_lib.permute_rows(out_g, inverse2, order2)
 
   with jax.named_scope('exchange_back'):

@@ -437,39 +437,41 @@ def test_row_permutations_differentiate_as_indexing_without_a_scatter():
 
 
 @pytest.mark.parametrize('backend', ['tiled', 'pallas'])
-def test_row_blocked_expert_ffn_equals_whole_and_keeps_less(backend):
-  """grouped_ffn(block_rows=r): the same outputs and gradients (rows and every expert tensor)
-  as one block, with groups straddling the block edges, rows past the sizes' sum and a row
-  count no block count divides; its backward program keeps fewer temporary bytes (each block's
-  projections recomputed, not kept for the whole rows)."""
-  from loopmoe_jax.dispatch import grouped_ffn
+def test_token_chunked_dispatch_equals_whole_and_keeps_less(backend):
+  """dispatch(block_rows=r): the tokens in chunks of at most r routed rows, each recomputed
+  in its backward: the same outputs and gradients (tokens, routing weights and every expert
+  tensor) as one chunk, on a skewed routing (two experts take half the rows) and a token count
+  whose smallest fitting divisor is not r / k; the backward program keeps fewer temporaries."""
+  from loopmoe_jax.dispatch import dispatch, token_chunks
   rng = np.random.default_rng(3)
-  m, d, f, g = 250, 16, 64, 5
-  sizes = jnp.asarray([60, 0, 101, 37, 40], jnp.int32)  # sum 238 < m
-  x = jnp.asarray(rng.normal(size=(m, d)), jnp.float32)
-  params = {k: jnp.asarray(rng.normal(size=s) / np.sqrt(s[1]), jnp.float32)
-            for k, s in (('gate', (g, d, f)), ('up', (g, d, f)), ('down', (g, f, d)))}
-  ct = jnp.asarray(rng.normal(size=(m, d)), jnp.float32)
+  t, k, d, f, g = 120, 2, 16, 64, 5
+  ids = np.stack([rng.choice(g, k, replace=False) for _ in range(t)]).astype(np.int32)
+  ids[:60] = [0, 1]
+  ids, w = jnp.asarray(ids), jnp.asarray(rng.random((t, k)), jnp.float32)
+  x = jnp.asarray(rng.normal(size=(t, d)), jnp.float32)
+  params = {n: jnp.asarray(rng.normal(size=s) / np.sqrt(s[1]), jnp.float32)
+            for n, s in (('gate', (g, d, f)), ('up', (g, d, f)), ('down', (g, f, d)))}
+  ct = jnp.asarray(rng.normal(size=(t, d)), jnp.float32)
+  # 240 rows: at most 100 -> 3 chunks of 40 tokens (80 rows; 2 chunks hold 120), 50 -> 5
+  assert [token_chunks(t, k, g, 1, r) for r in (0, 240, 100, 50, 1)] == [1, 1, 3, 5, 120]
 
   def vjp(block_rows):
-    def run(x, params):
-      out, pull = jax.vjp(lambda x, p: grouped_ffn(x, sizes, p, backend, 8, block_rows),
-                          x, params)
-      # 250 rows: 84 -> 3 blocks of 84, 63 -> 4 of 63, 0 -> one
+    def run(x, w, params):
+      out, pull = jax.vjp(lambda x, w, p: dispatch(x, ids, w, p, backend, 8, None, block_rows),
+                          x, w, params)
       return out, pull(ct)
     return jax.jit(run)
 
-  want = vjp(0)(x, params)
+  want = vjp(0)(x, w, params)
   scale = max(float(np.max(np.abs(a))) for a in jax.tree.leaves(want))
-  for block_rows in (84, 63):
-    got = vjp(block_rows)(x, params)
+  for block_rows in (100, 50):
+    got = vjp(block_rows)(x, w, params)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * scale)
-    np.testing.assert_array_equal(np.asarray(got[0][238:]), 0)
   if backend == 'tiled':
-    temp = {b: vjp(b).lower(x, params).compile().memory_analysis().temp_size_in_bytes
-            for b in (0, 63)}
-    assert temp[63] < 0.6 * temp[0], temp
+    temp = {b: vjp(b).lower(x, w, params).compile().memory_analysis().temp_size_in_bytes
+            for b in (0, 50)}
+    assert temp[50] < 0.6 * temp[0], temp
 
 
 @pytest.mark.filterwarnings('ignore:invalid value encountered:RuntimeWarning')

@@ -45,8 +45,9 @@ CONFIGS = {
                                   residual_scale='inverse_loops'),
     # gate training (exit.py): every pass's readout through the coda and head, on the mesh
     'gate': ModelConfig(**SMALL, exit='gate', exit_threshold=0.5, exit_entropy=0.05),
-    # the experts' FFN over the received rows in recomputed blocks of at most 24 rows
-    # (run.expert_block_rows, under a remat policy; 64 rows a device: 3 blocks)
+    # the MoE dispatch in recomputed token chunks of at most 24 rows (run.expert_block_rows,
+    # under a remat policy): 4 chunks a device on the mesh (receive buffers of 64 rows), 16
+    # on one device (256 routed rows)
     'block_rows': ModelConfig(**SMALL, tie_attention=False, remat='full', expert_block_rows=24),
 }
 BATCH, SEQ, STEPS = 8, 16, 3
@@ -300,9 +301,9 @@ def test_token_chunks_equal_the_whole_exchange_and_keep_less(monkeypatch, kind):
   x, ids, w, params = _moe_inputs(seed=4)
   ids[:24] = [0, 1]
   n, t = MESHES['data2_expert4'].expert, 64 // 8
-  assert expert_parallel.token_chunks(t, 2, 8, n, 16) == 4  # 8 tokens a device, 2 a chunk
+  assert dispatch_lib.token_chunks(t, 2, 8, n, 16) == 4  # 8 tokens a device, 2 a chunk
   for c, (rows, want_c) in enumerate([(0, 1), (64, 1), (63, 2), (16, 4), (9, 8), (1, 8)]):
-    got_c = expert_parallel.token_chunks(t, 2, 8, n, rows)
+    got_c = dispatch_lib.token_chunks(t, 2, 8, n, rows)
     assert got_c == want_c, (rows, got_c)
     assert t % got_c == 0
   got = _ep(MESHES['data2_expert4'], x, ids, w, params, True, expert_exchange=kind,

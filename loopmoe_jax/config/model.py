@@ -57,22 +57,27 @@ class RunConfig:
                                  # step and reduces their gradients once (core.Core); 'per_pass'
                                  # leaves both to XLA inside the loop (weights stay sharded)
   loop_impl: str = 'scan'        # 'unroll': Python loop over the same shared params
-  expert_block_rows: int = 16384 # under remat full or pass_input, the experts' SwiGLU
-                                 # runs over its rows (a device's received rows under expert
-                                 # parallelism) in blocks of at most this many, each recomputed
-                                 # in the backward from its rows (dispatch.grouped_ffn): the
-                                 # [rows, 2F] temporaries bounded, for one more forward of the
-                                 # expert FFN where there is more than one block; 0: one block
+  expert_block_rows: int = 16384 # under remat full, pass_input or attention, the MoE
+                                 # dispatch handles at most this many rows at once: a device's
+                                 # tokens run in chunks (dispatch.token_chunks) whose routed
+                                 # rows, or under expert parallelism whose dropless receive
+                                 # buffer, hold at most this many, each chunk recomputed in its
+                                 # own backward. Worst-case-sized buffers bounded; a
+                                 # chunk's exchange and FFN forward rerun in its backward (under
+                                 # full on top of the pass's recompute; pass_input and attention
+                                 # keep the expert output, so their pass recompute skips the
+                                 # MoE). 0: one block
 
   def __post_init__(self):
     _validate_run(self)
 
   @property
   def ffn_block_rows(self) -> int:
-    """expert_block_rows where it applies, else 0: under the policies that recompute the
-    whole MoE layer to keep the least (full, pass_input); the selective ones (attention,
-    named, dots...) trade memory for less recompute, which blocks would add to."""
-    return self.expert_block_rows if self.remat in ('full', 'pass_input') else 0
+    """expert_block_rows where it applies, else 0: under the policies that recompute the MoE
+    layer (full) or keep its output (pass_input, attention: core.REMAT); not under none
+    (nothing recomputed) nor dots / named, which keep values inside the layer that a block's
+    recompute would hide."""
+    return self.expert_block_rows if self.remat in ('full', 'pass_input', 'attention') else 0
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any], where: str = 'run') -> 'RunConfig':
