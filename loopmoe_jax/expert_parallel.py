@@ -123,15 +123,20 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, factor, 
   if chunks == 1:
     return _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, **kw)
   y_ctD, dropped_c = dispatch_lib.in_token_chunks(
-      lambda p, x, e, w: _local_moe_whole(x, e, w, p, **kw), chunks, params,
+      lambda p, x, e, w: _local_moe_whole(x, e, w, p, name_exchange=False, **kw), chunks, params,
       x_TD, experts_Tk, weights_Tk)
   return y_ctD.reshape(t, -1), jnp.sum(dropped_c)
 
 
 def _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, factor, kind,
-                     backend, tile, batch_axes, tensor, buffer_factor=0.0):
-  """`_local_moe` over all of the device's tokens at once."""
+                     backend, tile, batch_axes, tensor, buffer_factor=0.0,
+                     name_exchange=True):
+  """`_local_moe` over all of the device's tokens at once. `name_exchange`: the exchanged rows
+  carry the checkpoint name 'exchange' (core.REMAT's policies keep them); off inside token
+  chunks, whose backward reruns their exchange: kept there, the chunks' receive buffers would
+  stack over chunks and passes, the worst-case buffers the chunks are there to avoid."""
   t, k = experts_Tk.shape
+  named = (lambda v: checkpoint_name(v, 'exchange')) if name_exchange else (lambda v: v)
   m, d = t * k, x_TD.shape[1]
   e_loc = params['gate'].shape[0]
   me = jax.lax.axis_index('expert')
@@ -161,13 +166,13 @@ def _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, fa
     if kind == 'padded':  # rows past a slot fall off the buffer (mode='drop')
       buf = jnp.zeros((n, slot, d), x_TD.dtype).at[dest, pos].set(x_send, mode='drop')
       recv = jax.lax.all_to_all(buf, 'expert', 0, 0, tiled=True).reshape(n * slot, d)
-      recv = checkpoint_name(recv, 'exchange')
+      recv = named(recv)
       block_start = jnp.arange(n, dtype=jnp.int32) * slot
     else:  # each source's first dest_counts rows per destination
       out_off = _exclusive_cumsum(c_nn, 0)[me]
       recv = jax.lax.ragged_all_to_all(x_send, jnp.zeros((n * slot, d), x_TD.dtype), send_off,
                                        dest_counts, out_off, c_nn[:, me], axis_name='expert')
-      recv = checkpoint_name(recv, 'exchange')
+      recv = named(recv)
       block_start = _exclusive_cumsum(c_nn[:, me])
 
   with jax.named_scope('regroup'):
@@ -186,8 +191,8 @@ def _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, fa
 
   with jax.named_scope('exchange_back'):
     if kind == 'padded':
-      back = checkpoint_name(jax.lax.all_to_all(out_recv.reshape(n, slot, d), 'expert', 0, 0,
-                                                tiled=True), 'exchange')
+      back = named(jax.lax.all_to_all(out_recv.reshape(n, slot, d), 'expert', 0, 0,
+                                      tiled=True))
       out_sorted = back.at[dest, pos].get(mode='fill', fill_value=0)
     else:  # rows a slot dropped are never written: they stay zero
       # where each source's rows for this device begin in its send buffer (offsets of the
@@ -196,7 +201,7 @@ def _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, fa
       out_sorted = jax.lax.ragged_all_to_all(out_recv, jnp.zeros((m, d), out_recv.dtype),
                                              block_start, c_nn[:, me], src_off, dest_counts,
                                              axis_name='expert')
-      out_sorted = checkpoint_name(out_sorted, 'exchange')
+      out_sorted = named(out_sorted)
 
   with jax.named_scope('unpermute'):
     out_TkD = dispatch_lib.permute_rows(out_sorted, inverse, order).reshape(t, k, d)

@@ -22,7 +22,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from loopmoe_jax import dispatch as dispatch_lib
-from loopmoe_jax import expert_parallel, sharding
+from loopmoe_jax import core, expert_parallel, sharding
 from loopmoe_jax.config import RUN_FIELDS, ModelConfig
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.sharding import MeshConfig
@@ -276,15 +276,20 @@ def test_ragged_exchange_offsets_match_the_reference(monkeypatch, factor):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def _ep_grad_temp_bytes(mesh_cfg, x, ids, w, params, **cfg_kw):
-  """The compiled temporaries of the expert-parallel dispatch's gradient (this CPU's XLA)."""
+def _ep_grad_temp_bytes(mesh_cfg, x, ids, w, params, policy=None, **cfg_kw):
+  """The compiled temporaries of the expert-parallel dispatch's gradient (this CPU's XLA),
+  with `policy` (a core.REMAT name): the dispatch inside a checkpoint of that policy, as a
+  layer stack under run.remat holds it."""
   mesh = sharding.make_mesh(mesh_cfg)
   cfg = ModelConfig(**dict(dict(core_experts=params['gate'].shape[0], dispatch='tiled',
                                 dispatch_tile=8), **cfg_kw))
 
   def loss(x, w, p):
-    y, _ = expert_parallel.moe_dispatch(x, jnp.asarray(ids), w, p, cfg,
-                                        jax.sharding.get_abstract_mesh())
+    moe = lambda x, w, p: expert_parallel.moe_dispatch(x, jnp.asarray(ids), w, p, cfg,
+                                                       jax.sharding.get_abstract_mesh())[0]
+    if policy:
+      moe = jax.checkpoint(moe, policy=core.REMAT[policy], prevent_cse=False)
+    y = moe(x, w, p)
     return jnp.sum(y * y)
   with jax.set_mesh(mesh):
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, w, params).compile()
@@ -316,9 +321,12 @@ def test_token_chunks_equal_the_whole_exchange_and_keep_less(monkeypatch, kind):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
   if kind == 'padded':  # the CPU compiler's buffers (the ragged one is emulated here)
     x, ids, w, params = _moe_inputs(tokens=512, d=64, f=64, seed=5)
-    temps = [_ep_grad_temp_bytes(MESHES['data2_expert4'], x, ids, w, params, remat='full',
-                                 expert_block_rows=r) for r in (0, 64)]
-    assert temps[1] < 0.5 * temps[0], temps
+    temps = {(policy, r): _ep_grad_temp_bytes(MESHES['data2_expert4'], x, ids, w, params,
+                                              policy, remat='full', expert_block_rows=r)
+             for policy in (None, 'pass_input') for r in (0, 64)}
+    assert temps[None, 64] < 0.5 * temps[None, 0], temps
+    # a policy keeping 'exchange' keeps no chunk's rows (they would stack to the whole buffer)
+    assert temps['pass_input', 64] < 1.1 * temps[None, 64], temps
 
 
 @pytest.mark.parametrize('platform', ['cuda', 'tpu'])
