@@ -10,7 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from loopmoe_jax import core
 from loopmoe_jax.config import REMAT_POLICIES, ModelConfig
+from loopmoe_jax.hlo import dot_flops
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.objective import loss_fn
 
@@ -80,6 +82,33 @@ def test_bfloat16_compute_keeps_float32_params_and_tracks_float32():
   assert abs(float(l16) - float(l32)) < 0.05 * float(l32)
   g = _grads(cfg16, params)
   assert all(x.dtype == jnp.float32 and np.isfinite(x).all() for x in jax.tree.leaves(g))
+
+
+def _step_dot_flops(cfg):
+  model, batch = LoopedMoE(cfg), _batch()
+  step = jax.jit(jax.value_and_grad(lambda p: loss_fn(p, model, batch)[0]))
+  return dot_flops(step.lower(_init(CFG)).compiler_ir('hlo').as_hlo_text())
+
+
+def test_token_chunks_add_no_forward_where_the_policy_keeps_the_expert_output(monkeypatch):
+  """run.expert_block_rows on one device (48 routed rows, 4 a chunk: 12 chunks, each
+  recomputed in its own backward): under pass_input and attention, which keep 'expert_out',
+  the pass's recompute runs no MoE forward, so the step's matmul FLOPs (with loop trip counts)
+  equal the unchunked step's; under full the chunks' backward adds one expert forward, and
+  without 'expert_out' in the policy attention would too."""
+  flops = {(p, r): _step_dot_flops(CFG.replace(remat=p, attention_impl='chunked',
+                                               attention_block=5, loss_chunk=5,
+                                               expert_block_rows=r))
+           for p in ('pass_input', 'attention', 'full') for r in (0, 4)}
+  assert flops['pass_input', 4] == flops['pass_input', 0], flops
+  assert flops['attention', 4] == flops['attention', 0], flops
+  assert flops['full', 4] > flops['full', 0], flops
+  # the same policy without 'expert_out': the extra forward is back
+  monkeypatch.setitem(core.REMAT, 'attention', jax.checkpoint_policies.save_only_these_names(
+      'exchange', 'attn_qkv', 'attention'))
+  assert _step_dot_flops(CFG.replace(remat='attention', attention_impl='chunked',
+                                     attention_block=5, loss_chunk=5,
+                                     expert_block_rows=4)) > flops['attention', 4]
 
 
 @pytest.mark.parametrize('policy,names', [
