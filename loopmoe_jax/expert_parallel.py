@@ -24,6 +24,10 @@ capacity drops (both transports drop the same rows).
   (slot j holds the rows for device j), exchanged with `jax.lax.all_to_all`: it moves n*S*D
   elements per device where the ragged one moves M*D; cf = 1 or b = 1 make the two about equal.
 
+Token chunks (`run.expert_block_rows` r under remat full, pass_input or attention, dropless
+only): a device's tokens run in chunks whose receive buffer holds at most r rows, each chunk's
+whole body recomputed in its backward (`_local_moe`).
+
 Capacity (`model.capacity_factor` cf > 0): each expert takes at most C = ceil(cf * T * k / E)
 of one batch shard's assignments (T its tokens), in token order; the rest are dropped (their
 output is zero, the residual carries the token) and counted.
