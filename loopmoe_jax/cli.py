@@ -163,6 +163,47 @@ def initialize_distributed(holders) -> None:
           f'{jax.local_device_count()} of {jax.device_count()} devices', flush=True)
 
 
+class _Prefixed(logging.Formatter):
+  """`WARNING: message` for a warning (ERROR: ... above it), `note: message` for an INFO note."""
+
+  def __init__(self):
+    super().__init__('%(prefix)s: %(message)s')
+
+  def format(self, record):
+    record.prefix = 'note' if record.levelno == logging.INFO else record.levelname
+    return super().format(record)
+
+
+class _Stderr(logging.StreamHandler):
+  """A handler writing to the sys.stderr of the moment (as logging's last resort does)."""
+
+  def __init__(self):
+    logging.Handler.__init__(self, logging.INFO)  # pylint: disable=non-parent-init-called
+    self.setFormatter(_Prefixed())
+
+  @property
+  def stream(self):
+    return sys.stderr
+
+
+def log_to_stderr() -> None:
+  """The library's warnings and notes (the 'loopmoe_jax' logger: a stale lock, a checkpoint
+  skipped or unverified, ...) on stderr as `WARNING: ...` and `note: ...` lines, INFO and
+  above, not passed on to the root logger (absl's handler there would print them again).
+  Once per process; a script's entry (`run`) calls it, importing this module does not (a
+  library user gets Python's default: warnings on stderr, notes dropped)."""
+  logger = logging.getLogger('loopmoe_jax')
+  if not logs_to_stderr():
+    logger.addHandler(_Stderr())
+  logger.setLevel(logging.INFO)
+  logger.propagate = False
+
+
+def logs_to_stderr() -> bool:
+  """`log_to_stderr` was called in this process (a sweep's child process then calls it too)."""
+  return any(isinstance(h, _Stderr) for h in logging.getLogger('loopmoe_jax').handlers)
+
+
 class _QuietOrbax:
   """Drops Orbax's notes that a read-only manager is read-only (evaluate, generate), and the
   tracebacks its writer threads log for a failed save (the trainer reports that failure in
@@ -177,11 +218,13 @@ class _QuietOrbax:
 
 
 def run(main):
-  """app.run with library INFO logs (Orbax, Grain) silenced, progress printed, and an error
-  printed as one line `error: ...` (exit status 1); --debug or LOOPMOE_DEBUG=1 shows the
-  traceback instead. A script's process gets the interrupt exit (`exit_on_interrupt`) and the
-  quiet Orbax hooks (`checkpoint.quiet_orbax_errors`) here, not on import."""
+  """app.run with library INFO logs (Orbax, Grain) silenced, progress printed, this package's
+  warnings and notes as `WARNING: ...` and `note: ...` lines on stderr (`log_to_stderr`), and
+  an error printed as one line `error: ...` (exit status 1); --debug or LOOPMOE_DEBUG=1 shows
+  the traceback instead. A script's process gets the interrupt exit (`exit_on_interrupt`), the
+  log handler and the quiet Orbax hooks (`checkpoint.quiet_orbax_errors`) here, not on import."""
   exit_on_interrupt()
+  log_to_stderr()
   from absl import flags, logging as absl_logging
   flags.DEFINE_bool('debug', False, 'Show tracebacks of errors.')
 

@@ -8,8 +8,8 @@ sets `cfg.model.remat`) are read into `run`, with a one-line note."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
-import sys
 from typing import Any, Mapping, NamedTuple
 
 import ml_collections
@@ -19,6 +19,8 @@ from loopmoe_jax.config import RUN_FIELDS, ModelConfig, RunConfig
 from loopmoe_jax.config.data import DataConfig
 from loopmoe_jax.config.mesh import MeshConfig
 from loopmoe_jax.config.train import TrainConfig
+
+log = logging.getLogger(__name__)
 
 SECTIONS = {'model': ModelConfig, 'train': TrainConfig, 'data': DataConfig, 'mesh': MeshConfig,
             'run': RunConfig}
@@ -61,7 +63,8 @@ _NOTED = set()
 def split_run(sections: Mapping[str, Any]) -> tuple[dict, dict]:
   """(model dict, run dict) of a config's sections, run settings found under `model` read
   into `run` (they win over `run`'s: a stored config from before the section, or code that set
-  cfg.model.X after the config was made), each noted once per process on stderr."""
+  cfg.model.X after the config was made), each noted once per process (an INFO log: the scripts
+  print it as `note: ...`)."""
   model = dict(sections.get('model', {}) or {})
   run = dict(sections.get('run', {}) or {})
   moved = [k for k in model if k in RUN_FIELDS]
@@ -69,7 +72,7 @@ def split_run(sections: Mapping[str, Any]) -> tuple[dict, dict]:
     run[key] = model.pop(key)
   if set(moved) - _NOTED:
     _NOTED.update(moved)
-    print(f'note: model.{{{",".join(moved)}}} are run settings now: read as run.*', file=sys.stderr)
+    log.info(f'model.{{{",".join(moved)}}} are run settings now: read as run.*')
   return model, run
 
 

@@ -2,6 +2,7 @@
 tests' tiny config with numpy-drawn params (`make_cfg`, `make_params`, `tokens`, `apply_fn`)."""
 import functools
 import json
+import logging
 import os
 
 import flax.linen as nn
@@ -32,6 +33,14 @@ def tiny(dispatch='xla', **train_kw):
 def losses(workdir):
   rows = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
   return {r['step']: r['loss'] for r in rows}
+
+
+def logged(caplog, level=logging.WARNING) -> str:
+  """What the package logged (its warnings and notes: the scripts print them on stderr as
+  `WARNING: ...`/`note: ...`) at `level` or above since the test began or caplog.clear(), one
+  message a line."""
+  return '\n'.join(r.getMessage() for r in caplog.records
+                   if r.name.startswith('loopmoe_jax') and r.levelno >= level)
 
 
 # The model tests' tiny config ---------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Data: corpus split, tokenizers, token sources with bad-input errors, Grain pipeline order."""
 import json
+import logging
 import os
 import re
 import struct
@@ -228,7 +229,7 @@ def test_prepare_jsonl_and_text(tmp_path):
     prepare([str(tmp_path / 'bad.jsonl')], str(tmp_path / 'x.bin'))
 
 
-def test_lossy_tokenizer_on_the_embedded_corpus_warns(tmp_path, capsys):
+def test_lossy_tokenizer_on_the_embedded_corpus_warns(tmp_path, caplog):
   """A tokenizer that cannot encode the corpus's characters (no byte fallback) is reported,
   naming it, rather than silently training on text with characters missing."""
   from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -239,7 +240,7 @@ def test_lossy_tokenizer_on_the_embedded_corpus_warns(tmp_path, capsys):
   path = str(tmp_path / 'ascii.json')
   tok.save(path)
   pipeline._embedded(path, 0.02)  # pylint: disable=protected-access
-  err = capsys.readouterr().err
+  err = '\n'.join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
   assert f"data.tokenizer='{path}' does not read back" in err
 
 

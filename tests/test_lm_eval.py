@@ -18,7 +18,7 @@ import pytest
 lm_eval = pytest.importorskip('lm_eval')
 from lm_eval.api.instance import Instance  # noqa: E402
 
-from helpers import make_params  # noqa: E402
+from helpers import logged, make_params  # noqa: E402
 from loopmoe_jax import experiment, lm_tasks, sharding  # noqa: E402
 from loopmoe_jax.config.mesh import MeshConfig  # noqa: E402
 from loopmoe_jax.analysis import lm_harness  # noqa: E402
@@ -143,7 +143,7 @@ def test_windows_score_every_token_once_with_its_own_prefix():
       assert end - 1 - lo == min(most, length - 1)
 
 
-def test_rolling_and_long_requests_equal_the_direct_windows(run, capsys):
+def test_rolling_and_long_requests_equal_the_direct_windows(run, caplog):
   lm = lm_harness.LoopedMoELM(run, batch_size=BATCH, buckets=BUCKETS)
   short = 'import os, sys, abc'  # EOS + 19 bytes: the same 20-token program as above
   long = 'def main(argv):\n  del argv\n  return [x * x for x in range(17)]\n'  # 62 bytes > M
@@ -160,7 +160,7 @@ def test_rolling_and_long_requests_equal_the_direct_windows(run, capsys):
   (lp, _), = lm.loglikelihood(ll_requests([(ctx, cont)]))
   seq = byte_ids(ctx + cont)[-(M + 1):]
   assert lp == pytest.approx(direct(run, seq, len(seq) - len(cont))[0], abs=1e-4)
-  assert '1 of 1 loglikelihood requests are longer than the 32 tokens' in capsys.readouterr().err
+  assert '1 of 1 loglikelihood requests are longer than the 32 tokens' in logged(caplog)
 
 
 def _reference_text(new_ids, until):

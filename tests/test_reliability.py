@@ -21,7 +21,7 @@ from loopmoe_jax.train import checkpoint
 from loopmoe_jax.train.evaluation import evaluate_checkpoint, sample_text
 from loopmoe_jax.train.lock import WorkdirLock, WorkdirLocked
 from loopmoe_jax.train.trainer import TrainingDiverged, train
-from helpers import losses, tiny
+from helpers import logged, losses, tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,16 +40,19 @@ def _routing_keys(work):
 
 
 @pytest.mark.parametrize('part', ['config', 'data'])
-def test_damaged_part_of_the_newest_step_is_set_aside(straight, tmp_path, capsys, part):
+def test_damaged_part_of_the_newest_step_is_set_aside(straight, tmp_path, capsys, caplog,
+                                                      part):
   work = str(tmp_path / 'run')
   shutil.copytree(straight, work)
   damaged = os.path.join(work, 'checkpoints', '6', part, 'metadata')
   with open(damaged, 'w') as f:
     f.write('{"broken json')
   capsys.readouterr()
+  caplog.clear()
   train(tiny(steps=6), work)                 # resumes from step 3 and redoes 4..6
   out = capsys.readouterr().out
-  assert f'checkpoint step 6 is unreadable: {os.path.join(work, "checkpoints", "6", part)}' in out
+  assert (f'checkpoint step 6 is unreadable: {os.path.join(work, "checkpoints", "6", part)}'
+          in logged(caplog))
   assert 'resuming from step 3' in out
   assert os.path.exists(os.path.join(work, 'unreadable_checkpoints', '6', part, 'metadata'))
   assert losses(work) == losses(straight)    # bitwise: the same floats
@@ -104,7 +107,7 @@ def test_too_little_free_space_is_refused_before_writing(tmp_path, monkeypatch):
   assert os.listdir(os.path.join(work, 'checkpoints')) == []
 
 
-def test_second_trainer_on_a_workdir_is_refused_and_a_dead_holder_is_stale(tmp_path, capsys):
+def test_second_trainer_on_a_workdir_is_refused_and_a_dead_holder_is_stale(tmp_path, caplog):
   work = str(tmp_path / 'run')
   holder = subprocess.Popen(
       [sys.executable, '-c', 'import sys, time\nfrom loopmoe_jax.train.lock import WorkdirLock\n'
@@ -119,9 +122,9 @@ def test_second_trainer_on_a_workdir_is_refused_and_a_dead_holder_is_stale(tmp_p
   finally:
     holder.send_signal(signal.SIGKILL)      # a crash: the lock file stays, its flock goes
     holder.wait()
-  capsys.readouterr()
+  caplog.clear()
   train(tiny(steps=1, save_every=1), work)
-  assert f'left by pid {holder.pid}' in capsys.readouterr().out
+  assert f'left by pid {holder.pid}' in logged(caplog)
   with WorkdirLock(work):                    # released on exit
     pass
 
@@ -308,7 +311,7 @@ def test_ctrl_c_before_the_loop_is_one_line_and_status_130(tmp_path, when):
   assert not any('Traceback' in l for l in err) and 'interrupted (SIGINT)' in err[-1]
 
 
-def test_silently_corrupted_state_is_detected_by_checksum(straight, tmp_path, capsys):
+def test_silently_corrupted_state_is_detected_by_checksum(straight, tmp_path, capsys, caplog):
   """4 KiB of the embedding zeroed in the newest step's state, in bytes that still decode:
   Orbax restores it without complaint (wrong values); the checksums saved with the step
   catch it, the
@@ -332,16 +335,18 @@ def test_silently_corrupted_state_is_detected_by_checksum(straight, tmp_path, ca
   shutil.copytree(str(tmp_path / 'rewritten'), state_dir)
   assert checkpoint.load_params(work)[2] == 3  # the params reader skips the damaged step
   capsys.readouterr()
+  caplog.clear()
   train(tiny(steps=6), work)
   out = capsys.readouterr().out
   state_dir = os.path.join(work, 'checkpoints', '6', 'state')
-  assert f'checkpoint step 6 is unreadable: {state_dir} (the checksum of' in out
+  assert f'checkpoint step 6 is unreadable: {state_dir} (the checksum of' in logged(caplog)
   assert 'resuming from step 3' in out
   assert os.path.isdir(os.path.join(work, 'unreadable_checkpoints', '6'))
   assert losses(work) == losses(straight)
 
 
-def test_checkpoint_without_checksums_restores_and_says_so_once(straight, tmp_path, capsys):
+def test_checkpoint_without_checksums_restores_and_says_so_once(straight, tmp_path, capsys,
+                                                                caplog):
   """A step written before checksums were recorded (its data-iterator state has none) still
   restores; the trainer says once that it is unverified and goes on."""
   work = str(tmp_path / 'run')
@@ -353,9 +358,10 @@ def test_checkpoint_without_checksums_restores_and_says_so_once(straight, tmp_pa
     data.pop(checkpoint.CHECKSUMS)
     json.dump(data, open(meta, 'w'))
   capsys.readouterr()
+  caplog.clear()
   train(tiny(steps=7), work)
   out = capsys.readouterr().out
-  assert out.count('has no checksums') == 1 and 'resuming from step 6' in out
+  assert logged(caplog).count('has no checksums') == 1 and 'resuming from step 6' in out
 
 
 def test_truncated_state_file_is_one_line_not_thousands(straight, tmp_path):
@@ -497,9 +503,10 @@ def test_abandoned_orbax_reads_are_quiet_and_other_errors_are_not():
 def test_importing_the_package_rewires_nothing():
   """Importing every module of loopmoe_jax and pallas_kernels (in a fresh interpreter, as a
   notebook would) leaves sys.excepthook, sys.unraisablehook and the SIGINT and SIGTERM
-  handlers as they were: the scripts' entry (cli.run) and the trainer install theirs."""
+  handlers as they were, and the package's logger without a handler: the scripts' entry
+  (cli.run) and the trainer install theirs."""
   code = '\n'.join([
-      'import importlib, pkgutil, signal, sys',
+      'import importlib, logging, pkgutil, signal, sys',
       'def hooks():',
       '  return (sys.excepthook, sys.unraisablehook, signal.getsignal(signal.SIGINT),',
       '          signal.getsignal(signal.SIGTERM))',
@@ -510,10 +517,34 @@ def test_importing_the_package_rewires_nothing():
       '    importlib.import_module(m.name)',
       'from loopmoe_jax.train import checkpoint',
       'print("SAME", [a is b for a, b in zip(before, hooks())])',
+      'print("HANDLERS", logging.getLogger("loopmoe_jax").handlers)',
       'checkpoint.quiet_orbax_errors(); checkpoint.quiet_orbax_errors()',
       'print("QUIET", [a is b for a, b in zip(before, hooks())])'])
   out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, JAX_PLATFORMS='cpu'))
   assert out.returncode == 0, out.stderr[-3000:]
   assert 'SAME [True, True, True, True]' in out.stdout, out.stdout
+  assert 'HANDLERS []' in out.stdout, out.stdout
   assert 'QUIET [False, False, True, True]' in out.stdout, out.stdout  # installed once, on call
+
+
+def test_scripts_print_the_library_warnings_and_notes_on_stderr():
+  """Under a script's entry (cli.run) the package's warnings print on stderr as `WARNING: ...`
+  and its INFO notes as `note: ...`, each once (not again through absl's handler on the root
+  logger, nor twice for a second install), DEBUG not at all, nothing on stdout."""
+  code = '\n'.join([
+      'import logging',
+      'from loopmoe_jax import cli',
+      'def main(argv):',
+      '  log = logging.getLogger("loopmoe_jax.train.lock")',
+      '  log.warning("a stale lock %s", 1); log.info("a note"); log.debug("a detail")',
+      '  cli.log_to_stderr()',
+      '  log.warning("once")',
+      'cli.run(main)'])
+  out = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  assert out.returncode == 0, out.stderr[-3000:]
+  mine = [l for l in out.stderr.splitlines() if l.endswith(('a stale lock 1', 'a note',
+                                                            'a detail', 'once'))]
+  assert mine == ['WARNING: a stale lock 1', 'note: a note', 'WARNING: once'], out.stderr
+  assert out.stdout == '', out.stdout

@@ -1,5 +1,6 @@
 """Training stack: schedules, exact resume, continuation, SIGTERM, corrupt checkpoints, NaN."""
 import json
+import logging
 import os
 import shutil
 import signal
@@ -17,7 +18,7 @@ from loopmoe_jax.train import checkpoint
 from loopmoe_jax.config.train import TrainConfig
 from loopmoe_jax.train.optimizer import wsd_schedule
 from loopmoe_jax.train.trainer import TrainingDiverged, train
-from helpers import losses, tiny
+from helpers import logged, losses, tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,7 +58,7 @@ def test_resume_is_bitwise_identical(tmp_path):
   assert rec_a == rec_b == {s: a[s] for s in range(2, 7)}
 
 
-def test_resume_from_an_earlier_checkpoint_drops_the_lost_rows(tmp_path, capsys):
+def test_resume_from_an_earlier_checkpoint_drops_the_lost_rows(tmp_path, caplog):
   """Also when the logs end in a torn line (the disk filled mid-write): the cut line is moved
   to metrics.jsonl.torn (nothing lost, a warning names it) and the resume goes on."""
   work = str(tmp_path / 'r')
@@ -72,7 +73,7 @@ def test_resume_from_an_earlier_checkpoint_drops_the_lost_rows(tmp_path, capsys)
   steps = [json.loads(l)['step'] for l in open(path)]
   assert steps == list(range(1, 7))
   assert open(path + '.torn').read() == cut + '\n' and cut
-  assert 'metrics.jsonl: line ' in capsys.readouterr().out
+  assert 'metrics.jsonl: line ' in logged(caplog)
 
 
 def test_same_seed_same_batches_across_architectures(tmp_path):
@@ -108,7 +109,7 @@ def _garble(state_dir):
         fh.write(b'garbage')
 
 
-def test_corrupt_latest_step_is_skipped(tmp_path, capsys):
+def test_corrupt_latest_step_is_skipped(tmp_path, caplog):
   """A corrupt newest step is skipped; when every step is corrupt the run does not start
   over (which would overwrite its logs): an error, and nothing changed."""
   train(tiny(steps=6), str(tmp_path / 'r'))
@@ -117,7 +118,7 @@ def test_corrupt_latest_step_is_skipped(tmp_path, capsys):
   _garble(ckpt / '6' / 'state')
   cfg, params, step, _ = checkpoint.load_params(str(tmp_path / 'r'))
   assert step == 3
-  assert 'step 6' in capsys.readouterr().out
+  assert 'step 6' in logged(caplog)
   summary = train(tiny(steps=6), str(tmp_path / 'r'))         # resumes from 3, redoes 4..6
   assert summary['steps'] == 6
   for s in ('3', '6'):
@@ -227,7 +228,7 @@ def test_resume_with_another_model_is_an_error_and_loses_nothing(tmp_path):
   assert summary['steps'] == 4
 
 
-def test_a_run_directory_from_before_the_run_section_loads_and_resumes(tmp_path, capsys,
+def test_a_run_directory_from_before_the_run_section_loads_and_resumes(tmp_path, capsys, caplog,
                                                                       monkeypatch):
   """tests/data/run_v1 was written (2 steps) by the code before run settings had their own
   section: its config holds model.dispatch='xla' and model.remat='full'. It loads with them
@@ -240,11 +241,13 @@ def test_a_run_directory_from_before_the_run_section_loads_and_resumes(tmp_path,
   from loopmoe_jax import cli, experiment
   from loopmoe_jax.train.run import RunDir
   monkeypatch.setattr(experiment, '_NOTED', set())  # the note is once per process
+  caplog.set_level(logging.INFO, logger='loopmoe_jax')  # a note: INFO
   fixture = os.path.join(os.path.dirname(__file__), 'data', 'run_v1')
   run = RunDir(fixture).load()
   assert (run.step, run.exp.run.dispatch, run.exp.run.remat) == (2, 'xla', 'full')
   assert run.model_cfg.remat == 'full' and run.exp.model.core_experts == 4
-  assert 'read as run.*' in capsys.readouterr().err
+  capsys.readouterr()
+  assert 'read as run.*' in logged(caplog, logging.INFO)
   work, straight = str(tmp_path / 'old'), str(tmp_path / 'straight')
   sh.copytree(fixture, work)
   want = tiny(steps=4, save_every=2, eval_every=2, routing_every=2)

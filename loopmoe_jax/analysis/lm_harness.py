@@ -50,7 +50,6 @@ import dataclasses
 import difflib
 import functools
 import logging
-import sys
 import time
 from typing import Sequence
 
@@ -74,6 +73,8 @@ from loopmoe_jax.model import LoopedMoE, check_loops, variables
 from loopmoe_jax.objective import token_nll_of_logits
 from loopmoe_jax.train import step as steps
 from loopmoe_jax.train.run import load_on
+
+log = logging.getLogger(__name__)
 
 
 class _QuietCustomDataset(logging.Filter):
@@ -223,9 +224,8 @@ class LoopedMoELM(LM):
 
   def _warn_cut(self, cut: int, total: int, what: str) -> None:
     if cut:
-      print(f'WARNING: {cut} of {total} {what} requests are longer than the {self.max_length} '
-            'tokens the model was trained on: their contexts were cut from the left',
-            file=sys.stderr)
+      log.warning(f'{cut} of {total} {what} requests are longer than the {self.max_length} '
+                  'tokens the model was trained on: their contexts were cut from the left')
 
   def loglikelihood(self, requests) -> list[tuple[float, bool]]:
     items = []

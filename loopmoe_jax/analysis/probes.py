@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Mapping, Sequence
 
 import jax
@@ -29,6 +30,8 @@ import numpy as np
 
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.model import LoopedMoE, check_loops, variables
+
+log = logging.getLogger(__name__)
 
 QKV = ('q', 'k', 'v')
 
@@ -190,7 +193,7 @@ def validation_inputs(config: dict, vocab: int, tokens: int):
     raise ValueError('the run has no validation data (data.val_path is empty)')
   have = sum(b['inputs'].size for b in batches)
   if have < tokens:
-    print(f'WARNING: the validation split holds {have} tokens, fewer than the {tokens} asked')
+    log.warning(f'the validation split holds {have} tokens, fewer than the {tokens} asked')
   return [b['inputs'] for b in batches], [b['targets'] for b in batches]
 
 

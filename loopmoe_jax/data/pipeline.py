@@ -11,7 +11,7 @@ axes do. The iterator's state is the next step, saved with each checkpoint.
 from __future__ import annotations
 
 import functools
-import sys
+import logging
 import threading
 
 import grain
@@ -21,6 +21,7 @@ from loopmoe_jax.config.data import DataConfig  # noqa: F401  (pipeline.DataConf
 from loopmoe_jax.data import corpus, manifest, sources, synthetic
 from loopmoe_jax.data.tokenizers import load_tokenizer
 
+log = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=4)
@@ -38,9 +39,9 @@ def _embedded(tokenizer: str, fraction: float):
     out[split] = sources.ArrayTokens(np.concatenate(pieces), tok.vocab_size, tok.name,
                                      f'embedded corpus ({split})')
   if lossy:  # e.g. a tokenizer without byte fallback drops characters it does not know
-    print(f'WARNING: data.tokenizer={tokenizer!r} does not read back {lossy} of '
-          f'{-(-total // 16)} sampled documents of the embedded corpus exactly (unknown '
-          'characters dropped, or normalisation)', file=sys.stderr, flush=True)
+    log.warning(f'data.tokenizer={tokenizer!r} does not read back {lossy} of '
+                f'{-(-total // 16)} sampled documents of the embedded corpus exactly (unknown '
+                'characters dropped, or normalisation)')
   return out
 
 

@@ -201,9 +201,15 @@ INHERITED_JAX_CONFIG = ('jax_platforms', 'jax_num_cpu_devices', 'jax_enable_x64'
                         'jax_default_matmul_precision', 'jax_threefry_partitionable')
 
 
-def _train_point(c, workdir: str, jax_config: Mapping[str, Any], conn) -> None:
-  """A child process's work: train one point, send back (summary, peak RSS) or the error."""
+def _train_point(c, workdir: str, jax_config: Mapping[str, Any], conn,
+                 log_to_stderr: bool = False) -> None:
+  """A child process's work: train one point, send back (summary, peak RSS) or the error. Its
+  library warnings and notes are printed as the sweep's own are (`log_to_stderr`: the sweep
+  ran from a script, cli.run)."""
   try:
+    if log_to_stderr:
+      from loopmoe_jax import cli  # pylint: disable=import-outside-toplevel
+      cli.log_to_stderr()
     import jax  # pylint: disable=import-outside-toplevel
     for name, value in jax_config.items():
       jax.config.update(name, value)
@@ -221,10 +227,12 @@ def train_isolated(c, workdir: str) -> tuple[dict, int]:
   A child that dies without a word (killed, out of memory) is a RuntimeError naming its exit
   status; its checkpoints stay, so re-running the sweep resumes it."""
   import jax  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax import cli  # pylint: disable=import-outside-toplevel
   jax_config = {name: getattr(jax.config, name) for name in INHERITED_JAX_CONFIG}
   ctx = multiprocessing.get_context('spawn')
   receive, send = ctx.Pipe(duplex=False)
-  child = ctx.Process(target=_train_point, args=(c, workdir, jax_config, send), daemon=False)
+  child = ctx.Process(target=_train_point, args=(c, workdir, jax_config, send,
+                                                 cli.logs_to_stderr()), daemon=False)
   main = threading.current_thread() is threading.main_thread()
   if main:  # SIGTERM to the sweep stops the point (which saves); Ctrl-C reaches it directly
     old = {signal.SIGTERM: signal.getsignal(signal.SIGTERM),

@@ -121,8 +121,8 @@ def use_ocdbt(directory: str) -> bool:
     return True
   if directory not in _SAID:
     _SAID.add(directory)
-    print(f'note: the store of {directory} ignores write preconditions: checkpoints are written '
-          'one file per array (no OCDBT)', flush=True)
+    log.warning(f'the store of {directory} ignores write preconditions: checkpoints are written '
+                'one file per array (no OCDBT)')
   return False
 
 
@@ -224,8 +224,7 @@ def save(mngr, step: int, state, data_state, config_json: str, force: bool = Fal
   free = storage.free_bytes(directory)  # None on object storage: no check there
   if free is None and ('free', directory) not in _SAID:
     _SAID.add(('free', directory))
-    print(f'note: {directory} is object storage: free space is not checked before saving',
-          flush=True)
+    log.info(f'{directory} is object storage: free space is not checked before saving')
   if free is not None and free < need:
     raise CheckpointSaveError(
         f'checkpoint step {step} not saved: {directory} has {free / 2**20:.1f} MiB free, the '
@@ -363,7 +362,7 @@ def restore_latest(mngr, abstract_state, step: int | None = None, skipped=None):
       bad = _verify(out, s, str(mngr.directory))  # bytes that decode to other values
     if bad is None:
       return s, out['state'], out['data'], out['config']
-    print(f'WARNING: checkpoint step {s} is unreadable: {bad}; skipping it')
+    log.warning(f'checkpoint step {s} is unreadable: {bad}; skipping it')
     if skipped is not None:
       skipped[s] = bad
   return None
@@ -380,8 +379,8 @@ def _verify(out, step: int, directory: str) -> str | None:
   if stored is None:
     if directory not in _UNVERIFIED_SAID:
       _UNVERIFIED_SAID.add(directory)
-      print(f'note: checkpoint step {step} in {directory} has no checksums (written before '
-            'they were recorded): restored unverified')
+      log.warning(f'checkpoint step {step} in {directory} has no checksums (written before '
+                  'they were recorded): restored unverified')
     return None
   bad = checksum_mismatch(out['state'], stored)
   if bad is None:

@@ -1,7 +1,7 @@
 """Evaluation and sampling from a checkpoint directory, without the trainer."""
 from __future__ import annotations
 
-import sys
+import logging
 
 import jax
 import numpy as np
@@ -13,6 +13,8 @@ from loopmoe_jax.model import LoopedMoE, check_loops
 from loopmoe_jax.train import step as steps
 from loopmoe_jax.train.run import as_loaded
 from loopmoe_jax.train.preflight import device_memory_bytes
+
+log = logging.getLogger(__name__)
 
 
 def evaluate_checkpoint(workdir, num_loops=(None,), step: int | None = None,
@@ -54,8 +56,8 @@ def _check_length(cfg, prompt_len: int, tokens: int, train_len: int, num_loops) 
     raise ValueError(f'--tokens={tokens}: a KV cache of {total} tokens takes {need / 2**30:.1f} '
                      f'GiB, more than the {have / 2**30:.1f} GiB available')
   if total > train_len:
-    print(f'WARNING: {prompt_len} prompt + {tokens} new tokens run past the {train_len} tokens '
-          'the model was trained on', file=sys.stderr)
+    log.warning(f'{prompt_len} prompt + {tokens} new tokens run past the {train_len} tokens '
+                'the model was trained on')
 
 
 def sample_text(workdir: str, prompt: str, tokens: int, temperature: float, seed: int,
@@ -85,8 +87,8 @@ def sample_text(workdir: str, prompt: str, tokens: int, temperature: float, seed
   if ids.size == 0:
     raise ValueError(f'--prompt={prompt!r}: the tokenizer {tok.name!r} encodes none of it')
   if back != prompt:  # unknown characters dropped (or a normalising tokenizer)
-    print(f'WARNING: --prompt={prompt!r} reads back as {back!r} through the tokenizer '
-          f'{tok.name!r}', file=sys.stderr)
+    log.warning(f'--prompt={prompt!r} reads back as {back!r} through the tokenizer '
+                f'{tok.name!r}')
   _check_length(cfg, ids.shape[1], tokens, data_cfg.seq_len, num_loops)
   out = generate(cfg, params, ids, tokens, jax.random.key(seed), temperature=temperature,
                  num_loops=num_loops, router_bias=bias)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import socket
 import threading
@@ -26,6 +27,8 @@ import time
 import uuid
 
 from loopmoe_jax import storage
+
+log = logging.getLogger(__name__)
 
 LEASE_S = 120.0
 
@@ -69,9 +72,8 @@ class WorkdirLock:
       raise _locked(self.path, holder) from None
     stale = _read(fd)
     if stale:
-      print(f'note: {self.path} was left by pid {stale.get("pid")} on host '
-            f'{stale.get("host")}, which no longer holds it (a stale lock); taking it over',
-            flush=True)
+      log.warning(f'{self.path} was left by pid {stale.get("pid")} on host '
+                  f'{stale.get("host")}, which no longer holds it (a stale lock); taking it over')
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(_holder()).encode(), 0)
     os.fsync(fd)
@@ -154,8 +156,8 @@ class _Lease:
     if live:
       raise _locked(self.url, body)
     if body.get('token'):
-      print(f'note: {self.url} was left by pid {body.get("pid")} on host {body.get("host")}, '
-            'which is gone or whose lease ran out (a stale lock); taking it over', flush=True)
+      log.warning(f'{self.url} was left by pid {body.get("pid")} on host {body.get("host")}, '
+                  'which is gone or whose lease ran out (a stale lock); taking it over')
     if not self._write(generation):
       raise _locked(self.url, self._read()[0])
     time.sleep(min(1.0, self.lease_s / 10))  # a racing trainer's write lands, or not
@@ -169,8 +171,8 @@ class _Lease:
     while not self._stop.wait(self.lease_s / 4):
       body, generation = self._read()
       if body.get('token') != self.token:
-        print(f'warning: {self.url}: the lease was taken by pid {body.get("pid")} on host '
-              f'{body.get("host")}', flush=True)
+        log.warning(f'{self.url}: the lease was taken by pid {body.get("pid")} on host '
+                    f'{body.get("host")}')
         return
       self._write(generation)
 

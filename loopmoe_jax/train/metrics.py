@@ -6,11 +6,14 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import sys
 import time
 
 from loopmoe_jax import storage
+
+log = logging.getLogger(__name__)
 
 
 # The files a run writes beside its checkpoints (train/run.py's RunDir reads them back).
@@ -143,6 +146,6 @@ def _drop_rows_after(path: str, step: int):
       rows.append(line if line.endswith('\n') else line + '\n')
   if torn:
     append_lines(path + '.torn', [line.rstrip('\n') for _, line in torn])
-    print(f'warning: {path}: line {", ".join(str(n) for n, _ in torn)} is not a whole row (a '
-          f'write cut short); moved to {path}.torn', flush=True)
+    log.warning(f'{path}: line {", ".join(str(n) for n, _ in torn)} is not a whole row (a '
+                f'write cut short); moved to {path}.torn')
   storage.write_text(path, ''.join(rows))

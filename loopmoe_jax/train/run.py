@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from typing import Any
 
@@ -32,6 +33,8 @@ from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.train import checkpoint
 from loopmoe_jax.train.metrics import FINAL_STEPS, METRICS, ROUTING, SUMMARY  # noqa: F401
 from loopmoe_jax.train.step import boxed_params
+
+log = logging.getLogger(__name__)
 
 CHECKPOINTS = 'checkpoints'
 
@@ -211,14 +214,14 @@ def _read(directory: str, step: int | None, mesh):
           partial_restore=True)))['state']['params']
       data = mngr.restore(s, args=ocp.args.Composite(data=ocp.args.JsonRestore()))['data']
     except Exception as e:
-      print(f'WARNING: checkpoint step {s} in {ckpt_dir} is unreadable ({type(e).__name__}); '
-            'skipping it')
+      log.warning(f'checkpoint step {s} in {ckpt_dir} is unreadable ({type(e).__name__}); '
+                  'skipping it')
       continue
     stored = (data or {}).get(checkpoint.CHECKSUMS)
     bad = None if stored is None else checkpoint.checksum_mismatch(params, stored, "['params']")
     if bad:
-      print(f'WARNING: checkpoint step {s} in {ckpt_dir} is damaged (the checksum of {bad} '
-            'differs from the one saved with it); skipping it')
+      log.warning(f'checkpoint step {s} in {ckpt_dir} is damaged (the checksum of {bad} '
+                  'differs from the one saved with it); skipping it')
       continue
     return exp, params, s, config
   raise ValueError(f'no readable checkpoint step in {ckpt_dir!r} (tried {steps})')
