@@ -465,6 +465,32 @@ def test_dry_run_reads_bytes_and_exchanges_from_the_program():
   assert report['temp_bytes_per_device'] > 0
 
 
+@pytest.mark.parametrize('remat,forwards', [('full', 3), ('attention', 2)])
+def test_dry_run_counts_the_token_chunks_exchanges(remat, forwards):
+  """With token chunks (run.expert_block_rows at half a device's receive buffer: 2 chunks)
+  each chunk's backward reruns its exchange: the analytic column (dry_run.exchange_forwards)
+  counts 2 x (R + 1) x M x D bytes per MoE visit with R = 3 under full (forward, the pass's
+  recompute, the chunk's) and 2 under attention (it keeps the expert output: no pass
+  recompute of the MoE). The GPU step sends exactly that under attention; under full at most
+  that (the compiler may merge the prelude's and coda's recompute with their forward: they sit
+  outside the core's loop, and the remat leaves CSE allowed)."""
+  from loopmoe_jax import dry_run
+  from loopmoe_jax.experiment import load_config
+  cfg = _on(load_config('configs/default.py:smoke'), MESHES['data2_expert4'])
+  local_tokens = cfg.data.batch_size * cfg.data.seq_len // 8
+  n, k, e = 4, cfg.model.top_k, cfg.model.core_experts
+  cfg.run.remat = remat
+  cfg.run.expert_block_rows = n * dispatch_lib.dropless_rows(local_tokens, k, e, n) // 2
+  report = dry_run.dry_run(cfg, 'cuda')
+  exchange = local_tokens * k * cfg.model.d_model * 4
+  visits = cfg.model.prelude_layers + cfg.model.core_layers * cfg.model.num_loops + 1
+  want = visits * 2 * (forwards + 1) * exchange
+  assert report['analytic_collective_bytes_per_step']['all-to-all'] == want
+  sent = report['collective_bytes_per_step']['ragged-all-to-all']
+  core = cfg.model.core_layers * cfg.model.num_loops * 2 * (forwards + 1) * exchange
+  assert sent == want if remat == 'attention' else core < sent <= want
+
+
 def test_expert_exchange_carries_only_the_routed_rows():
   """benchmark.py scale's exchange figures: the ragged program sends each routed row once
   each way; the padded one n = mesh.expert times that, and about once with capacity 1."""
