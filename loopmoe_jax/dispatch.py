@@ -217,27 +217,42 @@ def dropless_rows(t: int, k: int, num_experts: int, n: int = 1) -> int:
 def token_chunks(t: int, k: int, num_experts: int, n: int, block_rows: int) -> int:
   """How many consecutive token chunks t tokens run in so that one chunk's dropless buffer
   (n * dropless_rows: the routed rows on one device, the receive buffer under expert
-  parallelism over n) holds at most `block_rows` rows: the smallest divisor c of t with
-  n * dropless_rows(t / c) <= block_rows (t itself if none); 1 when block_rows is 0 or the
-  whole buffer already fits."""
-  fits = lambda c: n * dropless_rows(t // c, k, num_experts, n) <= block_rows
-  if not block_rows or fits(1):
+  parallelism over n) holds at most `block_rows` rows: ceil(t / c_t) for the c_t =
+  block_rows // (n * min(k, E/n)) tokens such a buffer holds (at least 1); 1 when block_rows
+  is 0 or the whole buffer already fits. `in_token_chunks` pads t up to a multiple of it."""
+  per_token = n * dropless_rows(1, k, num_experts, n)
+  if not block_rows or t * per_token <= block_rows:
     return 1
-  return next((c for c in range(2, t + 1) if t % c == 0 and fits(c)), t)
+  return -(-t // max(1, block_rows // per_token))
 
 
-def in_token_chunks(body, chunks: int, params, *arrays_T):
-  """body(params, *arrays) over `chunks` consecutive equal slices of the arrays' leading
-  (token) axis, in a scan, each slice under `jax.checkpoint`: the backward keeps a chunk's
-  inputs only and reruns its forward, so no buffer of `body` outlives its chunk. Returns the
-  body's outputs stacked over the chunks ([chunks, ...])."""
+def in_token_chunks(body, chunks: int, params, x_TD, experts_Tk, weights_Tk):
+  """body(params, x, experts, weights) over `chunks` consecutive equal slices of the tokens,
+  in a scan, each slice under `jax.checkpoint`: the backward keeps a chunk's inputs only and
+  reruns its forward, so no buffer of `body` outlives its chunk. The tokens are padded up to
+  chunks x ceil(t / chunks) (a padded token: zeros routed to experts 0..k-1, distinct as a
+  real token's, with weight 0, so it adds nothing and fits every dropless bound); the outputs
+  come stacked over the chunks ([chunks, rows, ...]: the caller drops the rows past t).
+  `params` enter the scan in float32 and are cast back inside each chunk, so their gradients
+  sum over the chunks in float32 (as the whole dispatch's matmuls accumulate them), rounded
+  once."""
+  (t, k), rows = experts_Tk.shape, -(-experts_Tk.shape[0] // chunks)
+  pad = chunks * rows - t
+  dtypes = jax.tree.map(lambda p: p.dtype, params)
+  wide = jax.tree.map(lambda p: p.astype(jnp.promote_types(p.dtype, jnp.float32)), params)
+
   @functools.partial(jax.checkpoint, prevent_cse=False)
-  def chunk(params, *xs):
-    return body(params, *xs)
+  def chunk(wide, *xs):
+    return body(jax.tree.map(lambda w, dt: w.astype(dt), wide, dtypes), *xs)
 
-  split = lambda a: a.reshape(chunks, a.shape[0] // chunks, *a.shape[1:])
-  _, out = jax.lax.scan(lambda _, xs: (None, chunk(params, *xs)), None,
-                        tuple(split(a) for a in arrays_T))
+  if pad:
+    x_TD = jnp.pad(x_TD, ((0, pad), (0, 0)))
+    fill = jnp.broadcast_to(jnp.arange(k, dtype=experts_Tk.dtype), (pad, k))
+    experts_Tk = jnp.concatenate([experts_Tk, fill])
+    weights_Tk = jnp.pad(weights_Tk, ((0, pad), (0, 0)))
+  split = lambda a: a.reshape(chunks, rows, *a.shape[1:])
+  _, out = jax.lax.scan(lambda _, xs: (None, chunk(wide, *xs)), None,
+                        (split(x_TD), split(experts_Tk), split(weights_Tk)))
   return out
 
 
@@ -308,8 +323,9 @@ def dispatch(x_TD, experts_Tk, weights_Tk, params: Mapping[str, jax.Array],
   `plan`: the routing kernel's {counts_E, positions_Tk} (used by 'pallas', else ignored).
   `block_rows` r > 0 with more than r routed rows: the tokens run in `token_chunks` (each
   chunk's dispatch, permute to combine, recomputed in its backward: `in_token_chunks`), each
-  chunk's routed rows at most r; the same outputs (a token's rows are its own), bounded
-  temporaries, one more forward of the experts' FFN in the backward."""
+  chunk's routed rows at most r; the same outputs (a token's rows are its own) and bounded
+  temporaries, for the chunk's forward rerun in its backward (no extra FLOPs where the remat
+  policy keeps the expert output and so skips the MoE in its own recompute: core.REMAT)."""
   if backend != 'auto' and backend not in BACKENDS:
     raise ValueError(f'run.dispatch={backend!r}: must be one of {sorted(BACKENDS)} or auto')
   fn = BACKENDS[resolve_backend(backend)]
@@ -319,4 +335,4 @@ def dispatch(x_TD, experts_Tk, weights_Tk, params: Mapping[str, jax.Array],
     return fn(x_TD, experts_Tk, weights_Tk, params, tile=tile, plan=plan)
   y_ctD = in_token_chunks(lambda p, x, e, w: fn(x, e, w, p, tile=tile), chunks, params,
                           x_TD, experts_Tk, weights_Tk)
-  return y_ctD.reshape(t, -1)
+  return y_ctD.reshape(-1, y_ctD.shape[-1])[:t]

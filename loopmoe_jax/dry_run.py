@@ -29,8 +29,8 @@ device and step (V MoE visits: MoE layers of prelude and coda once, the core's L
 local tokens x k routed rows of width d_model in the compute dtype; R = 1 with no remat or a
 policy that saves the exchange's rows (pass_input, attention, named), else 2: every layer is
 rematerialised, prelude and coda too; with token chunks (run.expert_block_rows) each chunk
-reruns its exchange in its backward: R = 3 under full, 2 under pass_input and attention,
-`exchange_forwards`):
+reruns its exchange in its backward: R = 3 under full (2 for a stack's last layer), 2 under
+pass_input and attention, `exchange_forwards`):
 - all-to-all: 2 exchanges (there and back) x (R forward + 1 backward) per visit, M rows each;
 - activation all-gather: 0 (routing and lookups are local);
 - gradient reduction: every parameter's gradient reduced once into its sharding: one
@@ -220,17 +220,17 @@ def _with_model(cfg_dict, **fields):
 EXCHANGE_SAVED = ('none', 'pass_input', 'attention', 'named')
 
 
-def exchange_forwards(mc, n: int, local_tokens: int, num_experts: int) -> int:
-  """R, the forward exchanges per MoE visit (module docstring): 1 where the backward keeps
-  the exchanged rows, 2 where the layer's recompute repeats them; with token chunks
-  (dispatch.token_chunks > 1) every chunk reruns its exchange in its own backward, on
-  top of the pass's recompute under full (2 + 1) and alone under pass_input and attention,
-  which keep the expert output (core.REMAT)."""
+def exchange_forwards(mc, n: int, tokens: int, num_experts: int, last: bool = False) -> int:
+  """R, the forward exchanges of one MoE visit (module docstring) for `tokens` per device and
+  call: 1 where the backward keeps the exchanged rows, 2 where the layer's recompute repeats
+  them. With token chunks (dispatch.token_chunks > 1) each chunk reruns its exchange in its own
+  backward: under full on top of the stack's recompute (3), except for the stack's `last`
+  layer, whose expert output nothing in the stack's backward reads (2); under pass_input and
+  attention, which keep the expert output, the stack's recompute runs no MoE forward (2)."""
   chunked = (not mc.capacity_factor and not mc.exchange_buffer_factor and
-             dispatch.token_chunks(local_tokens, mc.top_k, num_experts, n,
-                                          mc.ffn_block_rows) > 1)
+             dispatch.token_chunks(tokens, mc.top_k, num_experts, n, mc.ffn_block_rows) > 1)
   if chunked:
-    return 3 if mc.remat == 'full' else 2
+    return 3 if mc.remat == 'full' and not last else 2
   return 1 if mc.remat in EXCHANGE_SAVED else 2
 
 
@@ -242,11 +242,13 @@ def analytic(exp, mesh, params) -> dict[str, int]:
   act = np.dtype(jnp.dtype(mc.dtype)).itemsize
   row = local_tokens * mc.top_k * mc.d_model * act
   a2a, n = 0, mesh.shape['expert']
+  call_tokens = local_tokens // exp.train.microbatches  # the tokens one MoE call sees
   if n > 1:
     for _, layers, experts, passes in mc.segments:
-      if experts:
-        fwd = exchange_forwards(mc, n, local_tokens, experts)
-        a2a += layers * passes * 2 * (fwd + 1) * row
+      if experts:  # a segment's pass is one remat stack: its last layer apart
+        fwd = [exchange_forwards(mc, n, call_tokens, experts, i == layers - 1)
+               for i in range(layers)]
+        a2a += passes * sum(2 * (f + 1) for f in fwd) * row
   grads = sharding.bytes_per_device(params, jax.tree.map(lambda s: s.sharding, params))
   return {'all-to-all': a2a, 'act-all-gather': 0, 'grad-reduce': grads}
 

@@ -126,10 +126,10 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, factor, 
             tile=tile, batch_axes=batch_axes, tensor=tensor, buffer_factor=buffer_factor)
   if chunks == 1:
     return _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, **kw)
-  y_ctD, dropped_c = dispatch_lib.in_token_chunks(
-      lambda p, x, e, w: _local_moe_whole(x, e, w, p, name_exchange=False, **kw), chunks, params,
-      x_TD, experts_Tk, weights_Tk)
-  return y_ctD.reshape(t, -1), jnp.sum(dropped_c)
+  body = lambda p, x, e, w: _local_moe_whole(x, e, w, p, name_exchange=False, **kw)
+  y_ctD, dropped_c = dispatch_lib.in_token_chunks(body, chunks, params, x_TD, experts_Tk,
+                                                  weights_Tk)
+  return y_ctD.reshape(-1, y_ctD.shape[-1])[:t], jnp.sum(dropped_c)
 
 
 def _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, factor, kind,

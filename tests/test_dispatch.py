@@ -441,7 +441,8 @@ def test_token_chunked_dispatch_equals_whole_and_keeps_less(backend):
   """dispatch(block_rows=r): the tokens in chunks of at most r routed rows, each recomputed
   in its backward: the same outputs and gradients (tokens, routing weights and every expert
   tensor) as one chunk, on a skewed routing (two experts take half the rows) and a token count
-  whose smallest fitting divisor is not r / k; the backward program keeps fewer temporaries."""
+  that the chunks do not divide (padded tokens); the backward program keeps fewer
+  temporaries."""
   from loopmoe_jax.dispatch import dispatch, token_chunks
   rng = np.random.default_rng(3)
   t, k, d, f, g = 120, 2, 16, 64, 5
@@ -452,8 +453,10 @@ def test_token_chunked_dispatch_equals_whole_and_keeps_less(backend):
   params = {n: jnp.asarray(rng.normal(size=s) / np.sqrt(s[1]), jnp.float32)
             for n, s in (('gate', (g, d, f)), ('up', (g, d, f)), ('down', (g, f, d)))}
   ct = jnp.asarray(rng.normal(size=(t, d)), jnp.float32)
-  # 240 rows: at most 100 -> 3 chunks of 40 tokens (80 rows; 2 chunks hold 120), 50 -> 5
-  assert [token_chunks(t, k, g, 1, r) for r in (0, 240, 100, 50, 1)] == [1, 1, 3, 5, 120]
+  # 240 rows: at most 100 -> 3 chunks of 40 tokens (80 rows; 2 chunks hold 120), 50 -> 5,
+  # 14 -> 18 chunks of 7 tokens (126: 6 padded)
+  assert [token_chunks(t, k, g, 1, r) for r in (0, 240, 100, 50, 14, 1)] == [1, 1, 3, 5, 18,
+                                                                              120]
 
   def vjp(block_rows):
     def run(x, w, params):
@@ -464,7 +467,7 @@ def test_token_chunked_dispatch_equals_whole_and_keeps_less(backend):
 
   want = vjp(0)(x, w, params)
   scale = max(float(np.max(np.abs(a))) for a in jax.tree.leaves(want))
-  for block_rows in (100, 50):
+  for block_rows in (100, 50, 14):
     got = vjp(block_rows)(x, w, params)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * scale)
