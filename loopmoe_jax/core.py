@@ -59,7 +59,7 @@ REMAT = {
     'full': None,                      # keep each stack's input only
     'dots': jax.checkpoint_policies.checkpoint_dots,
     'dots_no_batch': jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-    # each pass's input, the expert outputs, and what an unblocked exchange delivered
+    # each pass's input, the expert outputs, and what an unchunked exchange delivered
     'pass_input': _save('exchange', 'expert_out'),
     # chunked attention: no attention forward recomputed (its output and log-sum-exp are
     # kept); xla, cudnn and splash keep q, k, v and the output but rerun their forward

@@ -62,11 +62,13 @@ class RunConfig:
                                  # tokens run in chunks (dispatch.token_chunks) whose routed
                                  # rows, or under expert parallelism whose dropless receive
                                  # buffer, hold at most this many, each chunk recomputed in its
-                                 # own backward. Worst-case-sized buffers bounded; a
-                                 # chunk's exchange and FFN forward rerun in its backward (under
-                                 # full on top of the pass's recompute; pass_input and attention
-                                 # keep the expert output, so their pass recompute skips the
-                                 # MoE). 0: one block
+                                 # own backward (the tokens padded to equal chunks). No buffer
+                                 # sized for the worst case outlives a chunk; a chunk's exchange
+                                 # and FFN forward rerun in its backward (under full on top of
+                                 # the pass's recompute; pass_input and attention keep the
+                                 # expert output, so their pass recompute skips the MoE). Dropless
+                                 # exchanges only: with model.capacity_factor or
+                                 # exchange_buffer_factor the exchange runs whole. 0: off
 
   def __post_init__(self):
     _validate_run(self)
@@ -75,7 +77,7 @@ class RunConfig:
   def ffn_block_rows(self) -> int:
     """expert_block_rows where it applies, else 0: under the policies that recompute the MoE
     layer (full) or keep its output (pass_input, attention: core.REMAT); not under none
-    (nothing recomputed) nor dots / named, which keep values inside the layer that a block's
+    (nothing recomputed) nor dots / named, which keep values inside the layer that a chunk's
     recompute would hide."""
     return self.expert_block_rows if self.remat in ('full', 'pass_input', 'attention') else 0
 

@@ -229,8 +229,10 @@ def with_replay(value_and_grad, model):
   whose bounded exchange buffers (model.exchange_buffer_factor) dropped a row with
   `dropless(model)`, inside the same program (a `lax.cond` on the step's global drop count:
   every device takes the same branch). The step's memory is the larger of the two programs',
-  not the dropless worst case without remat; a replayed batch costs one more forward and
-  backward. metrics['replayed'] counts the replayed (micro)batches; 'dropped' is then 0."""
+  not the dropless worst case without remat (under `full` the fallback's MoE runs in token
+  chunks, run.expert_block_rows, so its buffers are a chunk's); a replayed batch costs one
+  more forward and backward, with full's recompute. metrics['replayed'] counts the replayed
+  (micro)batches; 'dropped' is then 0."""
   if not replays(model.cfg):
     return value_and_grad
   fallback = dropless(model)
