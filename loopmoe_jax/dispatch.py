@@ -219,11 +219,16 @@ def token_chunks(t: int, k: int, num_experts: int, n: int, block_rows: int) -> i
   (n * dropless_rows: the routed rows on one device, the receive buffer under expert
   parallelism over n) holds at most `block_rows` rows: ceil(t / c_t) for the c_t =
   block_rows // (n * min(k, E/n)) tokens such a buffer holds (at least 1); 1 when block_rows
-  is 0 or the whole buffer already fits. `in_token_chunks` pads t up to a multiple of it."""
+  is 0 or the whole buffer already fits. `in_token_chunks` pads t up to a multiple of it. A
+  `block_rows` under one token's rows is refused (ValueError naming run.expert_block_rows)."""
   per_token = n * dropless_rows(1, k, num_experts, n)
   if not block_rows or t * per_token <= block_rows:
     return 1
-  return -(-t // max(1, block_rows // per_token))
+  if block_rows < per_token:
+    raise ValueError(f'run.expert_block_rows={block_rows}: one token alone fills {per_token} '
+                     f'rows of a chunk\'s buffer here ({n} device(s) x min(top_k={k}, '
+                     f'{num_experts // n} experts per device)); use at least {per_token}, or 0')
+  return -(-t // (block_rows // per_token))
 
 
 def in_token_chunks(body, chunks: int, params, x_TD, experts_Tk, weights_Tk):

@@ -454,9 +454,11 @@ def test_token_chunked_dispatch_equals_whole_and_keeps_less(backend):
             for n, s in (('gate', (g, d, f)), ('up', (g, d, f)), ('down', (g, f, d)))}
   ct = jnp.asarray(rng.normal(size=(t, d)), jnp.float32)
   # 240 rows: at most 100 -> 3 chunks of 40 tokens (80 rows; 2 chunks hold 120), 50 -> 5,
-  # 14 -> 18 chunks of 7 tokens (126: 6 padded)
-  assert [token_chunks(t, k, g, 1, r) for r in (0, 240, 100, 50, 14, 1)] == [1, 1, 3, 5, 18,
+  # 14 -> 18 chunks of 7 tokens (126: 6 padded), 2 -> 120 of one token; under one token's rows
+  assert [token_chunks(t, k, g, 1, r) for r in (0, 240, 100, 50, 14, 2)] == [1, 1, 3, 5, 18,
                                                                               120]
+  with pytest.raises(ValueError, match=r'run\.expert_block_rows=1: one token alone fills 2'):
+    token_chunks(t, k, g, 1, 1)
 
   def vjp(block_rows):
     def run(x, w, params):

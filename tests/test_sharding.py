@@ -307,8 +307,10 @@ def test_token_chunks_equal_the_whole_exchange_and_keep_less(monkeypatch, kind):
   ids[:24] = [0, 1]
   n, t = MESHES['data2_expert4'].expert, 64 // 8
   assert dispatch_lib.token_chunks(t, 2, 8, n, 16) == 4  # 8 tokens a device, 2 a chunk
-  for rows, want_c in [(0, 1), (64, 1), (63, 2), (24, 3), (16, 4), (9, 8), (1, 8)]:
+  for rows, want_c in [(0, 1), (64, 1), (63, 2), (24, 3), (16, 4), (9, 8), (8, 8)]:
     assert dispatch_lib.token_chunks(t, 2, 8, n, rows) == want_c, rows
+  with pytest.raises(ValueError, match='run.expert_block_rows=7'):  # 4 devices x 2 rows
+    dispatch_lib.token_chunks(t, 2, 8, n, 7)
   want = _ep(MESHES['data2_expert4'], x, ids, w, params, True, expert_exchange=kind,
              remat='full', expert_block_rows=0)
   for rows in (16, 24):  # 4 chunks of 2 tokens; 3 chunks of 3 (one padded token)
