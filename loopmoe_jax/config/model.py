@@ -45,7 +45,7 @@ class RunConfig:
   dispatch: str = 'auto'         # auto: the Pallas kernel on GPU/TPU, 'tiled' on CPU
   dispatch_tile: int = 128
   expert_exchange: str = 'auto'  # expert parallelism: padded (all_to_all) | ragged | auto
-  remat: str = 'none'            # what the backward recomputes (core.REMAT, README table):
+  remat: str = 'none'            # what the backward recomputes (core.REMAT, docs/results.md):
                                  # the core, prelude and coda layers and the head and loss
   attention_impl: str = 'auto'   # attention_impls.py: auto | xla | chunked | cudnn | splash
   attention_block: int = 512     # key block of 'chunked' (a length not a multiple is padded)
