@@ -115,10 +115,11 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, factor, 
   tokens run in `dispatch.token_chunks` consecutive chunks, each chunk's whole body (permute,
   exchange, grouped matmul, exchange back, combine) recomputed in its backward
   (`dispatch.in_token_chunks`), so no buffer sized by the worst-case received rows outlives
-  its chunk: each holds at most r rows, for one more forward (exchanges included) of the
-  layer's experts. A token's rows go to the same experts whatever the chunk, so the outputs
-  are the unchunked ones. A capacity or buffer factor (which rank rows across the whole
-  shard) already bounds the buffers near the balanced share: no chunks."""
+  its chunk: each holds at most r rows, for the chunk's forward (exchanges included) rerun in
+  its backward. A token's rows go to the same experts whatever the chunk, so the outputs are
+  the unchunked ones. With a capacity or buffer factor (which rank rows across the whole
+  shard) the exchange runs whole: its buffers, about cf or b times the balanced share, are not
+  bounded by r."""
   t, k = experts_Tk.shape
   chunks = (1 if factor or buffer_factor else
             dispatch_lib.token_chunks(t, k, num_experts, n, block_rows))
