@@ -40,8 +40,8 @@ import time
 
 import jax
 
-import pallas_kernels
 from loopmoe_jax import hlo, targets
+from loopmoe_jax.runtime import Runtime
 
 PRESETS = {
     'tpu': {'xla_tpu_enable_latency_hiding_scheduler': True,
@@ -110,9 +110,9 @@ def lower_step(cfg_dict, target: targets.Target):
   compile-only devices, the kernels, dispatch and exchange its platform picks (Pallas kernels
   compiled, not interpreted)."""
   from loopmoe_jax.dry_run import train_step_program  # pylint: disable=import-outside-toplevel
-  with pallas_kernels.ops.lowering_for(target.platform):
-    step, args, mesh, exp = train_step_program(cfg_dict, target.devices())
-    return step.lower(*args), args, mesh, exp
+  step, args, mesh, exp = train_step_program(cfg_dict, target.devices(),
+                                             Runtime.for_platform(target.platform))
+  return step.lower(*args), args, mesh, exp
 
 
 def summarize(compiled, platform: str) -> dict:

@@ -14,6 +14,7 @@ from jax.ad_checkpoint import checkpoint_name
 from loopmoe_jax.attention_impls import attend_with, resolve
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.layers import DTYPES, fan_in_init, param, rope
+from loopmoe_jax.runtime import HERE, Runtime
 
 
 class AttentionWeights(nn.Module):
@@ -60,6 +61,7 @@ class Attention(nn.Module):
   """
   cfg: ModelConfig
   decode: bool = False
+  runtime: Runtime = HERE
 
   @nn.compact
   def __call__(self, x_BTD, positions_BT, w):
@@ -89,12 +91,13 @@ class Attention(nn.Module):
       out_BTHK, sink_BH = attend(q_BTHK, k_BSGK, v_BSGK, positions_BT, k_pos_BS, sink=True)
       for name, val in (('q', q_BTHK), ('k', k_BSGK), ('v', v_BSGK), ('sink', sink_BH)):
         self.sow('intermediates', name, val.astype(jnp.float32))
-    elif self.decode or (impl := resolve(c.attention_impl, c.dtype, None, c.head_size)) == 'xla':
+    elif self.decode or (impl := resolve(c.attention_impl, c.dtype, self.runtime.backend,
+                                         c.head_size)) == 'xla':
       out_BTHK = checkpoint_name(attend(q_BTHK, k_BSGK, v_BSGK, positions_BT, k_pos_BS),
                                  'attention')
     else:
       out_BTHK = attend_with(impl, q_BTHK, k_BSGK, v_BSGK, positions_BT, k_pos_BS,
-                             c.attention_block)
+                             c.attention_block, self.runtime)
     return jnp.einsum('bthk,hkd->btd', out_BTHK, w['o'].astype(dt))
 
 

@@ -35,8 +35,9 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from loopmoe_jax import sharding
-
 from loopmoe_jax.config import ATTENTION_IMPLS as IMPLS
+from loopmoe_jax.runtime import HERE, Runtime
+
 RUNS_ON = {'xla': ('cpu', 'gpu', 'tpu'), 'chunked': ('cpu', 'gpu', 'tpu'),
            'cudnn': ('gpu',), 'splash': ('tpu', 'cpu')}
 SIXTEEN_BIT = ('bfloat16', 'float16')
@@ -54,11 +55,11 @@ def _cudnn_head_ok(head_size: int | None) -> bool:
 
 def resolve(impl: str, dtype: str, platform: str | None = None,
             head_size: int | None = None) -> str:
-  """The implementation `impl` ('auto' or a name) runs as on `platform` (default: the one
-  programs are built for, `pallas_kernels.ops.platform()`) for heads of `head_size`; one the
-  platform or the head size cannot run is a ValueError naming the key, and `auto` never picks
-  it (a head size cuDNN does not take: chunked)."""
-  platform = platform or pallas_kernels.ops.platform()
+  """The implementation `impl` ('auto' or a name) runs as on `platform` ('cpu', 'gpu', 'tpu':
+  the one programs are built for, `Runtime.backend`; default: this machine's) for heads of
+  `head_size`; one the platform or the head size cannot run is a ValueError naming the key,
+  and `auto` never picks it (a head size cuDNN does not take: chunked)."""
+  platform = platform or HERE.backend
   if impl == 'auto':
     if platform == 'tpu':
       return 'splash'
@@ -284,18 +285,17 @@ def _cudnn(q_BTHK, k_BSGK, v_BSGK):
                                               implementation='cudnn')
   if jax.default_backend() == 'gpu':
     return call()
-  with _assume_cudnn():  # built here for a GPU (lowering_for('cuda')); never run here
+  with _assume_cudnn():  # built here for a GPU (Runtime.for_platform('cuda')); never run here
     return call()
 
 
-def _splash(q_BTHK, k_BSGK, v_BSGK):
+def _splash(q_BTHK, k_BSGK, v_BSGK, interpret: bool):
   # pylint: disable-next=import-outside-toplevel
   from jax.experimental.pallas.ops.tpu.splash_attention import (
       splash_attention_kernel as splash, splash_attention_mask as masks)
   t, kd = q_BTHK.shape[1], q_BTHK.shape[3]
   padded = -(-t // SPLASH_MULTIPLE) * SPLASH_MULTIPLE  # padded keys follow every real query
   blk = max(d for d in (512, 256, 128) if padded % d == 0)
-  interpret = bool(pallas_kernels.ops.resolve_interpret('splash', None))  # CPU: interpreted
   mask = masks.MultiHeadMask([masks.CausalMask((padded, padded))] * q_BTHK.shape[2])
   kernel = splash.make_splash_mha(
       mask, head_shards=1, q_seq_shards=1, interpret=interpret,
@@ -321,11 +321,14 @@ def _per_shard(fn, q_BTHK, k_BSGK, v_BSGK, kv_heads: int):
       q_BTHK, k_BSGK, v_BSGK)
 
 
-def attend_with(impl: str, q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block: int):
+def attend_with(impl: str, q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block: int,
+                runtime: Runtime = HERE):
   """Causal attention [B, T, H, K] by a resolved implementation other than 'xla' (positions:
-  the training layout, query t at position t, for the fused kernels)."""
+  the training layout, query t at position t, for the fused kernels); splash interpreted where
+  the runtime's kernels are (a CPU)."""
   if impl == 'chunked':
     return chunked_attend(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block)
-  fn = {'cudnn': _cudnn, 'splash': _splash}[impl]
+  interpret = bool(pallas_kernels.ops.interpret_flag(runtime.interpret, runtime.backend))
+  fn = {'cudnn': _cudnn, 'splash': functools.partial(_splash, interpret=interpret)}[impl]
   out = _per_shard(fn, q_BTHK, k_BSGK, v_BSGK, k_BSGK.shape[2])
   return checkpoint_name(out, 'attention')

@@ -21,6 +21,7 @@ from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.core_once import core_once
 from loopmoe_jax.layers import DTYPES, DenseMLP, RMSNorm, fan_in_init, param
 from loopmoe_jax.moe import MoE
+from loopmoe_jax.runtime import HERE, Runtime
 from loopmoe_jax.sharding import constrain
 
 ACTIVATION = ('batch', 'length', 'act_embed')  # the residual stream's logical axes
@@ -82,6 +83,7 @@ class Layer(nn.Module):
   scale: float = 1.0
   decode: bool = False
   record: bool = False
+  runtime: Runtime = HERE
 
   @nn.compact
   def __call__(self, x_BTD, positions_BT, attn_w=None, bias_E=None):
@@ -89,11 +91,12 @@ class Layer(nn.Module):
     if attn_w is None:
       attn_w = AttentionWeights(c, name='attn')()
     norm = lambda name: RMSNorm(c.norm_gain, c.norm_eps, c.param_dtype, name=name)
-    h = Attention(c, self.decode, name='attention')(norm('attn_norm')(x_BTD), positions_BT, attn_w)
+    h = Attention(c, self.decode, self.runtime, name='attention')(norm('attn_norm')(x_BTD),
+                                                                  positions_BT, attn_w)
     x_BTD = x_BTD + self.scale * h
     u = norm('mlp_norm')(x_BTD)
     if self.num_experts:
-      h, stats = MoE(c, self.num_experts, self.record, name='moe')(u, bias_E)
+      h, stats = MoE(c, self.num_experts, self.record, self.runtime, name='moe')(u, bias_E)
     else:
       h, stats = DenseMLP(c.expert_width, c.param_dtype, name='mlp')(u), {}
     return constrain(x_BTD + self.scale * h, ACTIVATION), stats
@@ -109,6 +112,7 @@ class Stack(nn.Module):
   injection: str = 'none'
   decode: bool = False
   record: bool = False
+  runtime: Runtime = HERE
 
   @nn.compact
   def __call__(self, x_BTD, pass_attn, e_BTD, positions_BT, bias_CE=None):
@@ -121,7 +125,8 @@ class Stack(nn.Module):
       x_BTD = x_BTD @ w[0] + e_BTD @ w[1]
     stats = []
     for i in range(self.num_layers):
-      layer = Layer(c, self.num_experts, self.scale, self.decode, self.record, name=f'layer_{i}')
+      layer = Layer(c, self.num_experts, self.scale, self.decode, self.record, self.runtime,
+                    name=f'layer_{i}')
       x_BTD, s = layer(x_BTD, positions_BT, None if pass_attn is None else pass_attn[i],
                        None if bias_CE is None else bias_CE[i])
       stats.append(s)
@@ -145,6 +150,7 @@ class Core(nn.Module):
   cfg: ModelConfig
   decode: bool = False
   record: bool = False
+  runtime: Runtime = HERE
 
   @nn.compact
   def __call__(self, x_BTD, positions_BT, num_loops: int, bias=None, backprop_loops: int = 0,
@@ -166,7 +172,8 @@ class Core(nn.Module):
       pass_attn = jax.tree.map(lambda w: w[:num_loops], stacked)
     body = remat(Stack, c)
     kw = dict(cfg=c, num_layers=c.core_layers, num_experts=c.core_experts, scale=scale,
-              injection=c.injection, decode=self.decode, record=self.record)
+              injection=c.injection, decode=self.decode, record=self.record,
+              runtime=self.runtime)
     e_BTD = x_BTD if c.injection != 'none' else None
     # the first pass with gradient (0: all of them)
     split = num_loops - backprop_loops if 0 < backprop_loops < num_loops else 0

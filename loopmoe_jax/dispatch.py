@@ -39,6 +39,7 @@ import pallas_kernels
 from pallas_kernels.metadata import group_bounds
 
 from loopmoe_jax.gmm_tiled import accumulation_dtype, gmm_tiled
+from loopmoe_jax.runtime import HERE, Runtime, platform_name
 
 
 def _swiglu(gate, up):
@@ -47,9 +48,9 @@ def _swiglu(gate, up):
 
 # Tiled grouped matmul -----------------------------------------------------------------------
 
-def gmm_xla(lhs_MK, rhs_GKN, group_sizes_G, tile=None):
+def gmm_xla(lhs_MK, rhs_GKN, group_sizes_G, tile=None, runtime=None):
   """jax.lax.ragged_dot, accumulating in float32 (float64 for float64 operands)."""
-  del tile
+  del tile, runtime
   return jax.lax.ragged_dot(lhs_MK, rhs_GKN, group_sizes_G.astype(jnp.int32),
                             preferred_element_type=accumulation_dtype(lhs_MK, rhs_GKN)
                             ).astype(lhs_MK.dtype)
@@ -57,9 +58,10 @@ def gmm_xla(lhs_MK, rhs_GKN, group_sizes_G, tile=None):
 
 # Dispatch backends ----------------------------------------------------------------------------
 
-def dispatch_reference(x_TD, experts_Tk, weights_Tk, params, tile=None, plan=None):
+def dispatch_reference(x_TD, experts_Tk, weights_Tk, params, tile=None, plan=None,
+                       runtime=None):
   """Runs every expert on every token and keeps each token's chosen outputs."""
-  del tile, plan
+  del tile, plan, runtime
   num_experts = params['gate'].shape[0]
   y_TD = jnp.zeros(x_TD.shape, jnp.float32)
   for e in range(num_experts):
@@ -115,9 +117,9 @@ def _gather_tokens_bwd(k, inverse_M, g_MD):
 gather_tokens.defvjp(_gather_tokens_fwd, _gather_tokens_bwd)
 
 
-def gmm_pallas(lhs_MK, rhs_GKN, group_sizes_G, tile=None):
-  del tile  # the Pallas kernels take their per-platform tiles (pallas_kernels.TILES)
-  return pallas_kernels.gmm(lhs_MK, rhs_GKN, group_sizes_G)
+def gmm_pallas(lhs_MK, rhs_GKN, group_sizes_G, tile=None, runtime: Runtime = HERE):
+  del tile  # the Pallas kernels take the runtime's tiles (pallas_kernels.TILES by default)
+  return pallas_kernels.gmm(lhs_MK, rhs_GKN, group_sizes_G, **runtime.kernels)
 
 
 def sorted_positions(experts_Tk):
@@ -127,7 +129,8 @@ def sorted_positions(experts_Tk):
   return inverse_permutation(order).reshape(experts_Tk.shape).astype(jnp.int32)
 
 
-def dispatch_pallas(x_TD, experts_Tk, weights_Tk, params, tile=None, plan=None):
+def dispatch_pallas(x_TD, experts_Tk, weights_Tk, params, tile=None, plan=None,
+                    runtime: Runtime = HERE):
   """Every stage a Pallas kernel: permute (row gather) -> fused gate/up gmm -> down gmm ->
   combine (weighted gather). `plan` = the routing kernel's counts_E and positions_Tk; without
   it they are computed here from experts_Tk."""
@@ -137,13 +140,13 @@ def dispatch_pallas(x_TD, experts_Tk, weights_Tk, params, tile=None, plan=None):
     plan = {'counts_E': jnp.bincount(experts_Tk.reshape(-1), length=num_experts),
             'positions_Tk': sorted_positions(experts_Tk)}
   counts_E, positions_Tk = plan['counts_E'].astype(jnp.int32), plan['positions_Tk']
-  x_MD = pallas_kernels.permute(x_TD, positions_Tk)
-  out_MD = grouped_ffn(x_MD, counts_E, params, 'pallas')
-  return pallas_kernels.combine(out_MD, positions_Tk, weights_Tk)
+  x_MD = pallas_kernels.permute(x_TD, positions_Tk, **runtime.routing_kernels)
+  out_MD = grouped_ffn(x_MD, counts_E, params, 'pallas', runtime=runtime)
+  return pallas_kernels.combine(out_MD, positions_Tk, weights_Tk, **runtime.routing_kernels)
 
 
 def _grouped(backend: str):
-  def run(x_TD, experts_Tk, weights_Tk, params, tile=64, plan=None):
+  def run(x_TD, experts_Tk, weights_Tk, params, tile=64, plan=None, runtime: Runtime = HERE):
     del plan  # the routing kernel's plan is for 'pallas'; these backends sort here
     num_tokens, k = experts_Tk.shape
     num_experts = params['gate'].shape[0]
@@ -153,7 +156,7 @@ def _grouped(backend: str):
       inverse = inverse_permutation(order)
       x_MD = gather_tokens(x_TD, order, inverse, k)
       group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
-    out_MD = grouped_ffn(x_MD, group_sizes, params, backend, tile)
+    out_MD = grouped_ffn(x_MD, group_sizes, params, backend, tile, runtime)
     with jax.named_scope('unpermute'):
       out_TkD = permute_rows(out_MD, inverse, order).reshape(num_tokens, k, -1)
     return combine(out_TkD, weights_Tk).astype(x_TD.dtype)
@@ -166,9 +169,9 @@ def combine(out_TkD, weights_Tk):
     return jnp.einsum('tkd,tk->td', out_TkD.astype(jnp.float32), weights_Tk.astype(jnp.float32))
 
 
-def _ffn_reference(x_MD, group_sizes_G, params, tile=None):
+def _ffn_reference(x_MD, group_sizes_G, params, tile=None, runtime=None):
   """Every expert on every row, each row keeping its own group's output (slow, obvious)."""
-  del tile
+  del tile, runtime
   starts, ends = group_bounds(group_sizes_G.astype(jnp.int32))
   rows = jnp.arange(x_MD.shape[0])
   out = jnp.zeros((x_MD.shape[0], params['down'].shape[-1]), jnp.float32)
@@ -180,31 +183,38 @@ def _ffn_reference(x_MD, group_sizes_G, params, tile=None):
 
 
 def _ffn_gmm(gmm):
-  def ffn(x_MD, group_sizes_G, params, tile):
-    h_MF = _swiglu(gmm(x_MD, params['gate'], group_sizes_G, tile),
-                   gmm(x_MD, params['up'], group_sizes_G, tile))
-    return gmm(h_MF, params['down'], group_sizes_G, tile)
+  def ffn(x_MD, group_sizes_G, params, tile, runtime):
+    mm = lambda x, w: gmm(x, w, group_sizes_G, tile, runtime)
+    return mm(_swiglu(mm(x_MD, params['gate']), mm(x_MD, params['up'])), params['down'])
   return ffn
 
 
-def _ffn_pallas(x_MD, group_sizes_G, params, tile=None):
+def _ffn_pallas(x_MD, group_sizes_G, params, tile=None, runtime: Runtime = HERE):
   del tile  # h's rows past the sum stay unzeroed: the down gmm reads none of them
   h_MF = pallas_kernels.gmm_swiglu(x_MD, params['gate'], params['up'], group_sizes_G,
-                                   zero_tail=False)
-  return pallas_kernels.gmm(h_MF, params['down'], group_sizes_G)
+                                   zero_tail=False, **runtime.kernels)
+  return pallas_kernels.gmm(h_MF, params['down'], group_sizes_G, **runtime.kernels)
 
 
-FFNS = {'reference': _ffn_reference, 'tiled': _ffn_gmm(gmm_tiled), 'xla': _ffn_gmm(gmm_xla),
+def _gmm_tiled(lhs_MK, rhs_GKN, group_sizes_G, tile, runtime):
+  del runtime
+  return gmm_tiled(lhs_MK, rhs_GKN, group_sizes_G, tile)
+
+
+FFNS = {'reference': _ffn_reference, 'tiled': _ffn_gmm(_gmm_tiled), 'xla': _ffn_gmm(gmm_xla),
         'pallas': _ffn_pallas,
         'pallas_gmm_only': _ffn_gmm(gmm_pallas)}  # benchmark: gate and up as two gmm calls
 
 
-def grouped_ffn(x_MD, group_sizes_G, params, backend: str = 'tiled', tile: int = 64):
+def grouped_ffn(x_MD, group_sizes_G, params, backend: str = 'tiled', tile: int = 64,
+                runtime: Runtime = HERE):
   """The experts' SwiGLU on rows sorted by expert: rows [start_g, end_g) through expert g;
   rows past sum(group_sizes) give zeros (jax.lax.ragged_dot semantics). The grouped-matmul
-  stage of every backend, and of expert parallelism on each device's local experts."""
+  stage of every backend, and of expert parallelism on each device's local experts; the
+  Pallas kernels built as `runtime` says."""
   with jax.named_scope('grouped_matmul'):
-    return FFNS[resolve_backend(backend)](x_MD, group_sizes_G.astype(jnp.int32), params, tile)
+    return FFNS[resolve_backend(backend, runtime)](x_MD, group_sizes_G.astype(jnp.int32),
+                                                   params, tile, runtime)
 
 
 def dropless_rows(t: int, k: int, num_experts: int, n: int = 1) -> int:
@@ -309,13 +319,15 @@ def pallas_self_check(platform: str) -> bool:
   return error is None
 
 
-def resolve_backend(backend: str) -> str:
-  """'auto' -> the measured-fastest correct backend of this platform; others unchanged."""
+def resolve_backend(backend: str, runtime: Runtime = HERE) -> str:
+  """'auto' -> the measured-fastest correct backend of the runtime's platform; others
+  unchanged."""
   if backend != 'auto':
     return backend
-  platform = pallas_kernels.ops.platform()
+  platform = runtime.backend
   choice = FASTEST.get(platform, 'tiled')
-  if platform != jax.default_backend():  # building for another platform: nothing to check here
+  if platform != platform_name(jax.default_backend()):  # built for another platform: nothing
+    # to check here
     return choice
   if choice == 'pallas' and not pallas_self_check(platform):
     return FALLBACK
@@ -323,7 +335,8 @@ def resolve_backend(backend: str) -> str:
 
 
 def dispatch(x_TD, experts_Tk, weights_Tk, params: Mapping[str, jax.Array],
-             backend: str = 'tiled', tile: int = 64, plan=None, block_rows: int = 0):
+             backend: str = 'tiled', tile: int = 64, plan=None, block_rows: int = 0,
+             runtime: Runtime = HERE):
   """Applies the chosen experts of every token and combines them with their weights.
   `plan`: the routing kernel's {counts_E, positions_Tk} (used by 'pallas', else ignored).
   `block_rows` r > 0 with more than r routed rows: the tokens run in `token_chunks` (each
@@ -333,11 +346,12 @@ def dispatch(x_TD, experts_Tk, weights_Tk, params: Mapping[str, jax.Array],
   policy keeps the expert output and so skips the MoE in its own recompute: core.REMAT)."""
   if backend != 'auto' and backend not in BACKENDS:
     raise ValueError(f'run.dispatch={backend!r}: must be one of {sorted(BACKENDS)} or auto')
-  fn = BACKENDS[resolve_backend(backend)]
+  fn = functools.partial(BACKENDS[resolve_backend(backend, runtime)], tile=tile,
+                         runtime=runtime)
   t, k = experts_Tk.shape
   chunks = token_chunks(t, k, params['gate'].shape[0], 1, block_rows)
   if chunks == 1:
-    return fn(x_TD, experts_Tk, weights_Tk, params, tile=tile, plan=plan)
-  y_ctD = in_token_chunks(lambda p, x, e, w: fn(x, e, w, p, tile=tile), chunks, params,
+    return fn(x_TD, experts_Tk, weights_Tk, params, plan=plan)
+  y_ctD = in_token_chunks(lambda p, x, e, w: fn(x, e, w, p), chunks, params,
                           x_TD, experts_Tk, weights_Tk)
   return y_ctD.reshape(-1, y_ctD.shape[-1])[:t]

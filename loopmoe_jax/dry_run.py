@@ -20,7 +20,7 @@ passes, gradient accumulation) counted once per iteration (trip counts read off 
 conditions). For `tpu`/`cuda` that program has the ragged expert exchange; it is compiled for
 this CPU only as far as the partitioner (XLA:CPU cannot emit a ragged all-to-all), and the same
 step is lowered for the platform with its Pallas kernels compiled, not interpreted
-(`pallas_kernels.ops.lowering_for`): its Mosaic / Triton calls are counted. For `cpu` the
+(`runtime.Runtime.for_platform`): its Mosaic / Triton calls are counted. For `cpu` the
 figures are the CPU program's (the padded exchange). Bytes of a collective: its result's bytes;
 a ragged all-to-all moves at most min(operand, result) rows, counted so.
 
@@ -61,12 +61,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_kernels
 from loopmoe_jax import accounting, aot, dispatch, sharding
 from loopmoe_jax.hlo import collective_bytes, collectives, dot_flops
 from loopmoe_jax.config import RUN_FIELDS
 from loopmoe_jax.experiment import build
 from loopmoe_jax.model import LoopedMoE
+from loopmoe_jax.runtime import HERE, Runtime
 from loopmoe_jax.train import depth, step as steps
 from loopmoe_jax.train.optimizer import make_optimizer
 
@@ -83,9 +83,8 @@ def step_flops(cfg_dict, num_devices: int | None = None) -> int:
   devices = int(np.prod(list(devices.values())))
   one = _with_model(cfg_dict, dispatch='xla', attention_impl='chunked')
   one['mesh'] = {'data': 1}
-  with pallas_kernels.ops.lowering_for('tpu'):
-    step, args, _, _ = train_step_program(one, jax.devices()[:1])
-    text = step.lower(*args, platform='tpu').compiler_ir('hlo').as_hlo_text()
+  step, args, _, _ = train_step_program(one, jax.devices()[:1], Runtime.for_platform('tpu'))
+  text = step.lower(*args, platform='tpu').compiler_ir('hlo').as_hlo_text()
   return dot_flops(text) // devices
 
 
@@ -165,13 +164,13 @@ def check_platform(platform: str):
                      f'that has the {platform} lowering') from None
 
 
-def train_step_program(cfg_dict, devices=None):
+def train_step_program(cfg_dict, devices=None, runtime: Runtime = HERE):
   """(train step, abstract state and batch, mesh, experiment) for the config, on its mesh
-  (over `devices`, default all)."""
+  (over `devices`, default all), built for `runtime`'s platform (default: this machine)."""
   exp = build(cfg_dict)
   mesh = sharding.make_mesh(exp.mesh, devices)
   sharding.check_batch(exp.data.batch_size, exp.train.microbatches, mesh)
-  model = LoopedMoE(exp.model)
+  model = LoopedMoE(exp.model, runtime=runtime)
   tx, schedule = make_optimizer(exp.train)
   state_sh, batch_sh = steps.shardings(mesh, model, tx, exp.data.seq_len, exp.mesh.zero_data)
   state = steps.abstract_state(model, tx, exp.data.seq_len, state_sh)
@@ -295,16 +294,17 @@ def dry_run(cfg_dict, platform: str = 'cpu') -> dict:
   flops, analytic_f = step_flops(cfg_dict), analytic_flops(exp, mesh)
   report_hlo, lowered_for = cpu_hlo, None
   if platform != 'cpu':
-    with pallas_kernels.ops.lowering_for(platform):
-      # what the platform runs, lowered for it (Pallas kernels compiled)
-      step_p, args, _, _ = train_step_program(cfg_dict)
-      text = step_p.lower(*args, platform=platform).as_text()
-      # the same program for the partitioner here: XLA's grouped matmul in place of the
-      # kernels (no collective in either), the exchange the platform uses
-      # (and chunked attention for the platform's fused kernel: neither has a collective)
-      step_x, args, _, _ = train_step_program(_with_model(cfg_dict, dispatch='xla',
-                                                          attention_impl='chunked'))
-      report_hlo, _ = partitioned_compile(step_x.lower(*args))
+    runtime = Runtime.for_platform(platform)
+    # what the platform runs, lowered for it (Pallas kernels compiled)
+    step_p, args, _, _ = train_step_program(cfg_dict, runtime=runtime)
+    text = step_p.lower(*args, platform=platform).as_text()
+    # the same program for the partitioner here: XLA's grouped matmul in place of the
+    # kernels (no collective in either), the exchange the platform uses
+    # (and chunked attention for the platform's fused kernel: neither has a collective)
+    step_x, args, _, _ = train_step_program(_with_model(cfg_dict, dispatch='xla',
+                                                        attention_impl='chunked'),
+                                            runtime=runtime)
+    report_hlo, _ = partitioned_compile(step_x.lower(*args))
     lowered_for = {'platform': platform, 'custom_calls': text.count('stablehlo.custom_call'),
                    'ragged_all_to_all': text.count('ragged_all_to_all')}
   colls = collectives(report_hlo)

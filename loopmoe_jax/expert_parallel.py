@@ -41,10 +41,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-import pallas_kernels
-
 from loopmoe_jax import dispatch as dispatch_lib
 from loopmoe_jax import sharding
+from loopmoe_jax.runtime import HERE, Runtime
 
 
 def capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:
@@ -73,10 +72,12 @@ def apply_capacity(experts_Tk, weights_Tk, num_experts: int, factor: float):
           jnp.sum(~keep).astype(jnp.int32))
 
 
-def exchange_kind(kind: str) -> str:
+def exchange_kind(kind: str, runtime: Runtime = HERE) -> str:
+  """run.expert_exchange resolved: 'auto' is 'padded' where the programs are built for a CPU
+  (XLA:CPU has no ragged all-to-all), 'ragged' on GPU and TPU."""
   if kind != 'auto':
     return kind
-  return 'padded' if pallas_kernels.ops.platform() == 'cpu' else 'ragged'
+  return 'padded' if runtime.backend == 'cpu' else 'ragged'
 
 
 def _exclusive_cumsum(x, axis=0):
@@ -108,7 +109,8 @@ def _kept_counts(counts_sE, n: int, slot: int):
 
 
 def _local_moe(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, factor, kind,
-               backend, tile, batch_axes, tensor, buffer_factor=0.0, block_rows=0):
+               backend, tile, batch_axes, tensor, buffer_factor=0.0, block_rows=0,
+               runtime: Runtime = HERE):
   """The per-device body (see the module docstring): returns (y_TD float32, dropped).
 
   `block_rows` r > 0 on a dropless exchange (no capacity or buffer factor): the device's
@@ -124,7 +126,8 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, factor, 
   chunks = (1 if factor or buffer_factor else
             dispatch_lib.token_chunks(t, k, num_experts, n, block_rows))
   kw = dict(num_experts=num_experts, n=n, factor=factor, kind=kind, backend=backend,
-            tile=tile, batch_axes=batch_axes, tensor=tensor, buffer_factor=buffer_factor)
+            tile=tile, batch_axes=batch_axes, tensor=tensor, buffer_factor=buffer_factor,
+            runtime=runtime)
   if chunks == 1:
     return _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, **kw)
   body = lambda p, x, e, w: _local_moe_whole(x, e, w, p, name_exchange=False, **kw)
@@ -135,7 +138,7 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, factor, 
 
 def _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, factor, kind,
                      backend, tile, batch_axes, tensor, buffer_factor=0.0,
-                     name_exchange=True):
+                     name_exchange=True, runtime: Runtime = HERE):
   """`_local_moe` over all of the device's tokens at once. `name_exchange`: the exchanged rows
   carry the checkpoint name 'exchange' (core.REMAT's policies keep them); off inside token
   chunks, whose backward reruns their exchange: kept there, the chunks' receive buffers would
@@ -191,7 +194,7 @@ def _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, fa
     sizes = recv_nE.sum(0)
 
   out_g = dispatch_lib.grouped_ffn(dispatch_lib.permute_rows(recv, order2, inverse2), sizes,
-                                   params, backend, tile)
+                                   params, backend, tile, runtime)
   out_recv = dispatch_lib.permute_rows(out_g, inverse2, order2)
 
   with jax.named_scope('exchange_back'):
@@ -216,23 +219,24 @@ def _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, fa
   return y_TD, jax.lax.psum(dropped, batch_axes)
 
 
-def _body_kw(cfg, mesh, num_experts):
+def _body_kw(cfg, mesh, num_experts, runtime):
   return dict(num_experts=num_experts, n=mesh.shape['expert'], factor=cfg.capacity_factor,
-              kind=exchange_kind(cfg.expert_exchange), backend=cfg.dispatch,
+              kind=exchange_kind(cfg.expert_exchange, runtime), backend=cfg.dispatch,
               tile=cfg.dispatch_tile, batch_axes=sharding.batch_axes(mesh),
               tensor=mesh.shape['tensor'], buffer_factor=cfg.exchange_buffer_factor,
-              block_rows=cfg.ffn_block_rows)
+              block_rows=cfg.ffn_block_rows, runtime=runtime)
 
 
-def local_dispatch(x_TD, experts_Tk, weights_Tk, params, cfg, mesh, num_experts: int):
+def local_dispatch(x_TD, experts_Tk, weights_Tk, params, cfg, mesh, num_experts: int,
+                   runtime: Runtime = HERE):
   """The per-device body called where every mesh axis is already manual (core.Core's
   shard_map): this device's rows and its E/n experts (`params`); (y_TD, dropped)."""
   y_TD, dropped = _local_moe(x_TD, experts_Tk, weights_Tk, params,
-                             **_body_kw(cfg, mesh, num_experts))
+                             **_body_kw(cfg, mesh, num_experts, runtime))
   return y_TD.astype(x_TD.dtype), dropped
 
 
-def moe_dispatch(x_TD, experts_Tk, weights_Tk, params, cfg, mesh):
+def moe_dispatch(x_TD, experts_Tk, weights_Tk, params, cfg, mesh, runtime: Runtime = HERE):
   """Expert-parallel dispatch over `mesh` (the abstract mesh of `jax.set_mesh`): (y_TD,
   dropped assignments over the whole batch). Token rows are split over the batch axes."""
   num_experts = params['gate'].shape[0]
@@ -243,7 +247,7 @@ def moe_dispatch(x_TD, experts_Tk, weights_Tk, params, cfg, mesh):
   rows = P(sharding.batch_axes(mesh))
   w_in = sharding.spec(('experts', None, 'mlp'), mesh.axis_names)
   w_out = sharding.spec(('experts', 'mlp', None), mesh.axis_names)
-  body = lambda x, e, w, p: _local_moe(x, e, w, p, **_body_kw(cfg, mesh, num_experts))
+  body = lambda x, e, w, p: _local_moe(x, e, w, p, **_body_kw(cfg, mesh, num_experts, runtime))
   y_TD, dropped = jax.shard_map(
       body, in_specs=(rows, rows, rows, {'gate': w_in, 'up': w_in, 'down': w_out}),
       out_specs=(rows, P()), check_vma=False)(x_TD, experts_Tk, weights_Tk, params)

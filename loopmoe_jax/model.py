@@ -18,6 +18,7 @@ from loopmoe_jax import exit as early_exit_lib
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.core import ACTIVATION, Core, Stack, remat
 from loopmoe_jax.layers import DTYPES, RMSNorm, fan_in_init, param
+from loopmoe_jax.runtime import HERE, Runtime
 from loopmoe_jax.sharding import constrain
 
 
@@ -25,6 +26,7 @@ class LoopedMoE(nn.Module):
   """The language model. Call with int tokens [B, T] (or `x_BTD` embeddings instead)."""
   cfg: ModelConfig
   decode: bool = False
+  runtime: Runtime = HERE   # the platform its programs are built for (runtime.py)
 
   @nn.compact
   def __call__(self, tokens_BT=None, *, num_loops: int | None = None,
@@ -64,7 +66,7 @@ class LoopedMoE(nn.Module):
     positions_BT = self._positions(x_BTD.shape[0], x_BTD.shape[1])
 
     per_visit: dict[str, Any] = {}
-    seg_kw = dict(decode=self.decode, record=return_routing)
+    seg_kw = dict(decode=self.decode, record=return_routing, runtime=self.runtime)
     bias = {}
     if c.router_bias != 'none':
       if not (self.is_initializing() or self.has_variable(ROUTER_BIAS, 'bias')):

@@ -24,6 +24,7 @@ from loopmoe_jax import expert_parallel, sharding
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.dispatch import dispatch, resolve_backend
 from loopmoe_jax.layers import DTYPES, DenseMLP, fan_in_init, param
+from loopmoe_jax.runtime import HERE, Runtime
 
 
 def route(logits_TE, top_k: int, renormalize: bool, bias_E=None, score: str = 'softmax'):
@@ -48,17 +49,17 @@ def route(logits_TE, top_k: int, renormalize: bool, bias_E=None, score: str = 's
 
 
 def route_for(backend: str, logits_TE, top_k: int, renormalize: bool, bias_E=None,
-              score: str = 'softmax'):
+              score: str = 'softmax', runtime: Runtime = HERE):
   """(experts_Tk, weights_Tk, probs_TE, plan): the 'pallas' dispatch routes with the routing
   kernel (same choices and weights as `route`, plus the per-expert counts and sorted
   positions its permute needs, as `plan`); every other backend with `route` (plan None)."""
-  if resolve_backend(backend) != 'pallas':
+  if resolve_backend(backend, runtime) != 'pallas':
     return (*route(logits_TE, top_k, renormalize, bias_E, score), None)
   if bias_E is not None:
     bias_E = jax.lax.stop_gradient(bias_E)
   r = pallas_kernels.route(logits_TE.astype(jnp.float32), top_k,
                            renormalize=renormalize or score == 'sigmoid', bias_E=bias_E,
-                           score=score)
+                           score=score, **runtime.routing_kernels)
   plan = {'counts_E': r['counts_E'], 'positions_Tk': r['positions_Tk']}
   return r['experts_Tk'], r['weights_Tk'], r['scores_TE'], plan
 
@@ -108,7 +109,7 @@ def z_loss(logits_TE):
   return jnp.mean(jax.nn.logsumexp(logits_TE.astype(jnp.float32), axis=-1) ** 2)
 
 
-def route_local(logits_TE, cfg: ModelConfig, bias_E=None):
+def route_local(logits_TE, cfg: ModelConfig, bias_E=None, runtime: Runtime = HERE):
   """(experts_Tk, weights_Tk, routing_sums totals, plan) of `route_for`, computed where the
   tokens are: under a device mesh inside `jax.shard_map` over the batch axes (each shard
   routes its own rows; only the per-shard sums leave the shard, stacked [shards, ...] and
@@ -116,7 +117,7 @@ def route_local(logits_TE, cfg: ModelConfig, bias_E=None):
   Pallas routing plan is returned on one device only (expert parallelism makes its own)."""
   def one_shard(logits_TE, bias_E):
     experts_Tk, weights_Tk, probs_TE, plan = route_for(
-        cfg.dispatch, logits_TE, cfg.top_k, cfg.renormalize, bias_E, cfg.router_score)
+        cfg.dispatch, logits_TE, cfg.top_k, cfg.renormalize, bias_E, cfg.router_score, runtime)
     if cfg.router_score == 'sigmoid':  # the load-balance loss's P_i: per-token shares
       probs_TE = probs_TE / jnp.sum(probs_TE, axis=-1, keepdims=True)
     return experts_Tk, weights_Tk, routing_sums(experts_Tk, probs_TE, logits_TE), plan
@@ -141,6 +142,7 @@ class MoE(nn.Module):
   cfg: ModelConfig
   num_experts: int
   record: bool = False
+  runtime: Runtime = HERE
 
   @nn.compact
   def __call__(self, x_BTD, bias_E=None):
@@ -170,7 +172,7 @@ class MoE(nn.Module):
         logits_TE = logits_TE + mask_E
         bias_E = mask_E if bias_E is None else bias_E + mask_E
       logits_TE = checkpoint_name(logits_TE, 'router')
-      experts_Tk, weights_Tk, sums, plan = route_local(logits_TE, c, bias_E)
+      experts_Tk, weights_Tk, sums, plan = route_local(logits_TE, c, bias_E, self.runtime)
     lb, zl = losses_from_sums(sums, c.top_k)
     stats = {'load_balance': lb, 'z_loss': zl, 'load': sums['load']}
     if sharding.is_manual(mesh):  # inside the core's shard_map: the shard's sums, which the
@@ -181,15 +183,16 @@ class MoE(nn.Module):
     params = {k: v.astype(x_BTD.dtype) for k, v in experts.items()}
     if sharding.is_manual(mesh):  # inside the core's shard_map: this device's rows and experts
       y_TD, stats['dropped'] = expert_parallel.local_dispatch(x_TD, experts_Tk, weights_Tk,
-                                                              params, c, mesh, e)
+                                                              params, c, mesh, e,
+                                                              self.runtime)
     elif not mesh.empty and mesh.size > 1:  # under a device mesh: expert parallelism
       y_TD, stats['dropped'] = expert_parallel.moe_dispatch(x_TD, experts_Tk, weights_Tk,
-                                                            params, c, mesh)
+                                                            params, c, mesh, self.runtime)
     else:
       weights_Tk, _, stats['dropped'] = expert_parallel.apply_capacity(
           experts_Tk, weights_Tk, e, c.capacity_factor)
       y_TD = dispatch(x_TD, experts_Tk, weights_Tk, params, c.dispatch, c.dispatch_tile, plan,
-                      c.ffn_block_rows)
+                      c.ffn_block_rows, self.runtime)
     y_BTD = checkpoint_name(y_TD, 'expert_out').reshape(b, t, d)
     if c.num_shared_experts:
       y_BTD = y_BTD + DenseMLP(c.num_shared_experts * c.shared_width, c.param_dtype,

@@ -7,17 +7,18 @@
 Backward of gmm: d_lhs = gmm(g, rhs, transposed) and d_rhs = tgmm(lhs, g). float32
 accumulation whatever the input dtype (float64 operands are refused with a ValueError).
 Groups stay isolated as in ragged_dot: a non-finite row of one group (or past the group-size
-sum) reaches no other group's output or weight gradient. `target` picks the kernel family:
+sum) reaches no other group's output or weight gradient. `platform` is the one the program is
+built for ('cpu', 'gpu', 'tpu'; None: this machine's). `target` picks the kernel family:
 'tpu' (Mosaic), 'gpu' (Triton), 'mgpu' (Mosaic GPU: TMA + wgmma, Hopper) or 'mgpu_ws' (the
-same, warp-specialised); None follows
-jax.default_backend() ('tpu' on TPU, GPU_DEFAULT on GPU, interpreted 'gpu' on CPU).
-`interpret` None means: interpret on CPU (TPU kernels under pltpu.InterpretParams()).
-Tile sizes are parameters; None takes the per-target default in TILES.
+same, warp-specialised); None follows the platform ('tpu' on TPU, GPU_DEFAULT on GPU,
+interpreted 'gpu' on CPU). `interpret` None means: interpret on CPU (TPU kernels under
+pltpu.InterpretParams()). Tile sizes are parameters; None takes the per-target default in
+TILES. Nothing here is set from outside: every choice is an argument.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -25,81 +26,52 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import gmm_gpu, gmm_mgpu, gmm_mgpu_ws, gmm_tpu
 
+
+def _fixed(tiles):  # read-only: a program's tiles come from its arguments, never from edits here
+  return types.MappingProxyType({op: types.MappingProxyType(t) for op, t in tiles.items()})
+
+
 # Tile defaults per target and op ('gmm': forward and input gradient, 'tgmm': weight
 # gradient). TPU: 128 matches the MXU and the (8, 128) layout, K in steps of 512 (not yet run
 # on a TPU). GPU: the fastest correct variants of `scripts/benchmark.py kernels` on an H200
 # (jax 0.11.2, M 65536, K 2048, N 1024, 64 groups, bf16): Mosaic GPU gmm persistent with 5
 # stages 295 TFLOP/s (one CTA per tile: 236), tgmm 173-222; Triton gmm 8 warps 224-243,
 # tgmm 64x256 8 warps 225-234. On CPU every kernel only interprets.
-TILES = {
-    'tpu': {'gmm': dict(tile_m=128, tile_n=128, tile_k=512),
-            'tgmm': dict(tile_m=128, tile_n=128, tile_k=512)},
-    'gpu': {'gmm': dict(tile_m=128, tile_n=128, tile_k=64, num_warps=8, num_stages=3),
-            'tgmm': dict(tile_m=64, tile_n=256, tile_k=128, num_warps=8, num_stages=3)},
-    'mgpu': {'gmm': dict(tile_m=128, tile_n=128, tile_k=64, stages=5, persistent=True),
-             'tgmm': dict(tile_m=64, tile_n=128, tile_k=128, stages=4)},
+TILES = types.MappingProxyType({
+    'tpu': _fixed({'gmm': dict(tile_m=128, tile_n=128, tile_k=512),
+                   'tgmm': dict(tile_m=128, tile_n=128, tile_k=512)}),
+    'gpu': _fixed({'gmm': dict(tile_m=128, tile_n=128, tile_k=64, num_warps=8, num_stages=3),
+                   'tgmm': dict(tile_m=64, tile_n=256, tile_k=128, num_warps=8, num_stages=3)}),
+    'mgpu': _fixed({'gmm': dict(tile_m=128, tile_n=128, tile_k=64, stages=5, persistent=True),
+                    'tgmm': dict(tile_m=64, tile_n=128, tile_k=128, stages=4)}),
     # warp-specialised (tile_n / tile_k: one of the two compute warpgroups' share); not yet
     # timed on a device
-    'mgpu_ws': {'gmm': dict(tile_m=128, tile_n=128, tile_k=64, stages=3),
-                'tgmm': dict(tile_m=64, tile_n=128, tile_k=128, stages=3)},
-}
+    'mgpu_ws': _fixed({'gmm': dict(tile_m=128, tile_n=128, tile_k=64, stages=3),
+                       'tgmm': dict(tile_m=64, tile_n=128, tile_k=128, stages=3)}),
+})
 KERNELS = {'tpu': gmm_tpu, 'gpu': gmm_gpu, 'mgpu': gmm_mgpu, 'mgpu_ws': gmm_mgpu_ws}
 SIXTEEN_BIT_ONLY = ('mgpu', 'mgpu_ws')  # wgmma transposes no other operands
 # The kernel family per op a GPU backend uses when no target is given: 'gpu' (Triton) or
 # 'mgpu' (Mosaic GPU, Hopper wgmma). Measured on an H200 (above): the Mosaic GPU gmm (295
 # TFLOP/s) beats Triton's (224-243); for tgmm Triton's (222-234) beat Mosaic GPU's (173-222)
 # in both runs that timed the two.
-GPU_DEFAULT = {'gmm': 'mgpu', 'tgmm': 'gpu'}
+GPU_DEFAULT = types.MappingProxyType({'gmm': 'mgpu', 'tgmm': 'gpu'})
 OPS = ('gmm', 'tgmm')
 
 
-# What `target=None` / `interpret=None` mean. None: follow jax.default_backend() (TPU: 'tpu';
-# GPU: GPU_DEFAULT per op; CPU: 'gpu' interpreted, the quickest family to interpret). Setting
-# them forces every kernel (tests set 'tpu' / False to lower compiled kernels for a device
-# that is not here).
-DEFAULT_TARGET: str | None = None
-DEFAULT_INTERPRET: bool | None = None
-# The platform the program is built for, when it is not this machine's (`lowering_for`).
-DEFAULT_PLATFORM: str | None = None
+def platform_of(platform: str | None) -> str:
+  """'cpu', 'gpu' or 'tpu': the platform a kernel is built for (`platform`, 'cuda' / 'rocm'
+  read as 'gpu'; None: this machine's, jax.default_backend()). The callers pass it: a program
+  built here for a TPU or a GPU names that platform (loopmoe_jax.runtime)."""
+  platform = platform or jax.default_backend()
+  return {'cuda': 'gpu', 'rocm': 'gpu'}.get(platform, platform)
 
 
-def trace_context() -> tuple:
-  """Everything here that changes what a program traces to (the defaults above and the tile
-  table): part of the key of any traced program kept for reuse (loopmoe_jax/train/step.py)."""
-  tiles = tuple((fam, op, tuple(sorted(cfg.items())))
-                for fam, ops_ in sorted(TILES.items()) for op, cfg in sorted(ops_.items()))
-  return DEFAULT_TARGET, DEFAULT_INTERPRET, DEFAULT_PLATFORM, tiles
-
-
-def platform() -> str:
-  """The platform programs are built for: 'cpu', 'gpu' or 'tpu' (jax.default_backend(), or
-  the one `lowering_for` names)."""
-  return DEFAULT_PLATFORM or jax.default_backend()
-
-
-@contextlib.contextmanager
-def lowering_for(target_platform: str):
-  """Builds programs for `target_platform` ('cpu', 'tpu', 'cuda'/'gpu') on this machine: the
-  kernels, dispatch backends and exchanges that platform would pick, Pallas kernels compiled
-  (Mosaic / Triton calls), not interpreted. For lowering with
-  `.trace(...).lower(lowering_platforms=...)`; nothing built under it runs here."""
-  global DEFAULT_PLATFORM, DEFAULT_INTERPRET
-  name = {'cuda': 'gpu', 'rocm': 'gpu'}.get(target_platform, target_platform)
-  saved = DEFAULT_PLATFORM, DEFAULT_INTERPRET
-  DEFAULT_PLATFORM = name
-  if name != jax.default_backend():
-    DEFAULT_INTERPRET = False
-  try:
-    yield
-  finally:
-    DEFAULT_PLATFORM, DEFAULT_INTERPRET = saved
-
-
-def families(target: str | None) -> dict[str, str]:
-  """The kernel family of each op: `target` for both, else the backend's default."""
-  target = target or DEFAULT_TARGET
+def families(target: str | None, platform: str | None = None) -> dict[str, str]:
+  """The kernel family of each op: `target` for both, else the platform's default (TPU:
+  'tpu'; GPU: GPU_DEFAULT per op; CPU: 'gpu', interpreted, the quickest family to interpret)."""
   if target is None:
-    backend = platform()
+    backend = platform_of(platform)
     if backend == 'gpu':
       return dict(GPU_DEFAULT)
     target = 'tpu' if backend == 'tpu' else 'gpu'
@@ -108,26 +80,32 @@ def families(target: str | None) -> dict[str, str]:
   return {op: target for op in OPS}
 
 
-def resolve_target(target: str | None) -> str:
+def resolve_target(target: str | None, platform: str | None = None) -> str:
   """One family for kernels that have no per-op choice (routing, permute: 'tpu' or not)."""
-  return families(target)['gmm']
+  return families(target, platform)['gmm']
 
 
-def resolve_interpret(target: str, interpret):
-  if interpret is None:
-    interpret = DEFAULT_INTERPRET
-  if interpret is None:
-    interpret = platform() == 'cpu'
+def interpret_flag(interpret, platform: str | None = None):
+  """`interpret`, or when None, whether the platform is the CPU (the kernels only interpret
+  there)."""
+  return platform_of(platform) == 'cpu' if interpret is None else interpret
+
+
+def resolve_interpret(target: str, interpret, platform: str | None = None):
+  """Interpret mode of a `target` kernel (`interpret_flag`): TPU kernels interpret under
+  pltpu.InterpretParams()."""
+  interpret = interpret_flag(interpret, platform)
   if interpret is True and target == 'tpu':
     return pltpu.InterpretParams()
   return interpret
 
 
-def tiling(target: str | None, tile_m=None, tile_n=None, overrides=None):
+def tiling(target: str | None, tile_m=None, tile_n=None, overrides=None,
+           platform: str | None = None):
   """Per op, its family and tiles as a hashable tuple: the family from `overrides`
-  ({'gmm': {'family': ..., 'tile_m': ...}, 'tgmm': {...}}), else `families(target)`; the
-  tiles TILES[family][op], then the overrides, then tile_m / tile_n."""
-  default = families(target)
+  ({'gmm': {'family': ..., 'tile_m': ...}, 'tgmm': {...}}), else `families(target,
+  platform)`; the tiles TILES[family][op], then the overrides, then tile_m / tile_n."""
+  default = families(target, platform)
   unknown = set(overrides or {}) - set(OPS)
   if unknown:
     raise ValueError(f'tiles: unknown op(s) {sorted(unknown)}; the ops are {list(OPS)}')
@@ -282,7 +260,7 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, target: str | None = None, interpret=None,
         tile_m: int | None = None, tile_n: int | None = None, tiles=None,
-        zero_tail: bool = True):
+        zero_tail: bool = True, platform: str | None = None):
   """Grouped matmul with `jax.lax.ragged_dot` semantics, differentiable in lhs and rhs.
 
   lhs [M, K] rows sorted by group; rhs [G, K, N]; group_sizes [G] int summing to at most M
@@ -290,7 +268,8 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, target: str | None = None, interpret=
   operands, raise a ValueError naming them. Output dtype: the promoted input dtype, float32
   accumulation.
   `tiles` overrides TILES per op ({'gmm': {...}, 'tgmm': {...}}, each may name its
-  'family'); tile_m / tile_n set both ops.
+  'family'); tile_m / tile_n set both ops. `platform`: the one the program is built for
+  ('cpu', 'gpu', 'tpu'; None: this machine's): the default family, and interpreted on 'cpu'.
   zero_tail=False leaves the output rows past the sum as the kernel leaves them (unspecified,
   possibly non-finite; no [M, N] select to zero them): for an output whose only consumers are
   row-wise and then another gmm of the same sizes, which reads no row past the sum. The input
@@ -300,11 +279,13 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, target: str | None = None, interpret=
   lhs_MK, rhs_GKN = lhs_MK.astype(dtype), rhs_GKN.astype(dtype)
   with jax.named_scope('gmm'):
     return _gmm(lhs_MK, rhs_GKN, clip_sizes(group_sizes_G, lhs_MK.shape[0]),
-                (interpret,) + tiling(target, tile_m, tile_n, tiles), bool(zero_tail))
+                (interpret_flag(interpret, platform),) +
+                tiling(target, tile_m, tile_n, tiles, platform), bool(zero_tail))
 
 
 def tgmm(lhs_MK, grad_MN, group_sizes_G, *, target: str | None = None, interpret=None,
-         tile_m: int | None = None, tile_n: int | None = None, tiles=None):
+         tile_m: int | None = None, tile_n: int | None = None, tiles=None,
+         platform: str | None = None):
   """Per-group lhs^T @ grad ([G, K, N] float32): the weight gradient of gmm."""
   if lhs_MK.ndim != 2 or grad_MN.ndim != 2 or lhs_MK.shape[0] != grad_MN.shape[0]:
     raise _shape_error('tgmm', f'lhs must be [M, K] and grad [M, N] with the same M, got '
@@ -314,7 +295,8 @@ def tgmm(lhs_MK, grad_MN, group_sizes_G, *, target: str | None = None, interpret
   lhs_MK, grad_MN = lhs_MK.astype(dtype), grad_MN.astype(dtype)
   with jax.named_scope('tgmm'):
     return _tgmm_impl(lhs_MK, grad_MN, clip_sizes(group_sizes_G, lhs_MK.shape[0]),
-                      (interpret,) + tiling(target, tile_m, tile_n, tiles))
+                      (interpret_flag(interpret, platform),) +
+                      tiling(target, tile_m, tile_n, tiles, platform))
 
 
 def gmm_swiglu(x_MD, gate_GDF, up_GDF, group_sizes_G, **kw):

@@ -29,7 +29,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.metadata import next_pow2
-from pallas_kernels.ops import resolve_interpret, resolve_target
+from pallas_kernels.ops import interpret_flag, resolve_interpret, resolve_target
 
 GPU_BLOCK_ROWS = 8     # output rows per Triton program (a loop of scalar-indexed row copies)
 GPU_BLOCK_D = 1024     # widest row slab per Triton program (power of two)
@@ -227,15 +227,20 @@ def _check(op: str, name: str, rows, positions_Tk, weights_Tk=None):
                      f'shape {positions_Tk.shape}')
 
 
-def permute(x_TD, positions_Tk, *, target: str | None = None, interpret=None):
-  """x rows in expert-sorted order, [T*k, D]: row positions[t, j] is x[t]."""
+def permute(x_TD, positions_Tk, *, target: str | None = None, interpret=None,
+            platform: str | None = None):
+  """x rows in expert-sorted order, [T*k, D]: row positions[t, j] is x[t]. `target`,
+  `interpret`, `platform` as in route."""
   _check('permute', 'x', x_TD, positions_Tk)
   with jax.named_scope('permute'):
-    return _permute(x_TD, positions_Tk, (resolve_target(target), interpret))
+    return _permute(x_TD, positions_Tk, (resolve_target(target, platform),
+                                         interpret_flag(interpret, platform)))
 
 
-def combine(out_MD, positions_Tk, weights_Tk, *, target: str | None = None, interpret=None):
+def combine(out_MD, positions_Tk, weights_Tk, *, target: str | None = None, interpret=None,
+            platform: str | None = None):
   """sum_j weights[t, j] * out[positions[t, j]], accumulated in float32, [T, D] in out's dtype."""
   _check('combine', 'out', out_MD, positions_Tk, weights_Tk)
   with jax.named_scope('combine'):
-    return _combine(out_MD, positions_Tk, weights_Tk, (resolve_target(target), interpret))
+    return _combine(out_MD, positions_Tk, weights_Tk, (resolve_target(target, platform),
+                                                       interpret_flag(interpret, platform)))

@@ -159,10 +159,11 @@ _route.defvjp(_route_fwd, _route_bwd)
 
 def route(logits_TE, top_k: int, *, renormalize: bool = True, bias_E=None,
           score: str = 'softmax', block_t: int = 128, target: str | None = None,
-          interpret=None):
+          interpret=None, platform: str | None = None):
   """Returns dict(experts_Tk int32, weights_Tk f32, scores_TE f32, counts_E int32,
   positions_Tk int32); differentiable in logits_TE (weights, scores). `target` 'tpu'
-  (Mosaic) or 'gpu' (Triton), None: ops.resolve_target. `interpret` None: interpret on CPU."""
+  (Mosaic) or 'gpu' (Triton), None: the platform's (ops.resolve_target; `platform` the one the
+  program is built for, None: this machine's). `interpret` None: interpret on CPU."""
   if score not in ('softmax', 'sigmoid'):
     raise ValueError(f'score={score!r}: must be softmax or sigmoid')
   if logits_TE.ndim != 2:
@@ -173,6 +174,7 @@ def route(logits_TE, top_k: int, *, renormalize: bool = True, bias_E=None,
   if not 0 < top_k <= e:
     raise ValueError(f'top_k={top_k}: must be in [1, {e}]')
   bias = jnp.zeros((e,), jnp.float32) if bias_E is None else bias_E.astype(jnp.float32)
-  cfg = (top_k, renormalize, score, block_t, ops.resolve_target(target), interpret)
+  cfg = (top_k, renormalize, score, block_t, ops.resolve_target(target, platform),
+         ops.interpret_flag(interpret, platform))
   # float32 in: the cast's own VJP returns the gradient in the logits' dtype.
   return _route(logits_TE.astype(jnp.float32), bias.reshape(e), cfg)

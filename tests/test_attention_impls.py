@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas_kernels
 from loopmoe_jax import attention_impls, dry_run
 from loopmoe_jax import hlo as hlo_lib
 from loopmoe_jax.attention import attend
@@ -17,6 +16,7 @@ from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.layers import rope
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.objective import head_nll, lm_loss, loss_fn
+from loopmoe_jax.runtime import Runtime
 from reference import cuda_devices, requires_gpu
 
 
@@ -82,8 +82,9 @@ def test_splash_kernel_matches_xla_in_the_interpreter():
   equal the einsum's (a length of 100 is padded to 128 inside)."""
   q, k, v, pos, w = _qkv(1, 100, 4, 2, 64, seed=2)
   ref = lambda q, k, v: jnp.sum(attend(q, k, v, pos, pos) * w)
-  got = lambda q, k, v: jnp.sum(attention_impls._splash(q, k, v) * w)  # pylint: disable=protected-access
-  assert _rel(attention_impls._splash(q, k, v), attend(q, k, v, pos, pos)) < 1e-5  # pylint: disable=protected-access
+  splash = lambda q, k, v: attention_impls._splash(q, k, v, interpret=True)  # pylint: disable=protected-access
+  got = lambda q, k, v: jnp.sum(splash(q, k, v) * w)
+  assert _rel(splash(q, k, v), attend(q, k, v, pos, pos)) < 1e-5
   for a, b in zip(jax.grad(got, (0, 1, 2))(q, k, v), jax.grad(ref, (0, 1, 2))(q, k, v)):
     assert _rel(a, b) < 1e-5
 
@@ -97,14 +98,13 @@ def test_fused_attention_lowers_for_its_platform(platform, impl, call):
   cfg = ModelConfig(vocab_size=64, d_model=128, num_heads=2, head_dim=64, expert_width=32,
                     prelude_layers=1, core_layers=1, coda_layers=0, num_loops=2,
                     dtype='bfloat16', dispatch='xla')
-  model = LoopedMoE(cfg)
+  model = LoopedMoE(cfg, runtime=Runtime.for_platform(platform))
   toks = jax.ShapeDtypeStruct((2, 256), jnp.int32)
   params = nn.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), toks))['params'])
   batch = {'inputs': toks, 'targets': toks}
-  with pallas_kernels.ops.lowering_for(platform):
-    assert resolve('auto', cfg.dtype) == impl
-    grad = jax.jit(jax.grad(lambda p, b: loss_fn(p, model, b)[0]))
-    text = grad.trace(params, batch).lower(lowering_platforms=(platform,)).as_text()
+  assert resolve('auto', cfg.dtype, model.runtime.backend) == impl
+  grad = jax.jit(jax.grad(lambda p, b: loss_fn(p, model, b)[0]))
+  text = grad.trace(params, batch).lower(lowering_platforms=(platform,)).as_text()
   calls = re.findall(r'custom_call @([\w$]+)', text)
   assert sum(c.startswith(call) for c in calls) >= 2 * 2  # 2 attention layers x fwd and bwd
   assert not re.search(r'tensor<2x2x(1x)?256x256xf32>', text)  # the einsum's scores

@@ -39,6 +39,7 @@ from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.dispatch import dispatch, resolve_backend
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.moe import route as moe_route
+from loopmoe_jax.runtime import Runtime
 from reference import as64, assert_close, cuda_devices, gmm_numpy, requires_gpu
 
 TOL = {'float32': 1e-5, 'bfloat16': 2e-2}
@@ -440,17 +441,19 @@ def test_model_trained_with_pallas_matches_reference():
 
 
 @pytest.mark.parametrize('platform', ['cuda', 'tpu'])
-def test_model_train_step_with_pallas_lowers_for_the_device(platform, monkeypatch):
+def test_model_train_step_with_pallas_lowers_for_the_device(platform):
   """The whole pallas path of a train step (routing kernel, permute, fused gate/up gmm, down
   gmm, combine and their VJPs) lowers to compiled Triton / Mosaic kernels for the device."""
   from lowering import lower_for
-  monkeypatch.setattr(pk.ops, 'DEFAULT_INTERPRET', False)
-  monkeypatch.setattr(pk.ops, 'DEFAULT_TARGET', {'cuda': 'gpu', 'tpu': 'tpu'}[platform])
-  cfg = TINY_MOE.replace(dispatch='pallas', d_model=128, expert_width=128, core_experts=8)
+  runtime = Runtime(platform=platform, interpret=False,
+                    kernel_family={'cuda': 'gpu', 'tpu': 'tpu'}[platform])
+  cfg = TINY_MOE.replace(dispatch='pallas', d_model=128, expert_width=128, core_experts=8,
+                        attention_impl='chunked')  # only the dispatch's kernels
   tokens = jnp.zeros((2, 65), jnp.int32)
   batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]}
   params = bench.init_params(LoopedMoE(cfg), batch['inputs'])
-  text = lower_for(platform, bench.make_train_step(LoopedMoE(cfg)), params, batch)
+  text = lower_for(platform, bench.make_train_step(LoopedMoE(cfg, runtime=runtime)), params,
+                   batch)
   marker = {'cuda': 'custom_call @__gpu$xla.gpu.triton(', 'tpu': 'custom_call @tpu_custom_call('}
   # forward: route, permute, gate/up gmm, down gmm, combine; backward: the cotangent's
   # permute (combine's VJP), two gmm + two tgmm, combine (permute's VJP)

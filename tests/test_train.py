@@ -367,16 +367,16 @@ def test_foil_recipe_trains_in_bfloat16_and_keeps_its_continuation_step():
 def test_programs_are_built_once_per_configuration():
   """Equal settings give the same optimizer objects and the same jitted steps (a second run in
   one process neither traces nor compiles); another optimizer setting, another model or a
-  program built for another platform (pallas_kernels.ops.lowering_for) is another program."""
+  program built for another platform (the model's runtime) is another program."""
   from loopmoe_jax import sharding  # pylint: disable=import-outside-toplevel
   from loopmoe_jax.model import LoopedMoE  # pylint: disable=import-outside-toplevel
   from loopmoe_jax.train import step as steps  # pylint: disable=import-outside-toplevel
   from loopmoe_jax.train.optimizer import make_optimizer  # pylint: disable=import-outside-toplevel
-  from pallas_kernels import ops  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.runtime import Runtime  # pylint: disable=import-outside-toplevel
   exp = build(tiny(steps=4))
 
-  def programs(train_cfg, model_cfg):
-    model, (tx, schedule) = LoopedMoE(model_cfg), make_optimizer(train_cfg)
+  def programs(train_cfg, model_cfg, runtime=Runtime()):
+    model, (tx, schedule) = LoopedMoE(model_cfg, runtime=runtime), make_optimizer(train_cfg)
     mesh = sharding.make_mesh(exp.mesh)
     state_sh, batch_sh = steps.shardings(mesh, model, tx, exp.data.seq_len)
     return (tx, steps.make_train_step(model, tx, schedule, 0.01, 0.001, state_sh, batch_sh),
@@ -390,8 +390,7 @@ def test_programs_are_built_once_per_configuration():
   assert other_lr[0] is not first[0] and other_lr[1] is not first[1]
   other_model = programs(exp.train, exp.model.replace(num_loops=exp.model.num_loops + 1))
   assert other_model[0] is first[0] and other_model[1] is not first[1]
-  with ops.lowering_for('tpu'):
-    for_tpu = programs(exp.train, exp.model)
+  for_tpu = programs(exp.train, exp.model, Runtime.for_platform('tpu'))
   assert for_tpu[1] is not first[1] and for_tpu[2] is not first[2]
 
 

@@ -17,7 +17,6 @@ SwiGLU, its error against the xla dispatch, and each Pallas stage's share of its
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 from typing import Any
@@ -28,6 +27,7 @@ import numpy as np
 
 import pallas_kernels
 from loopmoe_jax import bench, dispatch, moe
+from loopmoe_jax.runtime import HERE, Runtime
 
 
 def group_sizes(num_rows: int, num_groups: int, seed: int = 0):
@@ -234,41 +234,25 @@ def _gmm_figures(res, p, m, k, n, best, repeats):
 GMM_ONLY = dispatch._grouped('pallas_gmm_only')  # pylint: disable=protected-access
 
 
-@contextlib.contextmanager
-def _kernel_defaults(tiles):
-  """Makes `tiles` ({op: tiles with their 'family'}) the GPU defaults of pallas_kernels while
-  the block runs (the model's dispatch path takes no tiles of its own)."""
-  ops = pallas_kernels.ops
-  old = (dict(ops.GPU_DEFAULT), {f: dict(t) for f, t in ops.TILES.items()})
-  for op, op_tiles in tiles.items():
-    ops.GPU_DEFAULT[op] = op_tiles['family']
-    ops.TILES[op_tiles['family']][op] = {k: v for k, v in op_tiles.items() if k != 'family'}
-  try:
-    yield
-  finally:
-    ops.GPU_DEFAULT.update(old[0])
-    for family, family_tiles in old[1].items():
-      ops.TILES[family].update(family_tiles)
-
-
-def _stage_thunks(x, router, experts, top_k):
+def _stage_thunks(x, router, experts, top_k, runtime: Runtime):
   """Forward+backward of each stage of the all-Pallas MoE layer on its own (inputs made
   outside the timed call), so their times show where the layer's time goes."""
-  pk = pallas_kernels
+  pk, mm, rk = pallas_kernels, runtime.kernels, runtime.routing_kernels
   logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32))
-  plan = jax.jit(lambda l: pk.route(l, top_k))(logits)
+  plan = jax.jit(lambda l: pk.route(l, top_k, **rk))(logits)
   sizes, pos, wts = plan['counts_E'], plan['positions_Tk'], plan['weights_Tk']
-  x_M = jax.jit(pk.permute)(x, pos)
-  h_M = jax.jit(pk.gmm_swiglu)(x_M, experts['gate'], experts['up'], sizes)
-  y_M = jax.jit(pk.gmm)(h_M, experts['down'], sizes)
+  x_M = jax.jit(lambda a, p: pk.permute(a, p, **rk))(x, pos)
+  h_M = jax.jit(lambda a, g, u, s: pk.gmm_swiglu(a, g, u, s, **mm))(
+      x_M, experts['gate'], experts['up'], sizes)
+  y_M = jax.jit(lambda a, w, s: pk.gmm(a, w, s, **mm))(h_M, experts['down'], sizes)
   square = lambda a: jnp.sum(jnp.asarray(a, jnp.float32) ** 2)
   stages = {
-      'route': (lambda l: square(pk.route(l, top_k)['weights_Tk']), (logits,)),
-      'permute': (lambda a: square(pk.permute(a, pos)), (x,)),
-      'gate_up': (lambda a, g, u: square(pk.gmm_swiglu(a, g, u, sizes)),
+      'route': (lambda l: square(pk.route(l, top_k, **rk)['weights_Tk']), (logits,)),
+      'permute': (lambda a: square(pk.permute(a, pos, **rk)), (x,)),
+      'gate_up': (lambda a, g, u: square(pk.gmm_swiglu(a, g, u, sizes, **mm)),
                   (x_M, experts['gate'], experts['up'])),
-      'down': (lambda a, w: square(pk.gmm(a, w, sizes)), (h_M, experts['down'])),
-      'combine': (lambda a, w: square(pk.combine(a, pos, w)), (y_M, wts)),
+      'down': (lambda a, w: square(pk.gmm(a, w, sizes, **mm)), (h_M, experts['down'])),
+      'combine': (lambda a, w: square(pk.combine(a, pos, w, **rk)), (y_M, wts)),
   }
   thunks = {}
   for name, (loss, args) in stages.items():
@@ -289,12 +273,14 @@ def _moe_layer(res, p, tokens, d, f, e, top_k, tiles, repeats):
   router = w(keys[4], (d, e), d)
   dense = {'gate': w(keys[1], (d, top_k * f), d), 'up': w(keys[2], (d, top_k * f), d),
            'down': w(keys[3], (top_k * f, d), top_k * f)}
+  runtime = HERE.with_tiles(tiles)  # the dispatch path takes these tiles
 
   def moe_loss(params, x, backend):
     logits = jnp.dot(x.astype(jnp.float32), params['router'].astype(jnp.float32))
-    experts_Tk, weights_Tk, probs_TE, plan = moe.route_for(backend, logits, top_k, True)
+    experts_Tk, weights_Tk, probs_TE, plan = moe.route_for(backend, logits, top_k, True,
+                                                           runtime=runtime)
     run = GMM_ONLY if backend == 'pallas_gmm_only' else dispatch.BACKENDS[backend]
-    y = run(x, experts_Tk, weights_Tk, params['experts'], plan=plan)
+    y = run(x, experts_Tk, weights_Tk, params['experts'], plan=plan, runtime=runtime)
     return jnp.sum(y.astype(jnp.float32) ** 2) + moe.load_balance_loss(experts_Tk, probs_TE)
 
   def dense_loss(params, x):
@@ -304,15 +290,14 @@ def _moe_layer(res, p, tokens, d, f, e, top_k, tiles, repeats):
   grad = lambda fn: jax.jit(jax.value_and_grad(fn, argnums=(0, 1)), static_argnums=(2,))
   moe_step, dense_step = grad(moe_loss), jax.jit(jax.value_and_grad(dense_loss, (0, 1)))
   params = {'router': router, 'experts': experts}
-  with _kernel_defaults(tiles):  # the dispatch path takes these tiles
-    thunks = {'dense': lambda: dense_step(dense, x)}
-    for backend in ('pallas', 'pallas_gmm_only', 'xla'):
-      thunks[backend] = functools.partial(moe_step, params, x, backend)
-    thunks.update(_stage_thunks(x, router, experts, top_k))
-    want = jax.tree.leaves(thunks['xla']())  # loss and gradients: pallas == ragged_dot's
-    res[f'{p}_moe_pallas_err'] = max(
-        _rel_err(a, b) for a, b in zip(jax.tree.leaves(thunks['pallas']()), want))
-    secs = bench.time_interleaved(thunks, repeats)
+  thunks = {'dense': lambda: dense_step(dense, x)}
+  for backend in ('pallas', 'pallas_gmm_only', 'xla'):
+    thunks[backend] = functools.partial(moe_step, params, x, backend)
+  thunks.update(_stage_thunks(x, router, experts, top_k, runtime))
+  want = jax.tree.leaves(thunks['xla']())  # loss and gradients: pallas == ragged_dot's
+  res[f'{p}_moe_pallas_err'] = max(
+      _rel_err(a, b) for a, b in zip(jax.tree.leaves(thunks['pallas']()), want))
+  secs = bench.time_interleaved(thunks, repeats)
   res.update({f'{p}_moe_s_{k}': v for k, v in secs.items()})
   res[f'{p}_moe_stage_share'] = {k.split('_', 1)[1]: v / secs['pallas']
                                  for k, v in secs.items() if k.startswith('stage_')}

@@ -40,6 +40,7 @@ from loopmoe_jax import hlo as hlo_lib
 from loopmoe_jax.hlo import collective_bytes
 from loopmoe_jax.experiment import build, load_config
 from loopmoe_jax.model import LoopedMoE
+from loopmoe_jax.runtime import HERE, Runtime
 from loopmoe_jax.sharding import MeshConfig
 from loopmoe_jax.train import step as steps
 from loopmoe_jax.config.train import TrainConfig
@@ -60,7 +61,9 @@ def _layer_inputs(tokens, d, f, experts, k, dtype):
 
 
 def _exchange(cfg, mesh, args, platform=None):
-  fn = jax.jit(lambda *a: expert_parallel.moe_dispatch(*a, cfg, jax.sharding.get_abstract_mesh()))
+  runtime = Runtime.for_platform(platform) if platform else HERE
+  fn = jax.jit(lambda *a: expert_parallel.moe_dispatch(*a, cfg, jax.sharding.get_abstract_mesh(),
+                                                       runtime))
   shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
   with jax.set_mesh(mesh):
     traced = fn.trace(*shapes)

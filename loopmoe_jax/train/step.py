@@ -34,7 +34,6 @@ from loopmoe_jax import sharding
 from loopmoe_jax.moe import max_vio
 from loopmoe_jax.model import ROUTER_BIAS, bias_shapes, for_init, variables
 from loopmoe_jax.objective import loss_fn, token_nll
-from pallas_kernels import ops
 
 
 def init_key(seed: int):
@@ -85,16 +84,12 @@ _KEPT = []  # every _programs cache, for release_programs
 
 
 def _programs(fn):
-  """Keeps `fn`'s results (an LRU of 32) under its arguments and the kernel settings in force
-  when it is called (pallas_kernels.ops.trace_context: a program traced for another platform,
-  or with other tiles, is another program)."""
-  kept = functools.lru_cache(maxsize=32)(lambda context, *args, **kw: fn(*args, **kw))
+  """Keeps `fn`'s results (an LRU of 32) under its arguments: the model (its architecture, run
+  settings and runtime: a program built for another platform, or with other kernel tiles, is
+  another program), the optimizer's settings, shapes and shardings."""
+  kept = functools.lru_cache(maxsize=32)(fn)
   _KEPT.append(kept)
-
-  @functools.wraps(fn)
-  def wrapper(*args, **kw):
-    return kept(ops.trace_context(), *args, **kw)
-  return wrapper
+  return kept
 
 
 def release_programs():
@@ -180,7 +175,7 @@ class OnMesh:
 
   def lower(self, *args, platform: str | None = None):
     """The lowered program; with `platform` ('tpu', 'cuda', ...) lowered for that platform
-    (call it under `pallas_kernels.ops.lowering_for(platform)` to build its kernels too)."""
+    (its model built with `Runtime.for_platform(platform)` to build its kernels too)."""
     with jax.set_mesh(self.mesh):
       traced = self.jitted.trace(*args)
       return traced.lower(lowering_platforms=(platform,)) if platform else traced.lower()

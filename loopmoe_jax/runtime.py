@@ -1,0 +1,92 @@
+"""Where the model's programs are built, decided once outside the model and passed in.
+
+    model = LoopedMoE(cfg, runtime=Runtime.for_platform('tpu'))   # a program for a TPU
+
+A `Runtime` names the platform a program is built for and how its Pallas kernels are built
+(compiled or interpreted, their family and tiles). Every module and function whose program
+depends on it takes it as an argument (`LoopedMoE.runtime`, down to `dispatch.dispatch` and
+`pallas_kernels.gmm`); nothing reads it from module globals, so a program kept for reuse keys
+on the model that carries it (train/step.py). `Runtime()` is this machine: the platform
+`jax.default_backend()`, kernels interpreted on a CPU, compiled elsewhere.
+
+Building for another platform (`for_platform('tpu')` on this CPU) gives the programs that
+platform runs: its dispatch backend, attention implementation, exchange, and Pallas kernels
+lowered to Mosaic / Triton calls, for `.trace(...).lower(lowering_platforms=...)` and the
+accelerators' compilers (aot.py); nothing built so runs here.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+
+PLATFORMS = ('cpu', 'gpu', 'tpu')
+_ALIASES = {'cuda': 'gpu', 'rocm': 'gpu'}
+
+
+def platform_name(name: str) -> str:
+  """'cpu', 'gpu' or 'tpu' for a platform or a jax backend name ('cuda' and 'rocm' are 'gpu');
+  anything else is a ValueError naming it."""
+  out = _ALIASES.get(name, name)
+  if out not in PLATFORMS:
+    raise ValueError(f'platform {name!r}: must be one of {list(PLATFORMS)} (or cuda, rocm)')
+  return out
+
+
+def _frozen_tiles(tiles: Mapping[str, Mapping[str, Any]] | None) -> tuple:
+  return tuple(sorted((op, tuple(sorted(t.items()))) for op, t in (tiles or {}).items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+  """How and for what the model's programs are built (hashable: part of a kept program's key).
+
+  platform: 'cpu', 'gpu' or 'tpu', the one programs are built for; None: this machine's
+    (`jax.default_backend()`).
+  interpret: Pallas kernels in interpret mode; None: when the platform is the CPU.
+  kernel_family: one Pallas kernel family for every grouped-matmul op ('tpu', 'gpu', 'mgpu',
+    'mgpu_ws'); None: the platform's (pallas_kernels.ops.families).
+  kernel_tiles: per-op overrides of the kernels' tiles as `pallas_kernels.gmm`'s `tiles`
+    ({'gmm': {'family': ..., 'tile_m': ...}, 'tgmm': {...}}), kept as sorted tuples (`with_tiles`).
+  """
+  platform: str | None = None
+  interpret: bool | None = None
+  kernel_family: str | None = None
+  kernel_tiles: tuple = ()
+
+  def __post_init__(self):
+    if self.platform is not None:
+      object.__setattr__(self, 'platform', platform_name(self.platform))
+
+  @classmethod
+  def for_platform(cls, name: str) -> 'Runtime':
+    """Programs for platform `name` ('cpu', 'gpu'/'cuda', 'tpu'): kernels compiled unless it
+    is this machine's platform and a CPU."""
+    name = platform_name(name)
+    here = platform_name(jax.default_backend())
+    return cls(platform=name, interpret=None if name == here else False)
+
+  def with_tiles(self, tiles: Mapping[str, Mapping[str, Any]]) -> 'Runtime':
+    """The same runtime with the kernels' per-op tiles (and families) `tiles`."""
+    return dataclasses.replace(self, kernel_tiles=_frozen_tiles(tiles))
+
+  @property
+  def backend(self) -> str:
+    """The platform programs are built for: 'cpu', 'gpu' or 'tpu'."""
+    return self.platform or platform_name(jax.default_backend())
+
+  @property
+  def kernels(self) -> dict:
+    """Keyword arguments of every pallas_kernels call (platform, interpret, target, tiles)."""
+    tiles = {op: dict(t) for op, t in self.kernel_tiles} or None
+    return dict(platform=self.backend, interpret=self.interpret, target=self.kernel_family,
+                tiles=tiles)
+
+  @property
+  def routing_kernels(self) -> dict:
+    """Keyword arguments of the routing, permute and combine kernels (no tiles)."""
+    return dict(platform=self.backend, interpret=self.interpret, target=self.kernel_family)
+
+
+HERE = Runtime()  # this machine
