@@ -110,8 +110,11 @@ def lower_step(cfg_dict, target: targets.Target):
   compile-only devices, the kernels, dispatch and exchange its platform picks (Pallas kernels
   compiled, not interpreted)."""
   from loopmoe_jax.dry_run import train_step_program  # pylint: disable=import-outside-toplevel
-  step, args, mesh, exp = train_step_program(cfg_dict, target.devices(),
-                                             Runtime.for_platform(target.platform))
+  try:
+    step, args, mesh, exp = train_step_program(cfg_dict, target.devices(),
+                                               Runtime.for_platform(target.platform))
+  except ValueError as e:  # a setting the target cannot run (Runtime.check), a mesh it refuses
+    raise ValueError(f'target {target.name}: {e}') from None
   return step.lower(*args), args, mesh, exp
 
 

@@ -170,6 +170,7 @@ def train_step_program(cfg_dict, devices=None, runtime: Runtime = HERE):
   exp = build(cfg_dict)
   mesh = sharding.make_mesh(exp.mesh, devices)
   sharding.check_batch(exp.data.batch_size, exp.train.microbatches, mesh)
+  runtime.check(exp.model)
   model = LoopedMoE(exp.model, runtime=runtime)
   tx, schedule = make_optimizer(exp.train)
   state_sh, batch_sh = steps.shardings(mesh, model, tx, exp.data.seq_len, exp.mesh.zero_data)

@@ -71,6 +71,13 @@ class Runtime:
     """The same runtime with the kernels' per-op tiles (and families) `tiles`."""
     return dataclasses.replace(self, kernel_tiles=_frozen_tiles(tiles))
 
+  def check(self, mc) -> None:
+    """Refuses run settings of the model config `mc` that its platform cannot run (cudnn
+    attention on a TPU, splash on a GPU, cudnn with a head size or dtype cuDNN does not take):
+    a ValueError naming the key and the platform, before anything is traced or compiled."""
+    from loopmoe_jax.attention_impls import resolve  # pylint: disable=import-outside-toplevel
+    resolve(mc.attention_impl, mc.dtype, self.backend, mc.head_size)
+
   @property
   def backend(self) -> str:
     """The platform programs are built for: 'cpu', 'gpu' or 'tpu'."""

@@ -415,3 +415,26 @@ def test_a_mesh_the_torus_cannot_place_names_the_sizes_and_the_topology(monkeypa
   with pytest.raises(ValueError, match=r'mesh: no placement of mesh.fsdp=8 x mesh.expert=8 on '
                      r'the 4x4x4 topology \(TPU v5\): Failed to find assignment'):
     sharding.make_mesh(MeshConfig(data=1, fsdp=8, expert=8), targets.get('v5p:4x4x4').devices())
+
+
+@pytest.mark.parametrize('platform,impl', [('tpu', 'cudnn'), ('cuda', 'splash')])
+def test_an_attention_the_target_cannot_run_is_refused_before_tracing(platform, impl, monkeypatch):
+  """run.attention_impl naming another platform's kernel is refused by the runtime (the key,
+  the platform and the target named) before the model is traced: nothing is lowered."""
+  if not HAS[platform]:
+    pytest.skip(f'the {platform} extra is not installed')
+  from loopmoe_jax import dry_run  # pylint: disable=import-outside-toplevel
+  traced = []
+  monkeypatch.setattr(dry_run.steps, 'shardings',  # the first use of the model (init traced)
+                      lambda *a, **kw: traced.append(a))
+  cfg = _tiny_cfg(platform)
+  cfg.run.attention_impl = impl
+  target = targets.get(TINY[platform][0])
+  with pytest.raises(ValueError, match=rf"target {re.escape(target.name)}: run.attention_impl="
+                     rf"'{impl}' does not run on platform '{'gpu' if platform == 'cuda' else 'tpu'}'"):
+    aot.lower_step(cfg, target)
+  assert not traced
+  cfg.run.attention_impl = 'chunked'  # runs everywhere: the same check passes
+  from loopmoe_jax.experiment import build  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.runtime import Runtime  # pylint: disable=import-outside-toplevel
+  Runtime.for_platform(platform).check(build(cfg).model)
