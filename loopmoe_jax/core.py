@@ -164,56 +164,59 @@ class Core(nn.Module):
     per_pass = bias is not None and bias.ndim == 3
     if per_pass:
       bias = bias[jnp.minimum(jnp.arange(num_loops), bias.shape[0] - 1)]
-    scale = residual_scale(c, num_loops)
     pass_attn = None
     if not c.tie_attention:
       stacked = [AttentionWeights(c, stack=c.num_loops, name=f'pass_attn_{i}')()
                  for i in range(c.core_layers)]
       pass_attn = jax.tree.map(lambda w: w[:num_loops], stacked)
     body = remat(Stack, c)
-    kw = dict(cfg=c, num_layers=c.core_layers, num_experts=c.core_experts, scale=scale,
-              injection=c.injection, decode=self.decode, record=self.record,
-              runtime=self.runtime)
-    e_BTD = x_BTD if c.injection != 'none' else None
+    kw = dict(cfg=c, num_layers=c.core_layers, num_experts=c.core_experts,
+              scale=residual_scale(c, num_loops), injection=c.injection, decode=self.decode,
+              record=self.record, runtime=self.runtime)
     # the first pass with gradient (0: all of them)
     split = num_loops - backprop_loops if 0 < backprop_loops < num_loops else 0
+    args = (x_BTD, pass_attn, x_BTD if c.injection != 'none' else None, positions_BT, bias)
+    passes = lambda fn, length=num_loops: scan_passes(fn, length, per_pass)
+    mode = self._mode(split, backprop_loops, readout, states, x_BTD.shape[0])
+    if mode == 'early_exit':
+      return early_exit_lib.scan_core(passes, body(**kw, name='body'), args, readout)
+    if mode == 'pass_states':
+      return _with_pass_states(passes, body(**kw, name='body'), args)
+    if mode.startswith('truncated'):
+      return self._truncated(passes(body, length=split), passes(body, length=num_loops - split),
+                             kw, args, split, per_pass, mode == 'truncated_once')
+    if mode == 'once':
+      return core_once(passes(body)(**kw), self.variables['params']['body'], args)
+    if mode == 'scan':
+      return passes(body)(**kw, name='body')(*args)
+    return _unrolled(body(**kw, name='body'), args, num_loops, split, per_pass)
+
+  def _mode(self, split: int, backprop_loops: int, readout, states: bool, batch: int) -> str:
+    """The one place that picks the core's path (each refusal names the setting):
+    'early_exit' (a readout given: per-token exit, exit.scan_core), 'pass_states' (gate
+    training: the scan also emits every pass's state), 'truncated' / 'truncated_once' (the
+    first `split` passes without gradient: `_truncated`), 'once' (the scan inside core_once's
+    shard_map: collectives once a step), 'scan' or 'unroll' (model.loop_impl; decoding always
+    scans)."""
     if split and (self.decode or self.is_mutable_collection('intermediates')):
       raise ValueError(f'backprop_loops={backprop_loops} is a training setting: decoding and '
                        'probes run every pass with gradient (backprop_loops=0)')
-    args = (x_BTD, pass_attn, e_BTD, positions_BT, bias)
-    passes = lambda fn, length=num_loops: scan_passes(fn, length, per_pass)
     if readout is not None:  # early exit: always the scan (an inference setting)
       if split:
         raise ValueError(f'backprop_loops={backprop_loops}: early exit (model.exit) is an '
                          'inference setting; use backprop_loops=0')
-      return early_exit_lib.scan_core(passes, body(**kw, name='body'), args, readout)
+      return 'early_exit'
     if states and not self.is_initializing():  # gate training: always the scan
       if split or self.decode:
         raise ValueError(f'backprop_loops={backprop_loops}: gate training (model.exit=\'gate\') '
                          'backpropagates through every pass (backprop_loops=0) and does not decode')
-
-      def with_state(mdl, x, *a):  # a pass that also emits its output state
-        y, s = mdl(x, *a)
-        return y, (s, y)
-      x_BTD, (stats, states_LBTD) = passes(with_state)(body(**kw, name='body'), *args)
-      return x_BTD, dict(stats, pass_states=states_LBTD)
-    if c.loop_impl == 'scan' or self.decode:
-      once = self._collectives_once(x_BTD.shape[0])
-      if split and not self.is_initializing():
-        return self._truncated(passes(body, length=split), passes(body, length=num_loops - split),
-                               kw, args, split, per_pass, once)
-      if once:
-        return core_once(passes(body)(**kw), self.variables['params']['body'], args)
-      return passes(body)(**kw, name='body')(*args)
-    stack = body(**kw, name='body')
-    stats = []
-    for l in range(num_loops):
-      if split and l == split:
-        x_BTD, stats = jax.lax.stop_gradient((x_BTD, stats))
-      attn_l = None if pass_attn is None else jax.tree.map(lambda w: w[l], pass_attn)
-      x_BTD, s = stack(x_BTD, attn_l, e_BTD, positions_BT, bias[l] if per_pass else bias)
-      stats.append(s)
-    return x_BTD, jax.tree.map(lambda *a: jnp.stack(a), *stats)
+      return 'pass_states'
+    if self.cfg.loop_impl == 'unroll' and not self.decode:
+      return 'unroll'
+    once = self._collectives_once(batch)
+    if split and not self.is_initializing():
+      return 'truncated_once' if once else 'truncated'
+    return 'once' if once else 'scan'
 
   def _truncated(self, early, late, kw, args, split, per_pass, once):
     """Passes [0, split) (`early`, a scan of them), stop_gradient, then the rest (`late`): two
@@ -248,6 +251,30 @@ class Core(nn.Module):
             not self.record and not self.is_initializing() and
             'routing_mask' not in self.variables and
             not self.is_mutable_collection('intermediates'))
+
+
+def _with_pass_states(passes, stack, args):
+  """Gate training's scan: every pass also emits its output state, returned under the
+  statistics' 'pass_states' ([L, B, T, D])."""
+  def with_state(mdl, x, *a):
+    y, s = mdl(x, *a)
+    return y, (s, y)
+  x_BTD, (stats, states_LBTD) = passes(with_state)(stack, *args)
+  return x_BTD, dict(stats, pass_states=states_LBTD)
+
+
+def _unrolled(stack, args, num_loops: int, split: int, per_pass: bool):
+  """model.loop_impl='unroll': a Python loop over the passes on the one `stack` (shared
+  weights); passes before `split` without gradient."""
+  x_BTD, pass_attn, e_BTD, positions_BT, bias = args
+  stats = []
+  for l in range(num_loops):
+    if split and l == split:
+      x_BTD, stats = jax.lax.stop_gradient((x_BTD, stats))
+    attn_l = None if pass_attn is None else jax.tree.map(lambda w: w[l], pass_attn)
+    x_BTD, s = stack(x_BTD, attn_l, e_BTD, positions_BT, bias[l] if per_pass else bias)
+    stats.append(s)
+  return x_BTD, jax.tree.map(lambda *a: jnp.stack(a), *stats)
 
 
 def residual_scale(c: ModelConfig, num_loops: int) -> float:
