@@ -23,7 +23,16 @@ from loopmoe_jax.sharding import constrain
 
 
 class LoopedMoE(nn.Module):
-  """The language model. Call with int tokens [B, T] (or `x_BTD` embeddings instead)."""
+  """The language model. Call with int tokens [B, T] (or `x_BTD` embeddings instead): returns
+  (logits_BTV float32, extras); with `return_hidden` (hidden_BTD, extras): the final normed
+  states, for a loss that applies the head itself (`head_matrix`, objective.py).
+  `backprop_loops` = k > 0: gradient through the core's last k passes only (truncated
+  backprop, `Core`; a training setting, train.backprop_loops); the forward is unchanged.
+  `early_exit`: apply model.exit's per-token early exit (exit.py; default: when decoding);
+  extras['exit'] then holds the passes each token ran. `pass_outputs` (gate training,
+  model.exit='gate', with `return_hidden`): extras['pass_hidden'] [L, B, T, D], the final
+  normed states a token exiting after each pass outputs (exit.pass_outputs; the last is the
+  returned one), and extras['pass_lambda'] [L, B, T], the gate's lambda after each pass."""
   cfg: ModelConfig
   decode: bool = False
   runtime: Runtime = HERE   # the platform its programs are built for (runtime.py)
@@ -33,18 +42,61 @@ class LoopedMoE(nn.Module):
                return_routing: bool = False, x_BTD=None, return_hidden: bool = False,
                backprop_loops: int = 0, early_exit: bool | None = None,
                pass_outputs: bool = False):
-    """(logits_BTV float32, extras); with `return_hidden` (hidden_BTD, extras): the final
-    normed states, for a loss that applies the head itself (`head_matrix`, objective.py).
-    `backprop_loops` = k > 0: gradient through the core's last k passes only (truncated
-    backprop, `Core`; a training setting, train.backprop_loops); the forward is unchanged.
-    `early_exit`: apply model.exit's per-token early exit (exit.py; default: when decoding);
-    extras['exit'] then holds the passes each token ran. `pass_outputs` (gate training,
-    model.exit='gate', with `return_hidden`): extras['pass_hidden'] [L, B, T, D], the final
-    normed states a token exiting after each pass outputs (exit.pass_outputs; the last is the
-    returned one), and extras['pass_lambda'] [L, B, T], the gate's lambda after each pass."""
+    """See the class docstring."""
     c = self.cfg
-    dt = DTYPES[c.dtype]
     num_loops = self._check_loops(num_loops)
+    pass_outputs, exiting, gate = self._exit_plan(num_loops, return_hidden, backprop_loops,
+                                                  early_exit, pass_outputs)
+    embed_VD, x_BTD = self._embed(tokens_BT, x_BTD)
+    positions_BT = self._positions(x_BTD.shape[0], x_BTD.shape[1])
+    bias = self._router_bias()
+    readout = early_exit_lib.readout(self, embed_VD, gate, head_matrix) if exiting else None
+    x_BTD, per_visit, coda = self._segments(x_BTD, positions_BT, num_loops, bias, return_routing,
+                                            (backprop_loops, readout, pass_outputs))
+    passes_BT = per_visit.get('core', {}).pop('exit_passes', None)
+    states_LBTD = per_visit.get('core', {}).pop('pass_states', None)
+    final_norm = RMSNorm(c.norm_gain, c.norm_eps, c.param_dtype, name='final_norm')
+    x_BTD = final_norm(x_BTD)
+    head_DV = None if c.tie_embeddings else param(
+        self, 'head', (c.d_model, c.vocab_size), ('embed', 'vocab'), fan_in_init([0], [1]),
+        DTYPES[c.param_dtype])
+    if c.exit == 'gate' and gate is None:  # made last: the other params' init is unchanged
+      early_exit_lib.gate_params(self, c.d_model, DTYPES[c.param_dtype])
+    extras = _extras(per_visit, return_routing)
+    if passes_BT is not None:
+      extras['exit'] = early_exit_lib.extras(passes_BT)
+    if states_LBTD is not None:
+      extras.update(self._pass_hidden(states_LBTD, x_BTD, coda, final_norm, positions_BT,
+                                      bias.get('coda'), embed_VD, gate))
+    if return_hidden:
+      return x_BTD, extras
+    logits_BTV = x_BTD @ head_matrix(c, {'embed': embed_VD, 'head': head_DV})
+    return logits_BTV.astype(jnp.float32), extras
+
+  def _segments(self, x_BTD, positions_BT, num_loops, bias, return_routing, core_args):
+    """(states after the coda, {segment: statistics}, the coda module or None): prelude,
+    core x num_loops (`core_args`: backprop_loops, readout, pass_outputs) and coda."""
+    c = self.cfg
+    per_visit: dict[str, Any] = {}
+    seg_kw = dict(decode=self.decode, record=return_routing, runtime=self.runtime)
+    stack = remat(Stack, c)  # prelude and coda, rematerialised like the core's passes
+    if c.prelude_layers:
+      x_BTD, per_visit['prelude'] = stack(c, c.prelude_layers, c.prelude_experts, **seg_kw,
+                                          name='prelude')(x_BTD, None, None, positions_BT,
+                                                          bias.get('prelude'))
+    if c.core_layers:
+      x_BTD, per_visit['core'] = Core(c, **seg_kw, name='core')(
+          x_BTD, positions_BT, num_loops, bias.get('core'), *core_args)
+    coda = stack(c, c.coda_layers, c.coda_experts, **seg_kw, name='coda') if (
+        c.coda_layers) else None
+    if coda is not None:
+      x_BTD, per_visit['coda'] = coda(x_BTD, None, None, positions_BT, bias.get('coda'))
+    return x_BTD, per_visit, coda
+
+  def _exit_plan(self, num_loops, return_hidden, backprop_loops, early_exit, pass_outputs):
+    """(pass_outputs, exiting, the exit gate's params or None) of one forward, with its
+    refusals: gate training's settings, and a backprop_loops the passes cannot take."""
+    c = self.cfg
     pass_outputs = pass_outputs and not self.is_initializing()
     if pass_outputs and (c.exit != 'gate' or not c.core_layers or not return_hidden or
                          early_exit or self.decode):
@@ -57,61 +109,42 @@ class LoopedMoE(nn.Module):
     if not 0 <= backprop_loops <= num_loops:
       raise ValueError(f'backprop_loops={backprop_loops}: must lie in [0, {num_loops}], the '
                        'passes this forward runs (0: all of them)')
+    return pass_outputs, exiting, gate
+
+  def _embed(self, tokens_BT, x_BTD):
+    """(the embedding table [V, D], the inputs [B, T, D] in the compute dtype): the tokens'
+    rows of the table, or the given embeddings `x_BTD`."""
+    c = self.cfg
     embed_VD = param(self, 'embed', (c.vocab_size, c.d_model), ('vocab', 'embed'),
                      nn.initializers.normal(1.0), DTYPES[c.param_dtype])
     if x_BTD is None:  # the table gathered whole over its width first (an FSDP parameter
       # gather), so each batch shard looks up its own tokens: no activation is gathered
       x_BTD = jnp.take(constrain(embed_VD, ('vocab', None)), tokens_BT, axis=0)
-    x_BTD = constrain(x_BTD.astype(dt), ACTIVATION)
-    positions_BT = self._positions(x_BTD.shape[0], x_BTD.shape[1])
+    return embed_VD, constrain(x_BTD.astype(DTYPES[c.dtype]), ACTIVATION)
 
-    per_visit: dict[str, Any] = {}
-    seg_kw = dict(decode=self.decode, record=return_routing, runtime=self.runtime)
-    bias = {}
-    if c.router_bias != 'none':
-      if not (self.is_initializing() or self.has_variable(ROUTER_BIAS, 'bias')):
-        raise ValueError(f'model.router_bias={c.router_bias!r}: apply needs the trained bias, '
-                         f"variables {{'params': ..., '{ROUTER_BIAS}': ...}} (the train state's "
-                         f"'{ROUTER_BIAS}', or checkpoint.load_router_bias)")
-      bias = self.variable(ROUTER_BIAS, 'bias', lambda: {
-          seg: jnp.zeros(shape, jnp.float32) for seg, shape in bias_shapes(c).items()}).value
-    stack = remat(Stack, c)  # prelude and coda, rematerialised like the core's passes
-    if c.prelude_layers:
-      x_BTD, per_visit['prelude'] = stack(c, c.prelude_layers, c.prelude_experts, **seg_kw,
-                                          name='prelude')(x_BTD, None, None, positions_BT,
-                                                          bias.get('prelude'))
-    readout = early_exit_lib.readout(self, embed_VD, gate, head_matrix) if exiting else None
-    if c.core_layers:
-      x_BTD, per_visit['core'] = Core(c, **seg_kw, name='core')(
-          x_BTD, positions_BT, num_loops, bias.get('core'), backprop_loops, readout,
-          pass_outputs)
-    passes_BT = per_visit.get('core', {}).pop('exit_passes', None)
-    states_LBTD = per_visit.get('core', {}).pop('pass_states', None)
-    coda = stack(c, c.coda_layers, c.coda_experts, **seg_kw, name='coda') if (
-        c.coda_layers) else None
-    if coda is not None:
-      x_BTD, per_visit['coda'] = coda(x_BTD, None, None, positions_BT, bias.get('coda'))
-    final_norm = RMSNorm(c.norm_gain, c.norm_eps, c.param_dtype, name='final_norm')
-    x_BTD = final_norm(x_BTD)
-    head_DV = None if c.tie_embeddings else param(
-        self, 'head', (c.d_model, c.vocab_size), ('embed', 'vocab'), fan_in_init([0], [1]),
-        DTYPES[c.param_dtype])
-    if c.exit == 'gate' and gate is None:  # made last: the other params' init is unchanged
-      early_exit_lib.gate_params(self, c.d_model, DTYPES[c.param_dtype])
-    extras = _extras(per_visit, return_routing)
-    if passes_BT is not None:
-      extras['exit'] = early_exit_lib.extras(passes_BT)
-    if states_LBTD is not None:
-      n = states_LBTD.shape[0]
-      coda_fn = None if coda is None else (lambda h: coda(
-          h, None, None, jnp.repeat(positions_BT, n - 1, axis=0), bias.get('coda'))[0])
-      extras['pass_hidden'] = early_exit_lib.pass_outputs(states_LBTD, x_BTD, coda_fn, final_norm)
-      extras['pass_lambda'] = early_exit_lib.pass_lambda(
-          early_exit_lib.readout(self, embed_VD, gate, head_matrix), states_LBTD)
-    if return_hidden:
-      return x_BTD, extras
-    logits_BTV = x_BTD @ head_matrix(c, {'embed': embed_VD, 'head': head_DV})
-    return logits_BTV.astype(jnp.float32), extras
+  def _router_bias(self) -> dict:
+    """{segment: bias} of model.router_bias (the variables' ROUTER_BIAS collection; zeros at
+    init), {} without one; applying without the trained bias is refused."""
+    c = self.cfg
+    if c.router_bias == 'none':
+      return {}
+    if not (self.is_initializing() or self.has_variable(ROUTER_BIAS, 'bias')):
+      raise ValueError(f'model.router_bias={c.router_bias!r}: apply needs the trained bias, '
+                       f"variables {{'params': ..., '{ROUTER_BIAS}': ...}} (the train state's "
+                       f"'{ROUTER_BIAS}', or checkpoint.load_router_bias)")
+    return self.variable(ROUTER_BIAS, 'bias', lambda: {
+        seg: jnp.zeros(shape, jnp.float32) for seg, shape in bias_shapes(c).items()}).value
+
+  def _pass_hidden(self, states_LBTD, x_BTD, coda, final_norm, positions_BT, coda_bias,
+                   embed_VD, gate) -> dict:
+    """Gate training's extras: 'pass_hidden' [L, B, T, D] (the final normed states a token
+    exiting after each pass outputs; the last is `x_BTD`) and 'pass_lambda' [L, B, T]."""
+    n = states_LBTD.shape[0]
+    coda_fn = None if coda is None else (lambda h: coda(
+        h, None, None, jnp.repeat(positions_BT, n - 1, axis=0), coda_bias)[0])
+    return {'pass_hidden': early_exit_lib.pass_outputs(states_LBTD, x_BTD, coda_fn, final_norm),
+            'pass_lambda': early_exit_lib.pass_lambda(
+                early_exit_lib.readout(self, embed_VD, gate, head_matrix), states_LBTD)}
 
   def _check_loops(self, num_loops):
     return check_loops(self.cfg, num_loops)
