@@ -392,6 +392,11 @@ def test_programs_are_built_once_per_configuration():
   assert other_model[0] is first[0] and other_model[1] is not first[1]
   for_tpu = programs(exp.train, exp.model, Runtime.for_platform('tpu'))
   assert for_tpu[1] is not first[1] and for_tpu[2] is not first[2]
+  from loopmoe_jax.train import optimizer  # pylint: disable=import-outside-toplevel
+  optimizer._optimizer.cache_clear()  # pylint: disable=protected-access
+  rebuilt = programs(exp.train, exp.model)  # another optimizer object, equal settings
+  assert rebuilt[0] is not first[0] and rebuilt[0] == first[0]
+  assert rebuilt[1] is first[1] and rebuilt[2] is first[2]  # keyed by settings, not identity
 
 
 def test_profile_steps_trace_exactly_those_steps(tmp_path):

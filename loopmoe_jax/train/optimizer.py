@@ -57,9 +57,36 @@ NOT_OPTIMIZER = ('seed', 'lb_coef', 'z_coef', 'bias_rate', 'log_every', 'eval_ev
                  'init_step', 'microbatches', 'profile_steps')
 
 
+class Optimizer(optax.GradientTransformationExtraArgs):
+  """optax's (init, update) of a TrainConfig, equal to (and hashed like) any other made from
+  the same optimizer settings (`settings`): a program kept under it (train/step.py) is found
+  again whichever object made it."""
+
+  def __eq__(self, other):
+    return isinstance(other, Optimizer) and self.settings == other.settings
+
+  def __hash__(self):
+    return hash(self.settings)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """The learning rate at a step (`make_schedule` of `settings`); equal and hashed by them."""
+  settings: TrainConfig
+
+  def __call__(self, step):
+    return _schedule_fn(self.settings)(step)
+
+
+@functools.lru_cache(maxsize=16)
+def _schedule_fn(cfg: TrainConfig):
+  return make_schedule(cfg)
+
+
 def make_optimizer(cfg: TrainConfig):
-  """(tx, schedule). Equal settings give the same two objects (so the programs built on them,
-  train/step.py, are built once per process)."""
+  """(tx, schedule), compared and hashed by the optimizer settings of `cfg` (every field but
+  NOT_OPTIMIZER's; so the programs built on them, train/step.py, are built once per process
+  for equal settings). Equal settings also give the same two objects while they are cached."""
   defaults = TrainConfig()
   return _optimizer(dataclasses.replace(
       cfg, steps=cfg.total_steps, schedule_steps=0,
@@ -68,8 +95,10 @@ def make_optimizer(cfg: TrainConfig):
 
 @functools.lru_cache(maxsize=16)
 def _optimizer(cfg: TrainConfig):
-  schedule = make_schedule(cfg)
+  schedule = Schedule(cfg)
   adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                       weight_decay=cfg.weight_decay, mask=decay_mask)
   tx = optax.chain(optax.clip_by_global_norm(cfg.clip), adamw) if cfg.clip > 0 else adamw
+  tx = Optimizer(tx.init, tx.update)
+  tx.settings = cfg
   return tx, schedule
