@@ -308,12 +308,13 @@ def _splash(q_BTHK, k_BSGK, v_BSGK, interpret: bool):
   return jnp.moveaxis(out, 1, 2)[:, :t]
 
 
-def _per_shard(fn, q_BTHK, k_BSGK, v_BSGK, kv_heads: int):
+def _per_shard(fn, q_BTHK, k_BSGK, v_BSGK, kv_heads: int, runtime: Runtime):
   """`fn` on each batch shard (heads over `tensor` when it divides the KV heads) inside
-  `jax.shard_map` under a multi-device mesh that is not already manual; else directly."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1 or sharding.is_manual(mesh):
+  `jax.shard_map` when the runtime's mesh splits work (`Runtime.sharded`); else directly."""
+  runtime = runtime.resolved()
+  if not runtime.sharded:
     return fn(q_BTHK, k_BSGK, v_BSGK)
+  mesh = runtime.mesh
   tensor = mesh.shape['tensor']
   heads = 'tensor' if tensor > 1 and kv_heads % tensor == 0 else None
   spec = P(sharding.batch_axes(mesh), None, heads, None)
@@ -330,5 +331,5 @@ def attend_with(impl: str, q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block: in
     return chunked_attend(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block)
   interpret = bool(pallas_kernels.ops.interpret_flag(runtime.interpret, runtime.backend))
   fn = {'cudnn': _cudnn, 'splash': functools.partial(_splash, interpret=interpret)}[impl]
-  out = _per_shard(fn, q_BTHK, k_BSGK, v_BSGK, k_BSGK.shape[2])
+  out = _per_shard(fn, q_BTHK, k_BSGK, v_BSGK, k_BSGK.shape[2], runtime)
   return checkpoint_name(out, 'attention')

@@ -99,7 +99,7 @@ class Layer(nn.Module):
       h, stats = MoE(c, self.num_experts, self.record, self.runtime, name='moe')(u, bias_E)
     else:
       h, stats = DenseMLP(c.expert_width, c.param_dtype, name='mlp')(u), {}
-    return constrain(x_BTD + self.scale * h, ACTIVATION), stats
+    return constrain(x_BTD + self.scale * h, ACTIVATION, self.runtime), stats
 
 
 class Stack(nn.Module):
@@ -170,14 +170,15 @@ class Core(nn.Module):
                  for i in range(c.core_layers)]
       pass_attn = jax.tree.map(lambda w: w[:num_loops], stacked)
     body = remat(Stack, c)
-    kw = dict(cfg=c, num_layers=c.core_layers, num_experts=c.core_experts,
-              scale=residual_scale(c, num_loops), injection=c.injection, decode=self.decode,
-              record=self.record, runtime=self.runtime)
     # the first pass with gradient (0: all of them)
     split = num_loops - backprop_loops if 0 < backprop_loops < num_loops else 0
+    mode = self._mode(split, backprop_loops, readout, states, x_BTD.shape[0])
+    rt = self.runtime.resolved()  # inside core_once's shard_map: each device's share
+    kw = dict(cfg=c, num_layers=c.core_layers, num_experts=c.core_experts,
+              scale=residual_scale(c, num_loops), injection=c.injection, decode=self.decode,
+              record=self.record, runtime=rt.local_view() if mode.endswith('once') else rt)
     args = (x_BTD, pass_attn, x_BTD if c.injection != 'none' else None, positions_BT, bias)
     passes = lambda fn, length=num_loops: scan_passes(fn, length, per_pass)
-    mode = self._mode(split, backprop_loops, readout, states, x_BTD.shape[0])
     if mode == 'early_exit':
       return early_exit_lib.scan_core(passes, body(**kw, name='body'), args, readout)
     if mode == 'pass_states':
@@ -244,10 +245,9 @@ class Core(nn.Module):
     expert widths would need manual collectives) whose batch shards split the sequences,
     training or evaluation (not decoding, routing records, probes or expert masks), params
     already made. Otherwise the loop runs as a plain scan under XLA's partitioning."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return (self.cfg.core_collectives == 'once' and not mesh.empty and mesh.size > 1 and
-            not sharding.is_manual(mesh) and mesh.shape['tensor'] == 1 and
-            batch % sharding.batch_size_of(mesh) == 0 and not self.decode and
+    rt = self.runtime.resolved()
+    return (self.cfg.core_collectives == 'once' and rt.sharded and rt.axis('tensor') == 1 and
+            batch % sharding.batch_size_of(rt.mesh) == 0 and not self.decode and
             not self.record and not self.is_initializing() and
             'routing_mask' not in self.variables and
             not self.is_mutable_collection('intermediates'))

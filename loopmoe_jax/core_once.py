@@ -11,6 +11,8 @@ routing sums are added over the shards here so the aux losses are the global bat
 """
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -48,12 +50,13 @@ def core_once(scanned, params, args):
   axes for the step). The MoE layers route and exchange locally (moe.py) and return their
   routing sums, added here over the shards to give the global batch's aux losses; outputs
   as the plain scan's."""
-  mesh = jax.sharding.get_abstract_mesh()
+  mesh = scanned.runtime.mesh  # its runtime is the local view (Runtime.local_view)
   rows = P(sharding.batch_axes(mesh))
   x_BTD, pass_attn, e_BTD, positions_BT, bias = args
   shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
-  specs, gathers = _gather_specs(jax.eval_shape(
-      lambda *a: scanned.init(jax.random.key(0), *a), *shapes)['params'], mesh)
+  whole = scanned.clone(runtime=dataclasses.replace(scanned.runtime, local=False))
+  specs, gathers = _gather_specs(jax.eval_shape(  # the weights' specs, whole over the mesh
+      lambda *a: whole.init(jax.random.key(0), *a), *shapes)['params'], mesh)
   attn_specs, attn_gathers = None, None
   if pass_attn is not None:  # untied attention: per pass, sharded like any weight
     one_layer = jax.eval_shape(lambda: AttentionWeights(scanned.cfg, stack=scanned.cfg.num_loops)

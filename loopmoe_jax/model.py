@@ -119,8 +119,8 @@ class LoopedMoE(nn.Module):
                      nn.initializers.normal(1.0), DTYPES[c.param_dtype])
     if x_BTD is None:  # the table gathered whole over its width first (an FSDP parameter
       # gather), so each batch shard looks up its own tokens: no activation is gathered
-      x_BTD = jnp.take(constrain(embed_VD, ('vocab', None)), tokens_BT, axis=0)
-    return embed_VD, constrain(x_BTD.astype(DTYPES[c.dtype]), ACTIVATION)
+      x_BTD = jnp.take(constrain(embed_VD, ('vocab', None), self.runtime), tokens_BT, axis=0)
+    return embed_VD, constrain(x_BTD.astype(DTYPES[c.dtype]), ACTIVATION, self.runtime)
 
   def _router_bias(self) -> dict:
     """{segment: bias} of model.router_bias (the variables' ROUTER_BIAS collection; zeros at

@@ -115,6 +115,8 @@ def route_local(logits_TE, cfg: ModelConfig, bias_E=None, runtime: Runtime = HER
   routes its own rows; only the per-shard sums leave the shard, stacked [shards, ...] and
   added outside, which keeps them differentiable without a psum in the shard_map). The
   Pallas routing plan is returned on one device only (expert parallelism makes its own)."""
+  runtime = runtime.resolved()
+
   def one_shard(logits_TE, bias_E):
     experts_Tk, weights_Tk, probs_TE, plan = route_for(
         cfg.dispatch, logits_TE, cfg.top_k, cfg.renormalize, bias_E, cfg.router_score, runtime)
@@ -122,10 +124,9 @@ def route_local(logits_TE, cfg: ModelConfig, bias_E=None, runtime: Runtime = HER
       probs_TE = probs_TE / jnp.sum(probs_TE, axis=-1, keepdims=True)
     return experts_Tk, weights_Tk, routing_sums(experts_Tk, probs_TE, logits_TE), plan
 
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1 or sharding.is_manual(mesh):  # already local
+  if not runtime.sharded:  # one device, or already local
     return one_shard(logits_TE, bias_E)
-  rows = P(sharding.batch_axes(mesh))
+  rows = P(sharding.batch_axes(runtime.mesh))
   stacked = {k: rows for k in SUM_KEYS}
   body = lambda l, b: (lambda e, w, s, _: (e, w, jax.tree.map(lambda v: v[None], s)))(
       *one_shard(l, b))
@@ -150,9 +151,9 @@ class MoE(nn.Module):
     c, dt = self.cfg, DTYPES[self.cfg.param_dtype]
     b, t, d = x_BTD.shape
     e, f = self.num_experts, c.expert_width
-    mesh = jax.sharding.get_abstract_mesh()
+    rt = self.runtime.resolved()
     # inside the core's shard_map (core.Core) a device holds its E/n experts
-    e_here = e // mesh.shape['expert'] if sharding.is_manual(mesh) else e
+    e_here = e // rt.axis('expert') if rt.local else e
     router_DE = param(self, 'router', (d, e), ('embed', 'experts'), fan_in_init([0], [1]), dt)
     experts = {
         'gate': param(self, 'gate', (e_here, d, f), ('experts', 'embed', 'mlp'),
@@ -172,27 +173,26 @@ class MoE(nn.Module):
         logits_TE = logits_TE + mask_E
         bias_E = mask_E if bias_E is None else bias_E + mask_E
       logits_TE = checkpoint_name(logits_TE, 'router')
-      experts_Tk, weights_Tk, sums, plan = route_local(logits_TE, c, bias_E, self.runtime)
+      experts_Tk, weights_Tk, sums, plan = route_local(logits_TE, c, bias_E, rt)
     lb, zl = losses_from_sums(sums, c.top_k)
     stats = {'load_balance': lb, 'z_loss': zl, 'load': sums['load']}
-    if sharding.is_manual(mesh):  # inside the core's shard_map: the shard's sums, which the
+    if rt.local:  # inside the core's shard_map: the shard's sums, which the
       stats['sums'] = sums        # core adds over the shards (the losses above are local)
     if self.record:
       stats['experts'] = experts_Tk.reshape(b, t, -1)
       stats['logits'] = logits_TE.reshape(b, t, -1)
     params = {k: v.astype(x_BTD.dtype) for k, v in experts.items()}
-    if sharding.is_manual(mesh):  # inside the core's shard_map: this device's rows and experts
+    if rt.local:  # inside the core's shard_map: this device's rows and experts
       y_TD, stats['dropped'] = expert_parallel.local_dispatch(x_TD, experts_Tk, weights_Tk,
-                                                              params, c, mesh, e,
-                                                              self.runtime)
-    elif not mesh.empty and mesh.size > 1:  # under a device mesh: expert parallelism
+                                                              params, c, rt.mesh, e, rt)
+    elif rt.sharded:  # under a device mesh: expert parallelism
       y_TD, stats['dropped'] = expert_parallel.moe_dispatch(x_TD, experts_Tk, weights_Tk,
-                                                            params, c, mesh, self.runtime)
+                                                            params, c, rt.mesh, rt)
     else:
       weights_Tk, _, stats['dropped'] = expert_parallel.apply_capacity(
           experts_Tk, weights_Tk, e, c.capacity_factor)
       y_TD = dispatch(x_TD, experts_Tk, weights_Tk, params, c.dispatch, c.dispatch_tile, plan,
-                      c.ffn_block_rows, self.runtime)
+                      c.ffn_block_rows, rt)
     y_BTD = checkpoint_name(y_TD, 'expert_out').reshape(b, t, d)
     if c.num_shared_experts:
       y_BTD = y_BTD + DenseMLP(c.num_shared_experts * c.shared_width, c.param_dtype,

@@ -3,11 +3,15 @@
     model = LoopedMoE(cfg, runtime=Runtime.for_platform('tpu'))   # a program for a TPU
 
 A `Runtime` names the platform a program is built for and how its Pallas kernels are built
-(compiled or interpreted, their family and tiles). Every module and function whose program
+(compiled or interpreted, their family and tiles), and the device mesh the program runs
+under (`mesh`; `local` inside a shard_map over all of it, where every value is one device's). Every module and function whose program
 depends on it takes it as an argument (`LoopedMoE.runtime`, down to `dispatch.dispatch` and
 `pallas_kernels.gmm`); nothing reads it from module globals, so a program kept for reuse keys
 on the model that carries it (train/step.py). `Runtime()` is this machine: the platform
-`jax.default_backend()`, kernels interpreted on a CPU, compiled elsewhere.
+`jax.default_backend()`, kernels interpreted on a CPU, compiled elsewhere, and the mesh of
+`jax.set_mesh` when the program is traced: `resolved()` is the one place that reads it, and
+every module that splits work over the mesh (the MoE layer, attention's fused kernels, the
+core's collectives) takes its decision from the resolved runtime.
 
 Building for another platform (`for_platform('tpu')` on this CPU) gives the programs that
 platform runs: its dispatch backend, attention implementation, exchange, and Pallas kernels
@@ -49,11 +53,17 @@ class Runtime:
     'mgpu_ws'); None: the platform's (pallas_kernels.ops.families).
   kernel_tiles: per-op overrides of the kernels' tiles as `pallas_kernels.gmm`'s `tiles`
     ({'gmm': {'family': ..., 'tile_m': ...}, 'tgmm': {...}}), kept as sorted tuples (`with_tiles`).
+  mesh: the device mesh (a jax AbstractMesh) programs run under; None: the one `jax.set_mesh`
+    sets when they are traced (`resolved`), or one device.
+  local: inside a shard_map over every mesh axis (the looped core's, core_once.py): rows,
+    experts and statistics are this device's, and nothing more is split.
   """
   platform: str | None = None
   interpret: bool | None = None
   kernel_family: str | None = None
   kernel_tiles: tuple = ()
+  mesh: Any = None
+  local: bool = False
 
   def __post_init__(self):
     if self.platform is not None:
@@ -77,6 +87,30 @@ class Runtime:
     a ValueError naming the key and the platform, before anything is traced or compiled."""
     from loopmoe_jax.attention_impls import resolve  # pylint: disable=import-outside-toplevel
     resolve(mc.attention_impl, mc.dtype, self.backend, mc.head_size)
+
+  def resolved(self) -> 'Runtime':
+    """This runtime with its mesh: the one given, else the mesh of `jax.set_mesh` in force
+    (None for none or one device; inside a shard_map over all of it, `local`). The one place
+    the ambient mesh is read; idempotent."""
+    if self.mesh is not None:
+      return self
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+      return self
+    return dataclasses.replace(self, mesh=mesh, local=self.local or mesh.are_all_axes_manual)
+
+  def local_view(self) -> 'Runtime':
+    """The runtime of a body run inside a shard_map over the whole mesh (core_once)."""
+    return dataclasses.replace(self.resolved(), local=True)
+
+  @property
+  def sharded(self) -> bool:
+    """Work splits over a multi-device mesh here (a resolved runtime, not `local`)."""
+    return self.mesh is not None and self.mesh.size > 1 and not self.local
+
+  def axis(self, name: str) -> int:
+    """The size of mesh axis `name` (1 without a mesh)."""
+    return 1 if self.mesh is None else int(self.mesh.shape.get(name, 1))
 
   @property
   def backend(self) -> str:

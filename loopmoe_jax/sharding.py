@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from loopmoe_jax.config.mesh import AXES, MeshConfig
 from loopmoe_jax.layers import LOGICAL_AXES
+from loopmoe_jax.runtime import HERE, Runtime
 
 BATCH_AXES = ('dcn_data', 'data', 'fsdp', 'expert')
 
@@ -130,11 +131,6 @@ def spec(names: Sequence[str | None], mesh_axes: Sequence[str] = AXES) -> P:
   return P(*(_entry(axes) for axes in _rule_axes(names, mesh_axes)))
 
 
-def is_manual(mesh) -> bool:
-  """True inside a `jax.shard_map` over every axis of the mesh (all names are local)."""
-  return not mesh.empty and mesh.are_all_axes_manual
-
-
 def batch_axes(mesh) -> tuple[str, ...]:
   """The batch axes present on `mesh` (the row split of tokens)."""
   return tuple(a for a in BATCH_AXES if a in mesh.axis_names)
@@ -172,14 +168,14 @@ def check_batch(batch_size: int, microbatches: int, mesh):
                      'the mesh')
 
 
-def constrain(x, names: Sequence[str | None]):
-  """with_sharding_constraint by logical names under the mesh set by `jax.set_mesh`; a no-op
-  without one (one device, decoding, tests of the model alone) and inside a shard_map over
-  the whole mesh (the looped core's, core.Core)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1 or is_manual(mesh):
+def constrain(x, names: Sequence[str | None], runtime: Runtime = HERE):
+  """with_sharding_constraint by logical names on the runtime's mesh (Runtime.resolved: the
+  one given, or that of `jax.set_mesh`); a no-op without one (one device, decoding, tests of
+  the model alone) and inside a shard_map over the whole mesh (the looped core's, core.Core)."""
+  rt = runtime.resolved()
+  if not rt.sharded:
     return x
-  return jax.lax.with_sharding_constraint(x, spec(names, mesh.axis_names))
+  return jax.lax.with_sharding_constraint(x, spec(names, rt.mesh.axis_names))
 
 
 # Train-state shardings ---------------------------------------------------------------------

@@ -23,7 +23,6 @@ import uuid
 
 _PACKAGES = {'gs': 'gcsfs', 'gcs': 'gcsfs', 's3': 's3fs', 'az': 'adlfs', 'abfs': 'adlfs',
              'hf': 'huggingface_hub'}
-_configured = False
 
 
 def is_url(path) -> bool:
@@ -33,16 +32,14 @@ def is_url(path) -> bool:
 def _fs(url: str):
   """(fsspec filesystem, path inside it) of a URL; a scheme without its library names the
   pip package; gcsfs's listing cache off (Orbax and tensorstore write the same buckets)."""
-  global _configured  # pylint: disable=global-statement
   scheme = url.split('://', 1)[0]
   try:
     import fsspec  # pylint: disable=import-outside-toplevel
-    if not _configured:
-      for proto in ('gs', 'gcs'):
-        fsspec.config.conf.setdefault(proto, {})['use_listings_cache'] = False
+    options = {}
+    if scheme in ('gs', 'gcs'):
+      options['use_listings_cache'] = False
       logging.getLogger('gcsfs').setLevel(logging.ERROR)  # "could not determine bucket type"
-      _configured = True
-    return fsspec.core.url_to_fs(url)
+    return fsspec.core.url_to_fs(url, **options)
   except ImportError as e:
     package = _PACKAGES.get(scheme, 'fsspec')
     raise ValueError(f'{url}: {scheme}:// paths need the {package} package (pip install '

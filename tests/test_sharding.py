@@ -723,3 +723,39 @@ def test_dcn_data_matching_neither_slices_nor_processes_is_an_error():
   with pytest.raises(ValueError, match=r'mesh\.dcn_data=2 matches neither the TPU slices \(1\) '
                                        r'nor the processes \(1\)'):
     sharding.make_mesh(sharding.MeshConfig(dcn_data=2, data=-1))
+
+
+def test_the_runtime_reads_the_mesh_in_one_place():
+  """Runtime.resolved: no mesh (or one device) leaves it unsharded; under `jax.set_mesh` it
+  takes that mesh and splits work; inside a shard_map over every axis it is `local` (nothing
+  more split); a runtime given its mesh keeps it whatever the ambient one. The MoE layer takes
+  its branch from it: expert-parallel under the mesh, given or not (its outputs those of one
+  device; the local branch is core_once's, tested with the sharded training)."""
+  from loopmoe_jax.moe import MoE  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.runtime import Runtime  # pylint: disable=import-outside-toplevel
+  mesh = sharding.make_mesh(MESHES['data2_expert4'])
+  assert Runtime().resolved().mesh is None and not Runtime().resolved().sharded
+  assert not Runtime(mesh=sharding.make_mesh(MeshConfig(data=1), jax.devices()[:1])
+                     .abstract_mesh).sharded
+  seen = {}
+
+  def inside(x):
+    seen['local'] = Runtime().resolved()
+    return x
+  with jax.set_mesh(mesh):
+    rt = Runtime().resolved()
+    assert rt.sharded and rt.mesh == mesh.abstract_mesh and rt.axis('expert') == 4
+    jax.shard_map(inside, in_specs=P(), out_specs=P())(jnp.zeros(()))
+  assert seen['local'].local and not seen['local'].sharded and seen['local'].axis('expert') == 4
+  given = Runtime(mesh=mesh.abstract_mesh)
+  assert given.resolved() is given and given.local_view().local
+  cfg = ModelConfig(d_model=32, expert_width=16, core_experts=8, top_k=2, dispatch='xla')
+  x = jax.random.normal(jax.random.key(1), (8, 4, 32))
+  layer = MoE(cfg, 8)
+  params = layer.init(jax.random.key(0), x)
+  y_one, _ = layer.apply(params, x)
+  with jax.set_mesh(mesh):  # implicit and given runtimes: the expert-parallel branch
+    for model in (layer, MoE(cfg, 8, runtime=given)):
+      text = jax.jit(model.apply).lower(params, x).as_text()
+      assert 'all_to_all' in text  # the exchange, not one device's dispatch
+      np.testing.assert_allclose(jax.jit(model.apply)(params, x)[0], y_one, rtol=2e-5, atol=2e-5)

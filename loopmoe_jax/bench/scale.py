@@ -62,8 +62,7 @@ def _layer_inputs(tokens, d, f, experts, k, dtype):
 
 def _exchange(cfg, mesh, args, platform=None):
   runtime = Runtime.for_platform(platform) if platform else HERE
-  fn = jax.jit(lambda *a: expert_parallel.moe_dispatch(*a, cfg, jax.sharding.get_abstract_mesh(),
-                                                       runtime))
+  fn = jax.jit(lambda *a: expert_parallel.moe_dispatch(*a, cfg, mesh.abstract_mesh, runtime))
   shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
   with jax.set_mesh(mesh):
     traced = fn.trace(*shapes)

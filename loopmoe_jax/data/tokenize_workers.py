@@ -43,16 +43,15 @@ class _Tokenize:
     return first, lengths, np.concatenate(pieces).astype(self.dtype)
 
 
-_WORKER: _Tokenize | None = None
+_WORKER: dict[str, _Tokenize] = {}  # this worker process's tokenizer, set by its initializer
 
 
 def _init_worker(tokenizer: str, field: str):
-  global _WORKER
   os.environ['TOKENIZERS_PARALLELISM'] = 'false'  # one core per worker
   parent = multiprocessing.parent_process()
   if parent is not None:  # exit with the preparing process, even when it is killed
     threading.Thread(target=_exit_with, args=(parent.sentinel,), daemon=True).start()
-  _WORKER = _Tokenize(tokenizer, field)
+  _WORKER['tokenize'] = _Tokenize(tokenizer, field)
 
 
 def _exit_with(sentinel):
@@ -61,7 +60,7 @@ def _exit_with(sentinel):
 
 
 def _run_chunk(chunk):
-  return _WORKER(chunk)
+  return _WORKER['tokenize'](chunk)
 
 
 @contextlib.contextmanager

@@ -202,12 +202,11 @@ def split_microbatches(batch, microbatches: int):
   return jax.tree.map(one, batch)
 
 
-def replays(cfg) -> bool:
-  """Whether a train step under the current mesh replays an overflowing exchange
+def replays(model) -> bool:
+  """Whether a train step of `model` on its runtime's mesh replays an overflowing exchange
   (model.exchange_overflow='replay' with expert parallelism)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  return (cfg.exchange_overflow == 'replay' and not mesh.empty
-          and mesh.shape.get('expert', 1) > 1)
+  rt = model.runtime.resolved()
+  return model.cfg.exchange_overflow == 'replay' and rt.sharded and rt.axis('expert') > 1
 
 
 def dropless(model, remat: str = 'full'):
@@ -220,7 +219,7 @@ def dropless(model, remat: str = 'full'):
 
 
 def with_replay(value_and_grad, model):
-  """`value_and_grad(params, model, batch)` that, when `replays(model.cfg)`, reruns a batch
+  """`value_and_grad(params, model, batch)` that, when `replays(model)`, reruns a batch
   whose bounded exchange buffers (model.exchange_buffer_factor) dropped a row with
   `dropless(model)`, inside the same program (a `lax.cond` on the step's global drop count:
   every device takes the same branch). The step's memory is the larger of the two programs',
@@ -228,7 +227,7 @@ def with_replay(value_and_grad, model):
   chunks, run.expert_block_rows, so its buffers are a chunk's); a replayed batch costs one
   more forward and backward, with full's recompute. metrics['replayed'] counts the replayed
   (micro)batches; 'dropped' is then 0."""
-  if not replays(model.cfg):
+  if not replays(model):
     return value_and_grad
   fallback = dropless(model)
 
