@@ -61,7 +61,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loopmoe_jax import accounting, aot, dispatch, sharding
+from loopmoe_jax import aot, dispatch, sharding
 from loopmoe_jax.hlo import collective_bytes, collectives, dot_flops
 from loopmoe_jax.config import RUN_FIELDS
 from loopmoe_jax.experiment import build

@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import pallas_kernels
 from helpers import tiny
 from loopmoe_jax import aot, hlo, sharding, targets
 from loopmoe_jax.config.mesh import MeshConfig
