@@ -37,6 +37,11 @@ Nothing is run: shapes are abstract, so full sizes compile on a laptop.
   none / full over MaxText's for the same executed shape with its remat_policy none / full
   (MAXTEXT_TEMP_BYTES: docs/maxtext_reference.md, which also says why only `full` compares
   like with like: MaxText recomputes every layer under both). Absent with --quick.
+  tpu_temp_over_maxtext.none_bounded: the same `none` step (no layer recomputed) with the
+  expert exchange's buffers bounded at the balanced share and replay (BOUNDED_NONE:
+  model.exchange_buffer_factor=1, exchange_overflow='replay', so a step that drops a row
+  reruns dropless under `full` inside the same program and the losses are the dropless ones)
+  and the chunked attention, over MaxText's `none`.
 - step_chunked_over_xla: train-step time of the README's main job (configs/default.py, 16 x 128
   tokens) with attention `chunked` over `xla`, timed interleaved (informative).
 
@@ -118,6 +123,9 @@ REAL_POLICIES = ('none', 'attention', 'pass_input', 'full')
 # MaxText's temporaries per chip, Foil-2's executed shape on v5p-128, by its remat_policy
 # (measured reference: docs/maxtext_reference.md)
 MAXTEXT_TEMP_BYTES = {'none': 12.2 * 2**30, 'full': 3.46 * 2**30}
+# Foil-2's `none` step with no worst-case exchange buffer kept (see the module docstring)
+BOUNDED_NONE = {'run.remat': 'none', 'model.exchange_buffer_factor': 1.0,
+                'model.exchange_overflow': 'replay', 'run.attention_impl': 'chunked'}
 REAL_SHAPES = {  # platform -> (target, quick target, mesh, global batch)
     'tpu': ('v5p-128', 'v5p:2x2x1', dict(data=1, fsdp=8, expert=8), 128),
     'cuda': ('h200x8', 'h100x8', dict(data=1, expert=8), 96)}
@@ -159,6 +167,10 @@ def real_compiler_rows(quick: bool) -> dict[str, Any]:
       if not quick:
         for p, ref in MAXTEXT_TEMP_BYTES.items():
           res[f'tpu_temp_over_maxtext.{p}'] = rows[p]['temp_bytes_per_device'] / ref
+        bounded = aot.candidate(cfg, target, BOUNDED_NONE)
+        res['tpu_temp_bytes.none_bounded'] = bounded['temp_bytes_per_device']
+        res['tpu_temp_over_maxtext.none_bounded'] = (bounded['temp_bytes_per_device'] /
+                                                     MAXTEXT_TEMP_BYTES['none'])
   return res
 
 
