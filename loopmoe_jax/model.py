@@ -160,14 +160,14 @@ class LoopedMoE(nn.Module):
     return jnp.broadcast_to(base, (batch, length))
 
 
-def head_matrix(c: ModelConfig, params, dtype=None):
+def head_matrix(c: ModelConfig, params, dtype=None, runtime: Runtime = HERE):
   """The output head [D, V] from the model's params (their 'embed' and 'head'), in `dtype`
   (default the compute dtype): the untied 'head', or the tied embedding table transposed over
   sqrt(d_model) (gathered whole over its width first, the same parameter gather as the
   lookup)."""
   dt = dtype or DTYPES[c.dtype]
   if c.tie_embeddings:
-    table_VD = constrain(params['embed'], ('vocab', None))
+    table_VD = constrain(params['embed'], ('vocab', None), runtime)
     return table_VD.T.astype(dt) / jnp.sqrt(c.d_model).astype(dt)
   return params['head'].astype(dt)
 

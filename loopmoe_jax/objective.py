@@ -183,18 +183,19 @@ def token_nll(params, model, batch, num_loops: int | None = None, router_bias=No
   h_BTD, extras = model.apply(variables(params, router_bias=router_bias), batch['inputs'],
                               num_loops=num_loops, return_hidden=True,
                               backprop_loops=backprop_loops)
-  head_DV = _head(c, params)
+  head_DV = _head(model, params)
   total, count = head_nll(h_BTD, head_DV, batch['targets'], batch.get('mask'),
                           c.loss_chunk, remat=c.remat != 'none')
   return total, count, extras
 
 
-def _head(c, params):
+def _head(model, params):
   """The head [D, V] as the loss applies it: in the parameters' dtype (the chunked loss casts
   chunk by chunk, and its head gradient stays in that dtype), gathered whole over its width
-  (a parameter gather: the hidden states stay where they are)."""
-  head_DV = head_matrix(c, variables(params)['params'], DTYPES[c.param_dtype])
-  return sharding.constrain(head_DV, (None, 'vocab'))
+  on the model's mesh (a parameter gather: the hidden states stay where they are)."""
+  c = model.cfg
+  head_DV = head_matrix(c, variables(params)['params'], DTYPES[c.param_dtype], model.runtime)
+  return sharding.constrain(head_DV, (None, 'vocab'), model.runtime)
 
 
 def gate_lm_loss(params, model, batch, num_loops: int | None = None, router_bias=None,
@@ -212,7 +213,7 @@ def gate_lm_loss(params, model, batch, num_loops: int | None = None, router_bias
                           num_loops=num_loops, return_hidden=True, pass_outputs=True,
                           backprop_loops=backprop_loops)  # > 0 is refused (core.Core)
   h_LBTD, lam_LBT = extras.pop('pass_hidden'), extras.pop('pass_lambda')
-  head_DV = _head(c, params)
+  head_DV = _head(model, params)
   nll_LBT = jax.lax.map(lambda h_BTD: head_token_nll(h_BTD, head_DV, batch['targets'],
                                                      c.loss_chunk, remat=c.remat != 'none'),
                         h_LBTD)
