@@ -78,7 +78,7 @@ class LoopedMoE(nn.Module):
     core x num_loops (`core_args`: backprop_loops, readout, pass_outputs) and coda."""
     c = self.cfg
     per_visit: dict[str, Any] = {}
-    seg_kw = dict(decode=self.decode, record=return_routing, runtime=self.runtime)
+    seg_kw = dict(decode=self.decode, record=return_routing, runtime=self.runtime.resolved())
     stack = remat(Stack, c)  # prelude and coda, rematerialised like the core's passes
     if c.prelude_layers:
       x_BTD, per_visit['prelude'] = stack(c, c.prelude_layers, c.prelude_experts, **seg_kw,

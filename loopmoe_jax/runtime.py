@@ -25,14 +25,15 @@ from typing import Any, Mapping
 
 import jax
 
+from pallas_kernels.ops import platform_of
+
 PLATFORMS = ('cpu', 'gpu', 'tpu')
-_ALIASES = {'cuda': 'gpu', 'rocm': 'gpu'}
 
 
 def platform_name(name: str) -> str:
-  """'cpu', 'gpu' or 'tpu' for a platform or a jax backend name ('cuda' and 'rocm' are 'gpu');
-  anything else is a ValueError naming it."""
-  out = _ALIASES.get(name, name)
+  """'cpu', 'gpu' or 'tpu' for a platform or a jax backend name ('cuda' and 'rocm' are 'gpu',
+  pallas_kernels.ops.platform_of); anything else is a ValueError naming it."""
+  out = platform_of(name)
   if out not in PLATFORMS:
     raise ValueError(f'platform {name!r}: must be one of {list(PLATFORMS)} (or cuda, rocm)')
   return out
