@@ -108,10 +108,13 @@ def param_count(params) -> int:
   return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
 
 
-def init_param_count(c: ModelConfig) -> int:
-  """Counts the real model's parameters via jax.eval_shape of init (no memory used)."""
+def init_param_count(c: ModelConfig, runtime=None) -> int:
+  """Counts the real model's parameters via jax.eval_shape of init (no memory used), under
+  `runtime` (runtime.Runtime; default this machine's) whose run settings change no parameter."""
   import jax.numpy as jnp
   from loopmoe_jax.model import LoopedMoE, for_init
+  from loopmoe_jax.runtime import HERE
   tokens = jax.ShapeDtypeStruct((1, 4), jnp.int32)
-  shapes = jax.eval_shape(lambda t: for_init(LoopedMoE(c)).init(jax.random.key(0), t), tokens)
+  model = for_init(LoopedMoE(c, runtime=runtime or HERE))
+  shapes = jax.eval_shape(lambda t: model.init(jax.random.key(0), t), tokens)
   return param_count(shapes['params'])

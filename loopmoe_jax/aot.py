@@ -212,7 +212,7 @@ def target_report(cfg_dict, target: targets.Target, preset: str = 'pod',
       'compiled_flops_per_step_per_device': summary['flops'],
       'compiled_flops_over_analytic': (round(summary['flops'] / analytic_f, 4)
                                        if summary['flops'] else None),
-      'remat': exp.model.remat, 'attention_impl': exp.model.attention_impl,
+      'remat': exp.run.remat, 'attention_impl': exp.run.attention_impl,
       'collective_bytes_per_step': coll_bytes,
       'collective_bytes_program': f'{target.platform}, compiled and scheduled',
       'act_allgather_bytes_per_step': kinds['act_allgather'],
@@ -241,7 +241,7 @@ def advice(exp, mesh, over: int) -> str:
   """What does not fit, by how much, and the setting the fit finder changes first."""
   from loopmoe_jax import sharding  # pylint: disable=import-outside-toplevel
   per_shard = exp.data.batch_size // sharding.batch_size_of(mesh)
-  first = ('run.remat (attention, pass_input or full)' if exp.model.remat == 'none' else
+  first = ('run.remat (attention, pass_input or full)' if exp.run.remat == 'none' else
            'train.microbatches' if exp.train.microbatches < per_shard else
            'data.batch_size or the mesh')
   return (f'does not fit: {over / 2**30:,.2f} GiB over the device memory; '

@@ -91,13 +91,13 @@ class Attention(nn.Module):
       out_BTHK, sink_BH = attend(q_BTHK, k_BSGK, v_BSGK, positions_BT, k_pos_BS, sink=True)
       for name, val in (('q', q_BTHK), ('k', k_BSGK), ('v', v_BSGK), ('sink', sink_BH)):
         self.sow('intermediates', name, val.astype(jnp.float32))
-    elif self.decode or (impl := resolve(c.attention_impl, c.dtype, self.runtime.backend,
+    elif self.decode or (impl := resolve(self.runtime.run.attention_impl, c.dtype, self.runtime.backend,
                                          c.head_size)) == 'xla':
       out_BTHK = checkpoint_name(attend(q_BTHK, k_BSGK, v_BSGK, positions_BT, k_pos_BS),
                                  'attention')
     else:
       out_BTHK = attend_with(impl, q_BTHK, k_BSGK, v_BSGK, positions_BT, k_pos_BS,
-                             c.attention_block, self.runtime)
+                             self.runtime.run.attention_block, self.runtime)
     return jnp.einsum('bthk,hkd->btd', out_BTHK, w['o'].astype(dt))
 
 

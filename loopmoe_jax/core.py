@@ -69,11 +69,11 @@ REMAT = {
 }
 
 
-def remat(module_cls, c: ModelConfig):
-  """`module_cls` rematerialised under run.remat (unchanged with 'none')."""
-  if c.remat == 'none':
+def remat(module_cls, policy: str):
+  """`module_cls` rematerialised under `policy` (run.remat; unchanged with 'none')."""
+  if policy == 'none':
     return module_cls
-  return nn.remat(module_cls, policy=REMAT[c.remat], prevent_cse=False)
+  return nn.remat(module_cls, policy=REMAT[policy], prevent_cse=False)
 
 
 class Layer(nn.Module):
@@ -169,7 +169,7 @@ class Core(nn.Module):
       stacked = [AttentionWeights(c, stack=c.num_loops, name=f'pass_attn_{i}')()
                  for i in range(c.core_layers)]
       pass_attn = jax.tree.map(lambda w: w[:num_loops], stacked)
-    body = remat(Stack, c)
+    body = remat(Stack, self.runtime.run.remat)
     # the first pass with gradient (0: all of them)
     split = num_loops - backprop_loops if 0 < backprop_loops < num_loops else 0
     mode = self._mode(split, backprop_loops, readout, states, x_BTD.shape[0])
@@ -212,7 +212,7 @@ class Core(nn.Module):
         raise ValueError(f'backprop_loops={backprop_loops}: gate training (model.exit=\'gate\') '
                          'backpropagates through every pass (backprop_loops=0) and does not decode')
       return 'pass_states'
-    if self.cfg.loop_impl == 'unroll' and not self.decode:
+    if self.runtime.run.loop_impl == 'unroll' and not self.decode:
       return 'unroll'
     once = self._collectives_once(batch)
     if split and not self.is_initializing():
@@ -246,7 +246,7 @@ class Core(nn.Module):
     training or evaluation (not decoding, routing records, probes or expert masks), params
     already made. Otherwise the loop runs as a plain scan under XLA's partitioning."""
     rt = self.runtime.resolved()
-    return (self.cfg.core_collectives == 'once' and rt.sharded and rt.axis('tensor') == 1 and
+    return (rt.run.core_collectives == 'once' and rt.sharded and rt.axis('tensor') == 1 and
             batch % sharding.batch_size_of(rt.mesh) == 0 and not self.decode and
             not self.record and not self.is_initializing() and
             'routing_mask' not in self.variables and

@@ -57,6 +57,7 @@ from loopmoe_jax import exit as early_exit_lib
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.model import LoopedMoE, check_loops, for_init, variables
 from loopmoe_jax.objective import token_nll_of_logits
+from loopmoe_jax.runtime import HERE, Runtime
 
 CORE = 'core'  # the cache's subtree that the core's scan stacks per pass (core.PER_PASS)
 
@@ -127,9 +128,10 @@ def cache_length(cache) -> int:
 
 
 def decode_step(cfg: ModelConfig, params, cache, tokens_BT, num_loops: int | None = None,
-                router_bias=None):
+                router_bias=None, runtime: Runtime = HERE):
   """Feeds a chunk of tokens (a prompt, or one token) and returns (logits_BTV, new cache).
-  `router_bias`: the trained router bias (model.router_bias other than 'none'). The cache is
+  `router_bias`: the trained router bias (model.router_bias other than 'none'); `runtime`:
+  the model's (its run settings: the dispatch backend, ...; runtime.py). The cache is
   in model.kv_cache's layout (init_cache's; what each pass attends to: the module docstring).
 
   Writing past the cache's length raises when the position is concrete; under jit the
@@ -151,7 +153,7 @@ def decode_step(cfg: ModelConfig, params, cache, tokens_BT, num_loops: int | Non
     cache = _with_core(cache, lambda x: jnp.broadcast_to(x, (passes,) + x.shape))
   cache = dict(cache)
   counts = cache.pop(EXIT, None)
-  (logits, extras), mutated = LoopedMoE(cfg, decode=True).apply(
+  (logits, extras), mutated = LoopedMoE(cfg, decode=True, runtime=runtime).apply(
       variables(params, cache=cache, router_bias=router_bias), tokens_BT, num_loops=num_loops,
       mutable=['cache'])
   cache = dict(mutated['cache'])
@@ -185,9 +187,10 @@ def sample(logits_BV, key, temperature: float):
   return jax.random.categorical(key, logits_BV / temperature, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=('cfg', 'steps', 'temperature', 'num_loops'))
+@functools.partial(jax.jit, static_argnames=('cfg', 'steps', 'temperature', 'num_loops',
+                                             'runtime'))
 def generate(cfg: ModelConfig, params, prompt_BT, steps: int, key, temperature: float = 0.0,
-             num_loops: int | None = None, router_bias=None):
+             num_loops: int | None = None, router_bias=None, runtime: Runtime = HERE):
   """Greedy (temperature 0) or sampled continuation; returns [B, P + steps] tokens."""
   if steps < 1:
     raise ValueError(f'steps={steps}: must be >= 1')
@@ -195,12 +198,13 @@ def generate(cfg: ModelConfig, params, prompt_BT, steps: int, key, temperature: 
     raise ValueError('prompt tokens must be integer ids')
   batch, plen = prompt_BT.shape
   cache = init_cache(cfg, batch, plen + steps, num_loops)
-  logits, cache = decode_step(cfg, params, cache, prompt_BT, num_loops, router_bias)
+  logits, cache = decode_step(cfg, params, cache, prompt_BT, num_loops, router_bias, runtime)
   first = sample(logits[:, -1], jax.random.fold_in(key, 0), temperature)
 
   def body(carry, i):
     cache, tok = carry
-    logits, cache = decode_step(cfg, params, cache, tok[:, None], num_loops, router_bias)
+    logits, cache = decode_step(cfg, params, cache, tok[:, None], num_loops, router_bias,
+                                runtime)
     nxt = sample(logits[:, -1], jax.random.fold_in(key, i), temperature)
     return (cache, nxt), tok
 
@@ -209,9 +213,9 @@ def generate(cfg: ModelConfig, params, prompt_BT, steps: int, key, temperature: 
   return jnp.concatenate([prompt_BT.astype(jnp.int32), new], axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=('cfg', 'num_loops', 'prefill'))
+@functools.partial(jax.jit, static_argnames=('cfg', 'num_loops', 'prefill', 'runtime'))
 def decode_nll(cfg: ModelConfig, params, inputs_BT, targets_BT, num_loops: int | None = None,
-               router_bias=None, prefill: int = 1):
+               router_bias=None, prefill: int = 1, runtime: Runtime = HERE):
   """Per-token negative log-likelihood [B, T] (float32, nats) of `targets_BT` when `inputs_BT`
   is fed through decode_step: its first `prefill` tokens as one chunk, then one token a step
   (teacher forcing). Under model.kv_cache='per_pass' this is the full forward's NLL; under a
@@ -222,10 +226,11 @@ def decode_nll(cfg: ModelConfig, params, inputs_BT, targets_BT, num_loops: int |
     raise ValueError(f'prefill={prefill}: must lie in [1, {length}] (the tokens given)')
   cache = init_cache(cfg, batch, length, num_loops)
   first_BPV, cache = decode_step(cfg, params, cache, inputs_BT[:, :prefill], num_loops,
-                                 router_bias)
+                                 router_bias, runtime)
 
   def body(cache, tok_B):
-    logits_B1V, cache = decode_step(cfg, params, cache, tok_B[:, None], num_loops, router_bias)
+    logits_B1V, cache = decode_step(cfg, params, cache, tok_B[:, None], num_loops, router_bias,
+                                    runtime)
     return cache, logits_B1V[:, 0]
 
   _, rest_TBV = jax.lax.scan(body, cache, inputs_BT[:, prefill:].T)

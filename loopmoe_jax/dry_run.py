@@ -170,6 +170,7 @@ def train_step_program(cfg_dict, devices=None, runtime: Runtime = HERE):
   exp = build(cfg_dict)
   mesh = sharding.make_mesh(exp.mesh, devices)
   sharding.check_batch(exp.data.batch_size, exp.train.microbatches, mesh)
+  runtime = exp.runtime(runtime)
   runtime.check(exp.model)
   model = LoopedMoE(exp.model, runtime=runtime)
   tx, schedule = make_optimizer(exp.train)
@@ -220,18 +221,18 @@ def _with_model(cfg_dict, **fields):
 EXCHANGE_SAVED = ('none', 'pass_input', 'attention', 'named')
 
 
-def exchange_forwards(mc, n: int, tokens: int, num_experts: int, last: bool = False) -> int:
+def exchange_forwards(mc, run, n: int, tokens: int, num_experts: int, last: bool = False) -> int:
   """R, the forward exchanges of one MoE visit (module docstring) for `tokens` per device and
-  call: 1 where the backward keeps the exchanged rows, 2 where the layer's recompute repeats
+  call (the architecture `mc`, the run settings `run`): 1 where the backward keeps the exchanged rows, 2 where the layer's recompute repeats
   them. With token chunks (dispatch.token_chunks > 1) each chunk reruns its exchange in its own
   backward: under full on top of the stack's recompute (3), except for the stack's `last`
   layer, whose expert output nothing in the stack's backward reads (2); under pass_input and
   attention, which keep the expert output, the stack's recompute runs no MoE forward (2)."""
   chunked = (not mc.capacity_factor and not mc.exchange_buffer_factor and
-             dispatch.token_chunks(tokens, mc.top_k, num_experts, n, mc.ffn_block_rows) > 1)
+             dispatch.token_chunks(tokens, mc.top_k, num_experts, n, run.ffn_block_rows) > 1)
   if chunked:
-    return 3 if mc.remat == 'full' and not last else 2
-  return 1 if mc.remat in EXCHANGE_SAVED else 2
+    return 3 if run.remat == 'full' and not last else 2
+  return 1 if run.remat in EXCHANGE_SAVED else 2
 
 
 def analytic(exp, mesh, params) -> dict[str, int]:
@@ -246,7 +247,7 @@ def analytic(exp, mesh, params) -> dict[str, int]:
   if n > 1:
     for _, layers, experts, passes in mc.segments:
       if experts:  # a segment's pass is one remat stack: its last layer apart
-        fwd = [exchange_forwards(mc, n, call_tokens, experts, i == layers - 1)
+        fwd = [exchange_forwards(mc, exp.run, n, call_tokens, experts, i == layers - 1)
                for i in range(layers)]
         a2a += passes * sum(2 * (f + 1) for f in fwd) * row
   grads = sharding.bytes_per_device(params, jax.tree.map(lambda s: s.sharding, params))
@@ -327,8 +328,8 @@ def dry_run(cfg_dict, platform: str = 'cpu') -> dict:
       'flops_per_step_per_device': flops,
       'analytic_flops_per_step_per_device': analytic_f,
       'flops_over_analytic': round(flops / analytic_f, 4),
-      'remat': exp.model.remat,
-      'attention_impl': exp.model.attention_impl,
+      'remat': exp.run.remat,
+      'attention_impl': exp.run.attention_impl,
       'collective_bytes_per_step': coll,
       'collective_bytes_program': f'{platform}, after SPMD partitioning (its dtypes)',
       'act_allgather_bytes_per_step': kinds['act_allgather'],

@@ -1,8 +1,9 @@
 """An experiment's ConfigDict (model, run, train, data, mesh) and its frozen dataclasses, built
 once.
 
-Section `model` is the architecture, `run` how its parameters run (config.RunConfig: dispatch,
-remat, attention implementation, ...). `build` joins the two into the model's ModelConfig.
+Section `model` is the architecture (config.ModelConfig), `run` how its parameters run
+(config.RunConfig: dispatch, remat, attention implementation, ...), which the model takes in
+its runtime: `LoopedMoE(exp.model, runtime=exp.runtime())`.
 Run settings found under `model` (a run directory written before `run` existed, or code that
 sets `cfg.model.remat`) are read into `run`, with a one-line note."""
 from __future__ import annotations
@@ -27,11 +28,17 @@ SECTIONS = {'model': ModelConfig, 'train': TrainConfig, 'data': DataConfig, 'mes
 
 
 class Experiment(NamedTuple):
-  model: ModelConfig          # the architecture joined by the run settings
+  model: ModelConfig          # the architecture
   train: TrainConfig
   data: DataConfig
   mesh: MeshConfig = MeshConfig()
   run: RunConfig = RunConfig()
+
+  def runtime(self, base=None):
+    """The model's runtime with this experiment's run settings: `base` (a runtime.Runtime,
+    e.g. Runtime.for_platform('tpu')) or this machine's."""
+    from loopmoe_jax.runtime import Runtime  # pylint: disable=import-outside-toplevel
+    return (base or Runtime()).replace(run=self.run)
 
 
 def experiment_config(model: ml_collections.ConfigDict, train=None, data=None, mesh=None,
@@ -100,7 +107,7 @@ def build(cfg: ml_collections.ConfigDict) -> Experiment:
 def _build(sections: Mapping[str, Any]) -> Experiment:
   model, run = split_run(sections)
   run_cfg = RunConfig.from_dict(run)
-  model_cfg = ModelConfig.from_dict({**model, **dataclasses.asdict(run_cfg)})
+  model_cfg = ModelConfig.from_dict(model)
   others = {n: SECTIONS[n].from_dict(sections.get(n, {}) or {}) for n in ('train', 'data', 'mesh')}
   check_adaptive_depth(model_cfg, others['train'])
   return Experiment(model=model_cfg, run=run_cfg, **others)
@@ -170,9 +177,8 @@ def config_diff(stored: Mapping[str, Any], exp: Experiment) -> list[tuple[str, A
   for name, current in exp._asdict().items():
     given = {'model': model, 'run': run}.get(name, stored.get(name, {}) or {})
     try:
-      if name == 'model':  # the stored architecture with the current run settings
-        old = ModelConfig.from_dict({**given, **dataclasses.asdict(exp.run)}).architecture()
-        now = current.architecture()
+      if name == 'model':
+        old, now = ModelConfig.from_dict(given).architecture(), current.architecture()
       else:
         old, now = dataclasses.asdict(SECTIONS[name].from_dict(given)), dataclasses.asdict(current)
     except (ValueError, TypeError) as e:

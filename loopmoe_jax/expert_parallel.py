@@ -220,11 +220,15 @@ def _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, fa
 
 
 def _body_kw(cfg, mesh, num_experts, runtime):
+  """The body's settings: the architecture's capacity and exchange buffers (`cfg`; dropless
+  worst-case buffers when the runtime is `exchange_dropless`), the runtime's run settings."""
+  run = runtime.run
+  buffer_factor = 0.0 if runtime.exchange_dropless else cfg.exchange_buffer_factor
   return dict(num_experts=num_experts, n=mesh.shape['expert'], factor=cfg.capacity_factor,
-              kind=exchange_kind(cfg.expert_exchange, runtime), backend=cfg.dispatch,
-              tile=cfg.dispatch_tile, batch_axes=sharding.batch_axes(mesh),
-              tensor=mesh.shape['tensor'], buffer_factor=cfg.exchange_buffer_factor,
-              block_rows=cfg.ffn_block_rows, runtime=runtime)
+              kind=exchange_kind(run.expert_exchange, runtime), backend=run.dispatch,
+              tile=run.dispatch_tile, batch_axes=sharding.batch_axes(mesh),
+              tensor=mesh.shape['tensor'], buffer_factor=buffer_factor,
+              block_rows=run.ffn_block_rows, runtime=runtime)
 
 
 def local_dispatch(x_TD, experts_Tk, weights_Tk, params, cfg, mesh, num_experts: int,

@@ -79,7 +79,7 @@ def find(cfg_dict, target: targets.Target, search: dict, preset: str = 'pod',
       traced[key] = dry_run.step_flops(aot.with_settings(cfg_dict, settings), target.num_devices)
     return traced[key]
 
-  default_attention = build(cfg_dict).model.attention_impl
+  default_attention = build(cfg_dict).run.attention_impl
   exp = build(cfg_dict)
   shards = math.prod(exp.mesh.sizes(target.num_devices)[a] for a in sharding.BATCH_AXES)
   rows = []
@@ -89,8 +89,8 @@ def find(cfg_dict, target: targets.Target, search: dict, preset: str = 'pod',
     rows.append({'run': settings, 'batch_per_device': exp.data.batch_size // shards,
                  'bytes_per_device': None, 'fits': None, 'flops_per_step_per_device': f,
                  'flops_over_none': round(f / flops({**settings, 'run.remat': 'none'}), 4),
-                 '_order': (f, exp.train.microbatches, -(exp.model.loss_chunk or 1 << 30),
-                            exp.model.attention_impl != default_attention)})
+                 '_order': (f, exp.train.microbatches, -(exp.run.loss_chunk or 1 << 30),
+                            exp.run.attention_impl != default_attention)})
   rows.sort(key=lambda r: r.pop('_order'))
   best = None
   for i, row in enumerate(rows):

@@ -79,7 +79,7 @@ class LoopedMoE(nn.Module):
     c = self.cfg
     per_visit: dict[str, Any] = {}
     seg_kw = dict(decode=self.decode, record=return_routing, runtime=self.runtime.resolved())
-    stack = remat(Stack, c)  # prelude and coda, rematerialised like the core's passes
+    stack = remat(Stack, self.runtime.run.remat)  # prelude and coda, rematerialised like the core's passes
     if c.prelude_layers:
       x_BTD, per_visit['prelude'] = stack(c, c.prelude_layers, c.prelude_experts, **seg_kw,
                                           name='prelude')(x_BTD, None, None, positions_BT,
@@ -189,13 +189,13 @@ def _extras(per_visit, return_routing):
 
 
 def for_init(model: nn.Module) -> nn.Module:
-  """`model` (a LoopedMoE, or any module holding a ModelConfig `cfg`, such as an MoE layer)
-  with the settings that are cheapest to trace and change no parameter (dispatch 'xla',
+  """`model` (a LoopedMoE, or any module holding a `runtime`, such as an MoE layer) with the
+  run settings that are cheapest to trace and change no parameter (dispatch 'xla',
   attention 'xla'): init traces the forward to find the params, and the CPU default
   dispatch ('tiled') or a Pallas kernel traces in about twice the time. Names, shapes, init
   values and the router-bias and cache collections are the same
   (tests/test_model.py::test_init_is_the_same_under_every_dispatch_and_attention)."""
-  return model.clone(cfg=model.cfg.replace(dispatch='xla', attention_impl='xla'))
+  return model.clone(runtime=model.runtime.with_run(dispatch='xla', attention_impl='xla'))
 
 
 # The variable collection of model.router_bias (not trained): {'bias': {segment: array}}.

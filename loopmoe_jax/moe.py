@@ -119,7 +119,7 @@ def route_local(logits_TE, cfg: ModelConfig, bias_E=None, runtime: Runtime = HER
 
   def one_shard(logits_TE, bias_E):
     experts_Tk, weights_Tk, probs_TE, plan = route_for(
-        cfg.dispatch, logits_TE, cfg.top_k, cfg.renormalize, bias_E, cfg.router_score, runtime)
+        runtime.run.dispatch, logits_TE, cfg.top_k, cfg.renormalize, bias_E, cfg.router_score, runtime)
     if cfg.router_score == 'sigmoid':  # the load-balance loss's P_i: per-token shares
       probs_TE = probs_TE / jnp.sum(probs_TE, axis=-1, keepdims=True)
     return experts_Tk, weights_Tk, routing_sums(experts_Tk, probs_TE, logits_TE), plan
@@ -191,8 +191,8 @@ class MoE(nn.Module):
     else:
       weights_Tk, _, stats['dropped'] = expert_parallel.apply_capacity(
           experts_Tk, weights_Tk, e, c.capacity_factor)
-      y_TD = dispatch(x_TD, experts_Tk, weights_Tk, params, c.dispatch, c.dispatch_tile, plan,
-                      c.ffn_block_rows, rt)
+      y_TD = dispatch(x_TD, experts_Tk, weights_Tk, params, rt.run.dispatch,
+                      rt.run.dispatch_tile, plan, rt.run.ffn_block_rows, rt)
     y_BTD = checkpoint_name(y_TD, 'expert_out').reshape(b, t, d)
     if c.num_shared_experts:
       y_BTD = y_BTD + DenseMLP(c.num_shared_experts * c.shared_width, c.param_dtype,

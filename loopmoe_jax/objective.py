@@ -179,13 +179,13 @@ def token_nll(params, model, batch, num_loops: int | None = None, router_bias=No
   """(summed NLL over the batch's unmasked targets, their count, the model's extras), the head
   and loss as run.loss_chunk and run.remat say; `backprop_loops` > 0: gradient through the
   core's last that many passes only (truncated backprop, core.Core)."""
-  c = model.cfg
+  run = model.runtime.run
   h_BTD, extras = model.apply(variables(params, router_bias=router_bias), batch['inputs'],
                               num_loops=num_loops, return_hidden=True,
                               backprop_loops=backprop_loops)
   head_DV = _head(model, params)
   total, count = head_nll(h_BTD, head_DV, batch['targets'], batch.get('mask'),
-                          c.loss_chunk, remat=c.remat != 'none')
+                          run.loss_chunk, remat=run.remat != 'none')
   return total, count, extras
 
 
@@ -208,14 +208,14 @@ def gate_lm_loss(params, model, batch, num_loops: int | None = None, router_bias
   extras). The head and loss run one pass at a time (`jax.lax.map` over the passes: one pass's
   logits live at once, the batch axis keeps its sharding) as run.loss_chunk and run.remat say
   (`head_token_nll`)."""
-  c = model.cfg
+  c, run = model.cfg, model.runtime.run
   _, extras = model.apply(variables(params, router_bias=router_bias), batch['inputs'],
                           num_loops=num_loops, return_hidden=True, pass_outputs=True,
                           backprop_loops=backprop_loops)  # > 0 is refused (core.Core)
   h_LBTD, lam_LBT = extras.pop('pass_hidden'), extras.pop('pass_lambda')
   head_DV = _head(model, params)
   nll_LBT = jax.lax.map(lambda h_BTD: head_token_nll(h_BTD, head_DV, batch['targets'],
-                                                     c.loss_chunk, remat=c.remat != 'none'),
+                                                     run.loss_chunk, remat=run.remat != 'none'),
                         h_LBTD)
   obj, metrics = early_exit.gate_metrics(nll_LBT, lam_LBT, c.exit_entropy, batch.get('mask'))
   return obj, metrics, extras

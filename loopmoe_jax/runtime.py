@@ -1,8 +1,12 @@
-"""Where the model's programs are built, decided once outside the model and passed in.
+"""Where and how the model's programs are built, decided once outside the model and passed in.
 
     model = LoopedMoE(cfg, runtime=Runtime.for_platform('tpu'))   # a program for a TPU
+    model = LoopedMoE(exp.model, runtime=exp.runtime())           # an experiment's run settings
+    model = LoopedMoE(cfg, runtime=Runtime.of(remat='full'))      # run settings by hand
 
-A `Runtime` names the platform a program is built for and how its Pallas kernels are built
+`cfg` (config.ModelConfig) is the architecture alone. A `Runtime` holds the run settings
+(`run`, config.RunConfig: dispatch backend, remat policy, attention implementation, loss
+chunks, ...: how the same parameters run), names the platform a program is built for and how its Pallas kernels are built
 (compiled or interpreted, their family and tiles), and the device mesh the program runs
 under (`mesh`; `local` inside a shard_map over all of it, where every value is one device's). Every module and function whose program
 depends on it takes it as an argument (`LoopedMoE.runtime`, down to `dispatch.dispatch` and
@@ -25,6 +29,7 @@ from typing import Any, Mapping
 
 import jax
 
+from loopmoe_jax.config.model import RunConfig
 from pallas_kernels.ops import platform_of
 
 PLATFORMS = ('cpu', 'gpu', 'tpu')
@@ -58,6 +63,10 @@ class Runtime:
     sets when they are traced (`resolved`), or one device.
   local: inside a shard_map over every mesh axis (the looped core's, core_once.py): rows,
     experts and statistics are this device's, and nothing more is split.
+  run: how the parameters run (config section `run`: dispatch backend, remat, attention
+    implementation, loss chunks, ...; config.RunConfig). None of it changes a parameter.
+  exchange_dropless: the expert exchange's buffers for the dropless worst case whatever
+    model.exchange_buffer_factor says (the replay of an overflowing step, train/step.dropless).
   """
   platform: str | None = None
   interpret: bool | None = None
@@ -65,6 +74,8 @@ class Runtime:
   kernel_tiles: tuple = ()
   mesh: Any = None
   local: bool = False
+  run: RunConfig = RunConfig()
+  exchange_dropless: bool = False
 
   def __post_init__(self):
     if self.platform is not None:
@@ -78,16 +89,30 @@ class Runtime:
     here = platform_name(jax.default_backend())
     return cls(platform=name, interpret=None if name == here else False)
 
+  @classmethod
+  def of(cls, run: RunConfig | None = None, **run_fields) -> 'Runtime':
+    """This machine's runtime with the run settings `run` (default RunConfig()), the fields
+    `run_fields` replaced: `Runtime.of(remat='full')`."""
+    return cls(run=(run or RunConfig()).replace(**run_fields))
+
+  def replace(self, **kw) -> 'Runtime':
+    """The same runtime with the fields `kw` replaced."""
+    return dataclasses.replace(self, **kw)
+
+  def with_run(self, **kw) -> 'Runtime':
+    """The same runtime with the run settings `kw` replaced (run.remat='full': remat='full')."""
+    return dataclasses.replace(self, run=self.run.replace(**kw))
+
   def with_tiles(self, tiles: Mapping[str, Mapping[str, Any]]) -> 'Runtime':
     """The same runtime with the kernels' per-op tiles (and families) `tiles`."""
     return dataclasses.replace(self, kernel_tiles=_frozen_tiles(tiles))
 
   def check(self, mc) -> None:
-    """Refuses run settings of the model config `mc` that its platform cannot run (cudnn
+    """Refuses run settings that its platform cannot run for the model config `mc` (cudnn
     attention on a TPU, splash on a GPU, cudnn with a head size or dtype cuDNN does not take):
     a ValueError naming the key and the platform, before anything is traced or compiled."""
     from loopmoe_jax.attention_impls import resolve  # pylint: disable=import-outside-toplevel
-    resolve(mc.attention_impl, mc.dtype, self.backend, mc.head_size)
+    resolve(self.run.attention_impl, mc.dtype, self.backend, mc.head_size)
 
   def resolved(self) -> 'Runtime':
     """This runtime with its mesh: the one given, else the mesh of `jax.set_mesh` in force

@@ -11,8 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from loopmoe_jax.config import ModelConfig, model_config_dict
+from loopmoe_jax.config.model import RUN_FIELDS
 from loopmoe_jax.experiment import experiment_config
 from loopmoe_jax.model import LoopedMoE
+from loopmoe_jax.runtime import Runtime
 
 
 # The trainer's tiny run ---------------------------------------------------------------------
@@ -49,11 +51,28 @@ B, T = 2, 6
 
 BASE = dict(vocab_size=37, d_model=16, num_heads=4, expert_width=8, top_k=2,
             prelude_layers=1, prelude_experts=4, core_layers=2, core_experts=4, num_loops=3,
-            coda_layers=1, coda_experts=4, dispatch_tile=8)
+            coda_layers=1, coda_experts=4)
 
 
 def make_cfg(**kw) -> ModelConfig:
+  """The model tests' tiny architecture, the fields `kw` replaced (run settings go to `rt`)."""
   return ModelConfig(**{**BASE, **kw})
+
+
+def rt(**run) -> Runtime:
+  """This machine's runtime with the model tests' run settings (dispatch_tile 8), the run
+  settings `run` replaced."""
+  return Runtime.of(**{'dispatch_tile': 8, **run})
+
+
+RT = rt()  # the model tests' runtime
+
+
+def make(**fields) -> tuple[ModelConfig, Runtime]:
+  """(architecture, runtime) of the model tests' tiny model with `fields` replaced, run
+  settings (config.RUN_FIELDS) among them."""
+  run = {k: fields.pop(k) for k in RUN_FIELDS if k in fields}
+  return make_cfg(**fields), rt(**run)
 
 
 def tokens(cfg, seed=1, batch=B, length=T):
@@ -93,25 +112,26 @@ def make_params(cfg: ModelConfig, seed: int = 0):
 
 
 @functools.lru_cache(maxsize=None)
-def apply_fn(cfg: ModelConfig, num_loops=None, routing=False):
-  model = LoopedMoE(cfg)
+def apply_fn(cfg: ModelConfig, num_loops=None, routing=False, runtime: Runtime = RT):
+  model = LoopedMoE(cfg, runtime=runtime)
   return jax.jit(lambda p, t: model.apply({'params': p}, t, num_loops=num_loops,
                                           return_routing=routing))
 
 
 @functools.lru_cache(maxsize=None)
-def decode_step_fn(cfg, num_loops=None):
-  """decode_step for `cfg`, jitted once per (config, passes)."""
+def decode_step_fn(cfg, num_loops=None, runtime: Runtime = RT):
+  """decode_step for `cfg`, jitted once per (config, passes, runtime)."""
   from loopmoe_jax.decode import decode_step  # pylint: disable=import-outside-toplevel
-  return jax.jit(functools.partial(decode_step, cfg, num_loops=num_loops))
+  return jax.jit(functools.partial(decode_step, cfg, num_loops=num_loops, runtime=runtime))
 
 
-def decode_all(cfg, params, toks, prefix=1, max_len=None, num_loops=None):
+def decode_all(cfg, params, toks, prefix=1, max_len=None, num_loops=None,
+               runtime: Runtime = RT):
   """Prefills toks[:, :prefix], then feeds the rest one token at a time into a cache of
   `max_len` (default: the tokens') slots; (logits [B, T, V], final cache)."""
   from loopmoe_jax.decode import init_cache  # pylint: disable=import-outside-toplevel
   cache = init_cache(cfg, toks.shape[0], max_len or toks.shape[1], num_loops)
-  step = decode_step_fn(cfg, num_loops)
+  step = decode_step_fn(cfg, num_loops, runtime)
   logits, cache = step(params, cache, toks[:, :prefix])
   out = [logits]
   for t in range(prefix, toks.shape[1]):

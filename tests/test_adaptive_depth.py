@@ -25,7 +25,7 @@ from loopmoe_jax.train import depth, step as steps
 from loopmoe_jax.train.optimizer import make_optimizer
 from loopmoe_jax.train.trainer import train
 from loopmoe_jax.config import model_config_dict
-from helpers import losses, make_cfg, make_params, tiny, tokens
+from helpers import losses, make_cfg, make_params, rt, tiny, tokens
 
 
 # (1) The counts are a pure function of (seed, step): a resumed run draws the same ----------
@@ -95,18 +95,19 @@ CASES = {  # name: (model fields, passes run, passes with gradient, also loop_im
 @pytest.mark.parametrize('name', sorted(CASES))
 def test_truncated_backprop_equals_the_stop_gradient_reference(name):
   fields, n, k, unroll = CASES[name]
-  cfg = make_cfg(dispatch='xla', **fields)
+  cfg, xla = make_cfg(**fields), rt(dispatch='xla')
+  unrolled_rt = xla.with_run(loop_impl='unroll')
   params, bias = make_params(cfg), _random_bias(cfg)
   t = tokens(cfg, seed=4, batch=2, length=6)
   batch = {'inputs': t, 'targets': jnp.roll(t, -1, axis=1)}
   grad = lambda f: jax.jit(jax.value_and_grad(f, has_aux=True))
   got_m, got = jax.jit(lambda p: steps.loss_and_grads(
-      p, LoopedMoE(cfg), batch, 0.01, 0.001, router_bias=bias, num_loops=n,
+      p, LoopedMoE(cfg, runtime=xla), batch, 0.01, 0.001, router_bias=bias, num_loops=n,
       backprop_loops=k))(params)
-  ref = _reference_loss(LoopedMoE(cfg.replace(loop_impl='unroll')), n - k)
+  ref = _reference_loss(LoopedMoE(cfg, runtime=unrolled_rt), n - k)
   (_, ref_m), want = grad(lambda p: ref(p, batch, n, bias))(params)
-  (_, full_m), full = grad(lambda p: loss_fn(p, LoopedMoE(cfg), batch, 0.01, 0.001, n,
-                                             bias))(params)
+  (_, full_m), full = grad(lambda p: loss_fn(p, LoopedMoE(cfg, runtime=xla), batch, 0.01,
+                                             0.001, n, bias))(params)
   for key in ('loss', 'load_balance', 'z_loss', 'objective'):  # the forward is unchanged
     np.testing.assert_allclose(got_m[key], full_m[key], rtol=1e-6, err_msg=key)
     np.testing.assert_allclose(ref_m[key], full_m[key], rtol=1e-6, err_msg=key)
@@ -125,7 +126,7 @@ def test_truncated_backprop_equals_the_stop_gradient_reference(name):
     return
   # the unrolled loop under test agrees too
   _, unrolled = jax.jit(lambda p: steps.loss_and_grads(
-      p, LoopedMoE(cfg.replace(loop_impl='unroll')), batch, 0.01, 0.001, router_bias=bias,
+      p, LoopedMoE(cfg, runtime=unrolled_rt), batch, 0.01, 0.001, router_bias=bias,
       num_loops=n, backprop_loops=k))(params)
   for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(unrolled), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * scale,
@@ -137,11 +138,12 @@ def test_a_draw_below_k_backpropagates_through_all_its_passes():
   has the gradient of the last min(k, r): r <= k gives exactly the full-backprop gradient
   (backprop_loops=0 at that r), r > k the truncated one; k above loops_low is accepted."""
   exp = build(_exp(None, loops_sampler='uniform', loops_low=1, loops_high=3, backprop_loops=2))
-  tc, cfg = exp.train, make_cfg(dispatch='xla')
+  tc, cfg = exp.train, make_cfg()
+  model = LoopedMoE(cfg, runtime=rt(dispatch='xla'))
   params = make_params(cfg)
   t = tokens(cfg, seed=5, batch=2, length=6)
   batch = {'inputs': t, 'targets': jnp.roll(t, -1, axis=1)}
-  grads = jax.jit(lambda p, n, k: steps.loss_and_grads(p, LoopedMoE(cfg), batch, 0.01, 0.001,
+  grads = jax.jit(lambda p, n, k: steps.loss_and_grads(p, model, batch, 0.01, 0.001,
                                                        num_loops=n, backprop_loops=k)[1],
                   static_argnums=(1, 2))
   for r in (1, 2, 3):
@@ -161,9 +163,10 @@ def test_a_draw_below_k_backpropagates_through_all_its_passes():
 def test_aux_losses_average_over_the_passes_run():
   """At 2 of 3 trained passes the aux losses are the mean over the visits run: prelude 1 +
   core 2 passes x 2 layers + coda 1 = 6 visits."""
-  cfg = make_cfg(dispatch='xla')
+  cfg = make_cfg()
+  model = LoopedMoE(cfg, runtime=rt(dispatch='xla'))
   t = tokens(cfg)
-  _, ex = jax.jit(lambda p: LoopedMoE(cfg).apply({'params': p}, t, num_loops=2))(make_params(cfg))
+  _, ex = jax.jit(lambda p: model.apply({'params': p}, t, num_loops=2))(make_params(cfg))
   visits = [np.ravel(ex['per_visit'][seg]['load_balance']) for seg in ('prelude', 'core', 'coda')]
   assert [v.size for v in visits] == [1, 4, 1]
   np.testing.assert_allclose(ex['load_balance'], np.mean(np.concatenate(visits)), rtol=1e-6)
@@ -187,14 +190,13 @@ def test_per_pass_bias_update_leaves_the_passes_not_run():
 
 MESH_MODEL = dict(vocab_size=256, d_model=32, num_heads=2, head_dim=16, expert_width=32,
                   top_k=2, prelude_layers=1, prelude_experts=4, core_layers=2, core_experts=4,
-                  num_loops=2, coda_layers=1, coda_experts=4, dispatch='xla',
-                  injection='concat')
+                  num_loops=2, coda_layers=1, coda_experts=4, injection='concat')
 
 
 def _mesh_run(devices, mesh_cfg, tc, num_steps, batches):
   cfg = make_cfg(**MESH_MODEL)
   mesh = sharding.make_mesh(mesh_cfg, devices)
-  model = LoopedMoE(cfg)
+  model = LoopedMoE(cfg, runtime=rt(dispatch='xla'))
   tx, schedule = make_optimizer(tc)
   state_sh, batch_sh = steps.shardings(mesh, model, tx, batches.shape[-1] - 1)
   state = steps.create_state(model, tx, tc.seed, batches.shape[-1] - 1, state_sh)

@@ -12,7 +12,7 @@ from loopmoe_jax import attention_impls, dry_run
 from loopmoe_jax import hlo as hlo_lib
 from loopmoe_jax.attention import attend
 from loopmoe_jax.attention_impls import chunked_attend, resolve
-from loopmoe_jax.config import ModelConfig
+from loopmoe_jax.config import ModelConfig, RunConfig
 from loopmoe_jax.layers import rope
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.objective import head_nll, lm_loss, loss_fn
@@ -97,8 +97,8 @@ def test_fused_attention_lowers_for_its_platform(platform, impl, call):
   kernel, and no [B, H, T, T] score array is left in the program."""
   cfg = ModelConfig(vocab_size=64, d_model=128, num_heads=2, head_dim=64, expert_width=32,
                     prelude_layers=1, core_layers=1, coda_layers=0, num_loops=2,
-                    dtype='bfloat16', dispatch='xla')
-  model = LoopedMoE(cfg, runtime=Runtime.for_platform(platform))
+                    dtype='bfloat16')
+  model = LoopedMoE(cfg, runtime=Runtime.for_platform(platform).with_run(dispatch='xla'))
   toks = jax.ShapeDtypeStruct((2, 256), jnp.int32)
   params = nn.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), toks))['params'])
   batch = {'inputs': toks, 'targets': toks}
@@ -128,8 +128,8 @@ def test_attention_impl_errors_name_the_key_and_platform():
   for field, value in (('attention_impl', 'flash'), ('remat', 'most'), ('loss_chunk', -1),
                        ('attention_block', 0)):
     with pytest.raises(ValueError, match=f'run.{field}'):
-      ModelConfig(**{field: value})
-  model = LoopedMoE(ModelConfig(attention_impl='cudnn', dtype='bfloat16'))
+      RunConfig(**{field: value})
+  model = LoopedMoE(ModelConfig(dtype='bfloat16'), runtime=Runtime.of(attention_impl='cudnn'))
   with pytest.raises(ValueError, match="attention_impl='cudnn'"):
     model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
 
@@ -167,7 +167,7 @@ def test_chunked_loss_train_step_holds_no_whole_logits():
   batch = {'inputs': toks, 'targets': toks}
   counts = {}
   for chunk in (0, 8):
-    model = LoopedMoE(cfg.replace(loss_chunk=chunk))
+    model = LoopedMoE(cfg, runtime=Runtime.of(loss_chunk=chunk))
     params = nn.unbox(jax.eval_shape(lambda m=model: m.init(jax.random.key(0), toks))['params'])
     step = jax.jit(jax.grad(lambda p, b, m=model: loss_fn(p, m, b)[0]))
     counts[chunk] = _buffers_of_shape(step.lower(params, batch).compile().as_text(), (2, 24, 96))

@@ -36,7 +36,7 @@ def test_model_benchmark_quick(tmp_path, capsys, monkeypatch):
     res = bench.run('model', quick=True, json_path=str(path))
     # the control: the loop-vs-unrolled section's 'scan' step (quick sizes), compiled again
     looped = bench_model._cfg(True, prelude_layers=0, coda_layers=0, core_layers=1, core_experts=8,  # pylint: disable=protected-access
-                        num_loops=2, tie_attention=True, loop_impl='scan')
+                        num_loops=2, tie_attention=True)
     before = len(hits)
     bench.step_seconds({'scan': looped}, bench._batch(looped, 2, 32), 1, bench.FAST_COMPILE)  # pylint: disable=protected-access
     again = len(hits) - before

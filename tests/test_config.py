@@ -29,9 +29,11 @@ import pytest
 
 from loopmoe_jax import config as config_lib
 from loopmoe_jax.accounting import count, init_param_count
-from loopmoe_jax.config import RUN_FIELDS, ModelConfig, flatten, loop_span, middle_span, model_config_dict
+from loopmoe_jax.config import (RUN_FIELDS, ModelConfig, RunConfig, flatten, loop_span, middle_span,
+                                model_config_dict)
 from loopmoe_jax.decode import cache_bytes, init_cache
 from loopmoe_jax.model import LoopedMoE
+from loopmoe_jax.runtime import Runtime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(f for f in glob.glob(os.path.join(ROOT, 'configs', '*.py'))
@@ -124,9 +126,9 @@ def test_kv_heads_must_divide_heads(kv):
     ('loop_impl', 'while'), ('dtype', 'float64'), ('param_dtype', 'int8'),
 ])
 def test_bad_enum_values_name_the_field(field, value):
-  section = 'run' if field in RUN_FIELDS else 'model'
+  section, cls = ('run', RunConfig) if field in RUN_FIELDS else ('model', ModelConfig)
   with pytest.raises(ValueError, match=_mentions(f'{section}.{field}', value)):
-    ModelConfig(**{field: value})
+    cls(**{field: value})
 
 
 @pytest.mark.parametrize('fields,name', [
@@ -138,8 +140,9 @@ def test_bad_enum_values_name_the_field(field, value):
     (dict(prelude_layers=0, core_layers=0, coda_layers=0), 'core_layers'),
 ])
 def test_other_bad_values_name_the_field(fields, name):
-  with pytest.raises(ValueError, match=f"{'run' if name in RUN_FIELDS else 'model'}.{name}"):
-    ModelConfig(**fields)
+  section, cls = ('run', RunConfig) if name in RUN_FIELDS else ('model', ModelConfig)
+  with pytest.raises(ValueError, match=f'{section}.{name}'):
+    cls(**fields)
 
 
 def test_unknown_field_suggests_near_name():
@@ -269,8 +272,10 @@ def test_accounting_equals_init_for_every_config_variant(path, arg):
 
 @pytest.mark.parametrize('name', sorted(EXTRA))
 def test_accounting_equals_init_for_extra_combos(name):
-  cfg = ModelConfig(**EXTRA[name])
-  assert count(cfg)['params_total'] == init_param_count(cfg)
+  fields = dict(EXTRA[name])
+  run = {k: fields.pop(k) for k in RUN_FIELDS if k in fields}  # they change no parameter
+  cfg = ModelConfig(**fields)
+  assert count(cfg)['params_total'] == init_param_count(cfg, Runtime.of(**run))
 
 
 def test_foil_published_totals_and_flattening():

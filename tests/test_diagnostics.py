@@ -114,7 +114,7 @@ def test_hand_worked_record():
 # random vectors. Experts 2, 3 carry no traffic; expert 0 carries all of it.
 CFG = ModelConfig(vocab_size=37, d_model=16, num_heads=2, expert_width=8, top_k=1,
                   prelude_layers=0, core_layers=1, core_experts=4, num_loops=2, coda_layers=0,
-                  tie_embeddings=True, renormalize=True, dispatch_tile=8)
+                  tie_embeddings=True, renormalize=True)
 
 
 def random_params(cfg: ModelConfig, masking_model: bool = False):
@@ -153,7 +153,7 @@ def tiny_batches():
 def test_records_are_tokens_layers_passes_and_match_the_model_loads():
   cfg = ModelConfig(vocab_size=37, d_model=16, num_heads=2, expert_width=8, top_k=2,
                     prelude_layers=1, prelude_experts=4, core_layers=2, core_experts=8,
-                    num_loops=3, coda_layers=1, coda_experts=4, dispatch_tile=8)
+                    num_loops=3, coda_layers=1, coda_experts=4)
   params = random_params(cfg)
   tok = np.random.default_rng(2).integers(0, 37, (2, 5)).astype(np.int32)
   _, extras = jax.jit(lambda p, t: LoopedMoE(cfg).apply({'params': p}, t, return_routing=True))(

@@ -34,9 +34,10 @@ from loopmoe_jax.train.evaluation import evaluate_checkpoint
 from loopmoe_jax.train.run import RunDir
 from loopmoe_jax.train.trainer import train
 
-from helpers import decode_all, make_cfg, make_params, tiny, tokens
+from helpers import decode_all, make_cfg, make_params, rt, tiny, tokens
 
-BASE = dict(dispatch='reference', num_loops=3)
+BASE = dict(num_loops=3)
+REF = rt(dispatch='reference')  # every model here dispatches with the reference
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,10 +54,12 @@ def params_with_gate(cfg, bias=0.0, seed=3):
   return p
 
 
-def forward(cfg, params, toks, **kw):
-  return LoopedMoE(cfg).apply({'params': params}, toks, **kw)
+def make_model(cfg, runtime=REF):
+  return LoopedMoE(cfg, runtime=runtime)
 
 
+def forward(cfg, params, toks, runtime=REF, **kw):
+  return make_model(cfg, runtime).apply({'params': params}, toks, **kw)
 
 
 def never(rule):
@@ -82,7 +85,7 @@ def test_threshold_that_never_fires_is_the_no_exit_model(rule):
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   assert np.all(np.asarray(extras['exit']['passes_BT']) == cfg.num_loops)
   assert float(extras['exit']['mean_passes']) == cfg.num_loops
-  dec, cache = decode_all(ecfg, p, toks)
+  dec, cache = decode_all(ecfg, p, toks, runtime=REF)
   np.testing.assert_allclose(np.asarray(dec), np.asarray(want), rtol=1e-4, atol=1e-4)
   assert float(mean_passes(cache)) == cfg.num_loops
 
@@ -97,7 +100,7 @@ def test_threshold_that_always_fires_is_the_one_pass_model(rule):
   got, extras = forward(ecfg, p, toks, early_exit=True)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   assert float(extras['exit']['mean_passes']) == 1.0
-  dec, cache = decode_all(ecfg, p, toks)
+  dec, cache = decode_all(ecfg, p, toks, runtime=REF)
   np.testing.assert_allclose(np.asarray(dec), np.asarray(want), rtol=1e-4, atol=1e-4)
   assert float(mean_passes(cache)) == 1.0
 
@@ -141,8 +144,8 @@ def test_decode_batch_one_skipping_equals_masked_batch_and_fills_skipped_slots()
   cfg = base_cfg(num_loops=4).replace(exit='kl', exit_threshold=0.05)
   p = make_params(base_cfg(num_loops=4))
   toks = tokens(cfg, batch=2, length=8, seed=5)
-  one, cache1 = decode_all(cfg, p, toks[:1])
-  two, _ = decode_all(cfg, p, toks)
+  one, cache1 = decode_all(cfg, p, toks[:1], runtime=REF)
+  two, _ = decode_all(cfg, p, toks, runtime=REF)
   np.testing.assert_allclose(np.asarray(one[0]), np.asarray(two[0]), rtol=1e-4, atol=1e-4)
   assert 1.0 <= float(mean_passes(cache1)) < cfg.num_loops
   core = cache1['core']
@@ -226,7 +229,8 @@ def test_gate_on_a_checkpoint_without_gate_fails_before_compute():
   with pytest.raises(ValueError, match=r"model\.exit='gate'.*trained without"):
     forward(ecfg, p, tokens(cfg), early_exit=True)
   with pytest.raises(ValueError, match=r"model\.exit='gate'.*trained without"):
-    decode_step(ecfg, p, {'position': jnp.zeros((), jnp.int32)}, tokens(cfg)[:, :1])
+    decode_step(ecfg, p, {'position': jnp.zeros((), jnp.int32)}, tokens(cfg)[:, :1],
+                runtime=REF)
 
 
 # Gate training (objective.gate_lm_loss) --------------------------------------------------------
@@ -238,7 +242,7 @@ def gate_batch(cfg, seed=5):
   return {'inputs': toks, 'targets': targets, 'mask': mask}
 
 
-def slow_gate_loss(cfg, p, batch, coef):
+def slow_gate_loss(cfg, p, batch, coef, runtime=REF):
   """The model at num_loops = 1..L: the NLL of its output (through the coda), the gate's lambda
   of its normed core state (the coda-less twin's final-normed state); combined with loops."""
   nocoda = cfg.replace(coda_layers=0, exit='none', exit_threshold=0.0)
@@ -246,11 +250,12 @@ def slow_gate_loss(cfg, p, batch, coef):
   tg, mask = np.asarray(batch['targets']), np.asarray(batch['mask'], np.float64)
   nll, lam = [], []
   for n in range(1, cfg.num_loops + 1):
-    logits = np.asarray(forward(plain, p, batch['inputs'], num_loops=n)[0], np.float64)
+    logits = np.asarray(forward(plain, p, batch['inputs'], runtime, num_loops=n)[0],
+                        np.float64)
     lse = np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1)) + logits.max(-1)
     nll.append(lse - np.take_along_axis(logits, tg[..., None], -1)[..., 0])
-    s = np.asarray(forward(nocoda, p, batch['inputs'], num_loops=n, return_hidden=True)[0],
-                   np.float64)
+    s = np.asarray(forward(nocoda, p, batch['inputs'], runtime, num_loops=n,
+                           return_hidden=True)[0], np.float64)
     w, b = np.asarray(p['exit_gate_w'], np.float64), float(p['exit_gate_b'])
     lam.append(1.0 / (1.0 + np.exp(-(s @ w + b))))
   L = cfg.num_loops
@@ -275,23 +280,23 @@ def gate_cfg(**kw):
   return base_cfg(**{'exit': 'gate', 'exit_threshold': 0.5, 'exit_entropy': 0.1, **kw})
 
 
-@pytest.mark.parametrize('kw', [dict(), dict(coda_layers=0, loss_chunk=10)])
-def test_gate_training_loss_matches_slow_reference(kw):
+@pytest.mark.parametrize('kw, run', [(dict(), dict()), (dict(coda_layers=0), dict(loss_chunk=10))])
+def test_gate_training_loss_matches_slow_reference(kw, run):
   """The LM term is Ouro's objective over the model's output at every pass count (through the
   coda), per token, with the mask; 'loss' the expected NLL, 'lm_loss_last' the plain model's
   loss; aux losses are the plain forward's. The chunked per-token loss (run.loss_chunk) agrees."""
-  cfg = gate_cfg(**kw)
+  cfg, runtime = gate_cfg(**kw), REF.with_run(**run)
   p = params_with_gate(cfg, bias=0.3)
   batch = gate_batch(cfg)
-  total, m = loss_fn(p, LoopedMoE(cfg), batch, 0.0, 0.0)
-  obj, exp, ent, passes, last = slow_gate_loss(cfg, p, batch, cfg.exit_entropy)
+  total, m = loss_fn(p, make_model(cfg, runtime), batch, 0.0, 0.0)
+  obj, exp, ent, passes, last = slow_gate_loss(cfg, p, batch, cfg.exit_entropy, runtime)
   np.testing.assert_allclose(float(total), obj, rtol=1e-5)
   np.testing.assert_allclose([float(m[k]) for k in ('loss', 'exit_entropy', 'exit_mean_passes',
                                                    'lm_loss_last')],
                              [exp, ent, passes, last], rtol=1e-5)
-  _, plain = loss_fn(p, LoopedMoE(cfg.replace(exit='none', exit_threshold=0.0)), batch)
+  _, plain = loss_fn(p, make_model(cfg.replace(exit='none', exit_threshold=0.0), runtime), batch)
   np.testing.assert_allclose(float(m['lm_loss_last']), float(plain['loss']), rtol=1e-5)
-  total2, m2 = loss_fn(p, LoopedMoE(cfg), batch, 0.01, 0.001)
+  total2, m2 = loss_fn(p, make_model(cfg, runtime), batch, 0.01, 0.001)
   np.testing.assert_allclose(float(total2 - total), float(0.01 * plain['load_balance'] +
                                                           0.001 * plain['z_loss']), rtol=1e-4)
 
@@ -299,7 +304,7 @@ def test_gate_training_loss_matches_slow_reference(kw):
 def test_gate_training_gradient_reaches_the_gate_and_the_model():
   cfg = gate_cfg()
   p = params_with_gate(cfg, bias=0.3)
-  grads = jax.grad(lambda q: loss_fn(q, LoopedMoE(cfg), gate_batch(cfg))[0])(p)
+  grads = jax.grad(lambda q: loss_fn(q, make_model(cfg), gate_batch(cfg))[0])(p)
   norms = {k: float(sum(jnp.sum(jnp.abs(x)) for x in jax.tree.leaves(v)))
            for k, v in grads.items()}
   for k in ('exit_gate_w', 'exit_gate_b', 'core', 'coda', 'prelude', 'head', 'final_norm',
@@ -310,7 +315,7 @@ def test_gate_training_gradient_reaches_the_gate_and_the_model():
 def test_gate_training_without_entropy_and_a_closed_gate_is_the_last_pass_loss():
   cfg = gate_cfg(exit_entropy=0.0)
   p = params_with_gate(cfg, bias=-40.0)   # lambda ~ 4e-18 at every pass
-  total, m = loss_fn(p, LoopedMoE(cfg), gate_batch(cfg), 0.0, 0.0)
+  total, m = loss_fn(p, make_model(cfg), gate_batch(cfg), 0.0, 0.0)
   np.testing.assert_allclose(float(total), float(m['lm_loss_last']), rtol=1e-6)
   np.testing.assert_allclose(float(m['exit_mean_passes']), cfg.num_loops, rtol=1e-6)
 
@@ -318,7 +323,7 @@ def test_gate_training_without_entropy_and_a_closed_gate_is_the_last_pass_loss()
 def test_gate_training_refuses_truncated_backprop():
   cfg = gate_cfg()
   with pytest.raises(ValueError, match='gate training'):
-    loss_fn(params_with_gate(cfg), LoopedMoE(cfg), gate_batch(cfg), backprop_loops=1)
+    loss_fn(params_with_gate(cfg), make_model(cfg), gate_batch(cfg), backprop_loops=1)
 
 
 def test_gate_training_run_trains_the_gate(tmp_path):

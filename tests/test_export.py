@@ -17,8 +17,9 @@ import pytest
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.export import files, mixtral, safetensors_io
 from loopmoe_jax.model import LoopedMoE
+from loopmoe_jax.runtime import HERE
 
-from helpers import make_params
+from helpers import RT, make_params
 
 try:
   import torch
@@ -30,7 +31,7 @@ needs_torch = pytest.mark.skipif(torch is None, reason='torch and transformers a
 
 BASE = dict(vocab_size=37, d_model=16, num_heads=4, expert_width=8, top_k=2,
             prelude_layers=1, prelude_experts=4, core_layers=2, core_experts=4, num_loops=3,
-            coda_layers=1, coda_experts=4, dispatch_tile=8)
+            coda_layers=1, coda_experts=4)
 CASES = {
     'tied_attention': dict(),
     'untied_attention': dict(tie_attention=False),
@@ -43,12 +44,13 @@ TOKENS = np.random.default_rng(3).integers(0, 37, (2, 9))
 
 
 @functools.lru_cache(maxsize=None)
-def _forward(cfg):
-  return jax.jit(LoopedMoE(cfg).apply)
+def _forward(cfg, runtime):
+  return jax.jit(LoopedMoE(cfg, runtime=runtime).apply)
 
 
-def ours(cfg, params, toks):
-  logits, _ = _forward(cfg)({'params': params}, jnp.asarray(toks))
+def ours(cfg, params, toks, runtime=RT):
+  """Our logits; `runtime` the model tests' (dispatch_tile 8) unless given."""
+  logits, _ = _forward(cfg, runtime)({'params': params}, jnp.asarray(toks))
   return np.asarray(logits)
 
 
@@ -146,7 +148,7 @@ def test_import_tiny_mixtral_matches_its_logits(tie, tmp_path):
   toks = TOKENS % 41
   with torch.no_grad():
     theirs = model(torch.tensor(toks)).logits.numpy()
-  err = float(np.max(np.abs(theirs - ours(cfg, params, toks))))
+  err = float(np.max(np.abs(theirs - ours(cfg, params, toks, HERE))))
   print(f'import (tie={tie}): max abs logit error {err:.2e}')
   assert err < 1e-4
 
@@ -162,7 +164,7 @@ def test_import_with_loop_span_averages_the_replaced_layers(tmp_path):
   q = lambda i: t[f'model.layers.{i}.self_attn.q_proj.weight'].T.reshape(16, 4, 4)
   np.testing.assert_allclose(params['core']['body']['layer_1']['attn']['q'],
                              (q(2) + q(4)) / 2, rtol=1e-6)
-  ours(cfg, params, TOKENS % 41)  # runs
+  ours(cfg, params, TOKENS % 41, HERE)  # runs
   # our export of the import is a Mixtral again, and round-trips the L = 1 import exactly
   files.import_hf(str(tmp_path / 'hf'), str(tmp_path / 'flat'))
   cfg1, p1, _ = safetensors_io.load_model(str(tmp_path / 'flat'))

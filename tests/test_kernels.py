@@ -410,17 +410,19 @@ def test_every_benchmark_variant_lowers_for_cuda(family):
 
 TINY_MOE = ModelConfig(vocab_size=32, d_model=16, num_heads=2, expert_width=16, top_k=2,
                        prelude_layers=0, core_layers=1, core_experts=4, num_loops=2,
-                       coda_layers=0, dispatch_tile=8)
+                       coda_layers=0)
+TINY_RUN = Runtime.of(dispatch_tile=8)  # the tiny model's run settings
 
 
 def _trained(cfg, backends, steps=3):
   """Losses and params after `steps` SGD steps (LM + load-balance + z loss) per backend."""
   tokens = jax.random.randint(jax.random.key(7), (2, 9), 0, cfg.vocab_size)
   batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]}
-  params0 = bench.init_params(LoopedMoE(cfg), batch['inputs'])
+  params0 = bench.init_params(LoopedMoE(cfg, runtime=TINY_RUN), batch['inputs'])
   results = {}
   for backend in backends:
-    step = jax.jit(bench.make_train_step(LoopedMoE(cfg.replace(dispatch=backend)), lr=0.1))
+    model = LoopedMoE(cfg, runtime=TINY_RUN.with_run(dispatch=backend))
+    step = jax.jit(bench.make_train_step(model, lr=0.1))
     params, losses = params0, []
     for _ in range(steps):
       params, metrics = step(params, batch)
@@ -446,12 +448,13 @@ def test_model_train_step_with_pallas_lowers_for_the_device(platform):
   gmm, combine and their VJPs) lowers to compiled Triton / Mosaic kernels for the device."""
   from lowering import lower_for
   runtime = Runtime(platform=platform, interpret=False,
-                    kernel_family={'cuda': 'gpu', 'tpu': 'tpu'}[platform])
-  cfg = TINY_MOE.replace(dispatch='pallas', d_model=128, expert_width=128, core_experts=8,
-                        attention_impl='chunked')  # only the dispatch's kernels
+                    kernel_family={'cuda': 'gpu', 'tpu': 'tpu'}[platform],
+                    run=TINY_RUN.run.replace(dispatch='pallas',
+                                             attention_impl='chunked'))  # only the dispatch's kernels
+  cfg = TINY_MOE.replace(d_model=128, expert_width=128, core_experts=8)
   tokens = jnp.zeros((2, 65), jnp.int32)
   batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]}
-  params = bench.init_params(LoopedMoE(cfg), batch['inputs'])
+  params = bench.init_params(LoopedMoE(cfg, runtime=TINY_RUN), batch['inputs'])
   text = lower_for(platform, bench.make_train_step(LoopedMoE(cfg, runtime=runtime)), params,
                    batch)
   marker = {'cuda': 'custom_call @__gpu$xla.gpu.triton(', 'tpu': 'custom_call @tpu_custom_call('}

@@ -24,12 +24,13 @@ from loopmoe_jax.decode import (cache_bytes, cache_shapes, decode_nll, decode_st
                                 init_cache)
 
 import reference
-from helpers import B, T, apply_fn, decode_all, decode_step_fn, make_cfg, make_params, tokens
+from helpers import (B, T, apply_fn, decode_all, decode_step_fn, make_cfg, make_params, rt,
+                     tokens)
 
 SHARED = ('last_pass', 'first_pass')
 # Tied core of 2 passes with GQA, 'add' injection and SMELT's 1/r: everything decode touches.
-TWO_PASSES = dict(num_loops=2, injection='add', num_kv_heads=2, residual_scale='inverse_loops',
-                  dispatch='reference')
+TWO_PASSES = dict(num_loops=2, injection='add', num_kv_heads=2, residual_scale='inverse_loops')
+REF = rt(dispatch='reference')  # TWO_PASSES's runtime: the reference dispatch
 
 
 def assert_close(actual, desired, tol=1e-4):
@@ -224,10 +225,10 @@ def test_prefill_from_an_empty_cache_is_the_full_forward(keep):
   full forward exactly; the shared slot then holds the named pass's K/V of per_pass's."""
   cfg = make_cfg(**TWO_PASSES, kv_cache=keep)
   params, toks = make_params(cfg), tokens(cfg)
-  full, _ = apply_fn(cfg.replace(kv_cache='per_pass'))(params, toks)
+  full, _ = apply_fn(cfg.replace(kv_cache='per_pass'), runtime=REF)(params, toks)
   per_pass = cfg.replace(kv_cache='per_pass')
-  _, want_cache = step_fn(per_pass)(params, init_cache(per_pass, B, T), toks)
-  logits, cache = step_fn(cfg)(params, init_cache(cfg, B, T), toks)
+  _, want_cache = step_fn(per_pass, runtime=REF)(params, init_cache(per_pass, B, T), toks)
+  logits, cache = step_fn(cfg, runtime=REF)(params, init_cache(cfg, B, T), toks)
   assert_close(logits, full)
   index = -1 if keep == 'last_pass' else 0
   for i in range(cfg.core_layers):
@@ -243,16 +244,16 @@ def test_token_by_token_decoding_matches_the_slow_reference(keep):
   cfg = make_cfg(**TWO_PASSES, kv_cache=keep)
   params, toks = make_params(cfg), tokens(cfg)
   want, dec = reference_decode(cfg, params, toks, prefix=2, keep=keep)
-  got, cache = decode_all(cfg, params, toks, prefix=2)
+  got, cache = decode_all(cfg, params, toks, prefix=2, runtime=REF)
   assert_close(got, want)
   for i in range(cfg.core_layers):
     assert_close(core_kv(cache, i)['k'], dec.slots[('core', i)][0])
     assert_close(core_kv(cache, i)['v'], dec.slots[('core', i)][1])
   targets = jnp.roll(toks, -1, axis=1)
-  nll = decode_nll(cfg, params, toks, targets, prefill=2)
+  nll = decode_nll(cfg, params, toks, targets, prefill=2, runtime=REF)
   want_nll = -jnp.take_along_axis(jax.nn.log_softmax(want), targets[..., None], -1)[..., 0]
   assert_close(nll, want_nll)
-  full, _ = apply_fn(cfg.replace(kv_cache='per_pass'))(params, toks)
+  full, _ = apply_fn(cfg.replace(kv_cache='per_pass'), runtime=REF)(params, toks)
   assert np.abs(np.asarray(got[:, 2:]) - np.asarray(full[:, 2:])).max() > 1e-3
   assert_close(got[:, :2], full[:, :2])  # the prefill is the full forward's
 
@@ -263,9 +264,9 @@ def test_first_pass_keeps_per_pass_first_pass_and_last_pass_differs():
   the shared cache (3 passes, one token a step)."""
   cfg = make_cfg(**{**TWO_PASSES, 'num_loops': 3})
   params, toks = make_params(cfg), tokens(cfg)
-  _, per_pass = decode_all(cfg, params, toks, prefix=1)
-  _, first = decode_all(cfg.replace(kv_cache='first_pass'), params, toks, prefix=1)
-  _, last = decode_all(cfg.replace(kv_cache='last_pass'), params, toks, prefix=1)
+  _, per_pass = decode_all(cfg, params, toks, prefix=1, runtime=REF)
+  _, first = decode_all(cfg.replace(kv_cache='first_pass'), params, toks, prefix=1, runtime=REF)
+  _, last = decode_all(cfg.replace(kv_cache='last_pass'), params, toks, prefix=1, runtime=REF)
   for i in range(cfg.core_layers):
     assert_close(core_kv(first, i)['k'], core_kv(per_pass, i)['k'][0])
     assert_close(core_kv(first, i)['v'], core_kv(per_pass, i)['v'][0])
@@ -279,9 +280,9 @@ def test_per_pass_decode_nll_is_the_full_forward_loss():
   cfg = make_cfg(**TWO_PASSES)
   params, toks = make_params(cfg), tokens(cfg)
   targets = jnp.roll(toks, -1, axis=1)
-  full, _ = apply_fn(cfg)(params, toks)
+  full, _ = apply_fn(cfg, runtime=REF)(params, toks)
   want = -jnp.take_along_axis(jax.nn.log_softmax(full), targets[..., None], -1)[..., 0]
-  assert_close(decode_nll(cfg, params, toks, targets), want)
+  assert_close(decode_nll(cfg, params, toks, targets, runtime=REF), want)
 
 
 @pytest.mark.parametrize('keep', SHARED)
@@ -289,7 +290,7 @@ def test_generate_greedy_with_a_shared_cache_matches_the_reference(keep):
   cfg = make_cfg(**TWO_PASSES, kv_cache=keep)
   params = make_params(cfg)
   prompt, steps = tokens(cfg, seed=7, length=3), 3
-  got = generate(cfg, params, prompt, steps=steps, key=jax.random.key(0))
+  got = generate(cfg, params, prompt, steps=steps, key=jax.random.key(0), runtime=REF)
   dec = SharedKVDecoder(cfg, params, keep)
   want, logits = [np.asarray(prompt)], dec.feed(prompt)
   for _ in range(steps):
@@ -314,4 +315,5 @@ def test_bad_kv_cache_is_refused_naming_the_key():
   cfg = make_cfg(**TWO_PASSES)
   params, toks = make_params(cfg), tokens(cfg)
   with pytest.raises(ValueError, match=r"per-pass core layout.*model\.kv_cache='last_pass'"):
-    decode_step(cfg.replace(kv_cache='last_pass'), params, init_cache(cfg, B, T), toks)
+    decode_step(cfg.replace(kv_cache='last_pass'), params, init_cache(cfg, B, T), toks,
+                runtime=REF)

@@ -19,8 +19,8 @@ from loopmoe_jax.decode import generate, init_cache
 from loopmoe_jax.model import LoopedMoE, for_init
 
 import reference
-from helpers import (B, BASE, T, apply_fn, decode_all, decode_step_fn, make_cfg, make_params,
-                     param_shapes, tokens)
+from helpers import (B, BASE, T, apply_fn, decode_all, decode_step_fn, make, make_cfg,
+                     make_params, param_shapes, rt, tokens)
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 def assert_close(actual, desired, **tol):
@@ -50,9 +50,9 @@ REFERENCE_CONFIGS = {
 
 @pytest.mark.parametrize('name', list(REFERENCE_CONFIGS))
 def test_forward_matches_reference(name):
-  cfg = make_cfg(**REFERENCE_CONFIGS[name])
+  cfg, runtime = make(**REFERENCE_CONFIGS[name])
   params, toks = make_params(cfg), tokens(cfg)
-  logits, extras = apply_fn(cfg)(params, toks)
+  logits, extras = apply_fn(cfg, runtime=runtime)(params, toks)
   want, visits = reference.forward(cfg, params, toks)
   assert logits.dtype == jnp.float32
   assert_close(logits, want)
@@ -65,23 +65,25 @@ def test_forward_matches_reference(name):
 
 @pytest.mark.parametrize('tie', [True, False], ids=['tied', 'untied'])
 def test_scan_equals_unroll(tie):
-  kw = dict(prelude_layers=0, coda_layers=0, tie_attention=tie, dispatch='reference',
-            core_experts=3, expert_width=4, injection='concat' if tie else 'add',
-            residual_scale='inverse_loops')
-  scan_cfg, unroll_cfg = make_cfg(loop_impl='scan', **kw), make_cfg(loop_impl='unroll', **kw)
-  params = make_params(scan_cfg)
-  assert jax.tree.structure(param_shapes(unroll_cfg)) == jax.tree.structure(params)
-  toks = tokens(scan_cfg)
-  r = jax.random.normal(jax.random.key(3), (B, T, scan_cfg.vocab_size))
+  cfg = make_cfg(prelude_layers=0, coda_layers=0, tie_attention=tie, core_experts=3,
+                 expert_width=4, injection='concat' if tie else 'add',
+                 residual_scale='inverse_loops')
+  scan_rt, unroll_rt = (rt(dispatch='reference', loop_impl=impl) for impl in ('scan', 'unroll'))
+  params = make_params(cfg)
+  assert jax.tree.structure(nn.unbox(jax.eval_shape(
+      LoopedMoE(cfg, runtime=unroll_rt).init, jax.random.key(0),
+      jnp.zeros((1, 4), jnp.int32))['params'])) == jax.tree.structure(params)
+  toks = tokens(cfg)
+  r = jax.random.normal(jax.random.key(3), (B, T, cfg.vocab_size))
 
-  def run(cfg):
+  def run(runtime):
     def loss(p):
-      logits, extras = LoopedMoE(cfg).apply({'params': p}, toks)
+      logits, extras = LoopedMoE(cfg, runtime=runtime).apply({'params': p}, toks)
       return jnp.sum(logits * r) + extras['load_balance'] + extras['z_loss'], (logits, extras)
     return jax.jit(jax.grad(loss, has_aux=True))(params)
 
-  g_scan, (logits_scan, ex_scan) = run(scan_cfg)
-  g_unroll, (logits_unroll, ex_unroll) = run(unroll_cfg)
+  g_scan, (logits_scan, ex_scan) = run(scan_rt)
+  g_unroll, (logits_unroll, ex_unroll) = run(unroll_rt)
   assert_close(logits_scan, logits_unroll, rtol=1e-5, atol=1e-5)
   for key in ('load_balance', 'z_loss'):
     assert_close(ex_scan[key], ex_unroll[key], rtol=1e-5, atol=1e-6)
@@ -98,7 +100,7 @@ def test_scan_equals_unroll(tie):
 @pytest.mark.parametrize('tie', [True, False], ids=['tied', 'untied'])
 def test_single_pass_equals_flat_stack(tie):
   common = dict(prelude_experts=4, core_experts=4, coda_experts=4, tie_attention=tie,
-                residual_scale='inverse_loops', dispatch='reference')
+                residual_scale='inverse_loops')
   looped = make_cfg(prelude_layers=1, core_layers=2, num_loops=1, coda_layers=1, **common)
   flat = make_cfg(prelude_layers=3, core_layers=0, coda_layers=1, **common)
   lp = make_params(looped)
@@ -111,8 +113,9 @@ def test_single_pass_equals_flat_stack(tie):
     fp['prelude'][f'layer_{looped.prelude_layers + i}'] = layer
   assert jax.tree.structure(fp) == jax.tree.structure(param_shapes(flat))
   toks = tokens(looped)
-  logits_l, ex_l = apply_fn(looped)(lp, toks)
-  logits_f, ex_f = apply_fn(flat)(fp, toks)
+  ref = rt(dispatch='reference')
+  logits_l, ex_l = apply_fn(looped, runtime=ref)(lp, toks)
+  logits_f, ex_f = apply_fn(flat, runtime=ref)(fp, toks)
   assert_close(logits_l, logits_f, rtol=1e-5, atol=1e-5)
   assert_close(ex_l['load_balance'], ex_f['load_balance'], rtol=1e-5)
   assert_close(ex_l['z_loss'], ex_f['z_loss'], rtol=1e-5)
@@ -230,11 +233,11 @@ def test_decode_matches_full_forward(name):
 
 
 def test_decode_with_more_loops_on_tied_model():
-  cfg = make_cfg(num_loops=2, residual_scale='inverse_loops', injection='concat',
-                 dispatch='reference')
+  cfg = make_cfg(num_loops=2, residual_scale='inverse_loops', injection='concat')
+  ref = rt(dispatch='reference')
   params, toks = make_params(cfg), tokens(cfg)
-  full, _ = apply_fn(cfg, num_loops=4)(params, toks)
-  got, cache = decode_all(cfg, params, toks, prefix=2, max_len=T, num_loops=4)
+  full, _ = apply_fn(cfg, num_loops=4, runtime=ref)(params, toks)
+  got, cache = decode_all(cfg, params, toks, prefix=2, max_len=T, num_loops=4, runtime=ref)
   assert_close(got, full)
   assert cache['core']['body']['layer_0']['attention']['k'].shape[0] == 4
   # And it is not the trained-depth forward.
@@ -262,10 +265,9 @@ def test_generate_greedy_matches_full_forward_loop():
 # 9. Test-time recurrence ----------------------------------------------------------------------
 
 def test_tied_test_time_recurrence_matches_reference():
-  cfg = make_cfg(num_loops=2, residual_scale='inverse_loops', injection='concat',
-                 dispatch='reference')
+  cfg = make_cfg(num_loops=2, residual_scale='inverse_loops', injection='concat')
   params, toks = make_params(cfg), tokens(cfg)
-  logits, _ = apply_fn(cfg, num_loops=5)(params, toks)
+  logits, _ = apply_fn(cfg, num_loops=5, runtime=rt(dispatch='reference'))(params, toks)
   want, visits = reference.forward(cfg, params, toks, num_loops=5)
   assert_close(logits, want)
   assert sum(v['segment'] == 'core' for v in visits) == 5 * cfg.core_layers
@@ -276,16 +278,18 @@ def test_scale_by_trained_or_executed_passes(scale_passes):
   """model.scale_passes: 1/r with r the trained passes (default) or the executed ones; with
   'executed', running 5 passes equals a model trained for 5 (tied weights do not depend on r),
   and at the trained count both options agree."""
-  cfg = make_cfg(num_loops=2, residual_scale='inverse_loops', dispatch='reference',
-                 scale_passes=scale_passes)
+  cfg = make_cfg(num_loops=2, residual_scale='inverse_loops', scale_passes=scale_passes)
+  ref = rt(dispatch='reference')
   params, toks = make_params(cfg), tokens(cfg)
-  logits, _ = apply_fn(cfg, num_loops=5)(params, toks)
+  logits, _ = apply_fn(cfg, num_loops=5, runtime=ref)(params, toks)
   assert_close(logits, reference.forward(cfg, params, toks, num_loops=5)[0])
-  as_five, _ = apply_fn(cfg.replace(num_loops=5, scale_passes='trained'))(params, toks)
+  as_five, _ = apply_fn(cfg.replace(num_loops=5, scale_passes='trained'), runtime=ref)(params,
+                                                                                     toks)
   same = np.abs(np.asarray(logits) - np.asarray(as_five)).max() < 1e-5
   assert same == (scale_passes == 'executed')
   other = cfg.replace(scale_passes='executed' if scale_passes == 'trained' else 'trained')
-  assert_close(apply_fn(cfg)(params, toks)[0], apply_fn(other)(params, toks)[0])
+  assert_close(apply_fn(cfg, runtime=ref)(params, toks)[0],
+               apply_fn(other, runtime=ref)(params, toks)[0])
 
 
 def test_untied_refuses_more_loops_than_trained():
@@ -298,9 +302,9 @@ def test_untied_refuses_more_loops_than_trained():
 
 
 def test_untied_fewer_loops_uses_first_slices():
-  cfg = make_cfg(tie_attention=False, num_loops=3, dispatch='reference')
+  cfg = make_cfg(tie_attention=False, num_loops=3)
   params, toks = make_params(cfg), tokens(cfg)
-  logits, _ = apply_fn(cfg, num_loops=2)(params, toks)
+  logits, _ = apply_fn(cfg, num_loops=2, runtime=rt(dispatch='reference'))(params, toks)
   want, _ = reference.forward(cfg, params, toks, num_loops=2)
   assert_close(logits, want)
 
@@ -356,13 +360,14 @@ def test_routing_records_and_load_balance_average():
 
 def test_decode_past_the_cache_length_is_an_error():
   from loopmoe_jax.decode import decode_step, init_cache
-  cfg = ModelConfig(vocab_size=37, d_model=16, num_heads=4, expert_width=8, dispatch='reference')
+  cfg = ModelConfig(vocab_size=37, d_model=16, num_heads=4, expert_width=8)
+  runtime = rt(dispatch='reference')
   toks = jax.random.randint(jax.random.key(1), (1, 5), 0, 37)
-  params = jax.jit(LoopedMoE(cfg).init)(jax.random.key(0), toks)['params']
-  jitted = jax.jit(lambda c, t: decode_step(cfg, params, c, t))
+  params = jax.jit(LoopedMoE(cfg, runtime=runtime).init)(jax.random.key(0), toks)['params']
+  jitted = jax.jit(lambda c, t: decode_step(cfg, params, c, t, runtime=runtime))
   _, cache = jitted(init_cache(cfg, 1, max_len=4), toks[:, :4])  # fills all 4 slots
   with pytest.raises(ValueError, match='max_len=4'):  # concrete position: raises up front
-    decode_step(cfg, params, cache, toks[:, 4:])
+    decode_step(cfg, params, cache, toks[:, 4:], runtime=runtime)
   assert np.isnan(np.asarray(jitted(cache, toks[:, 4:])[0])).all()  # traced: NaN logits
 
 
@@ -406,10 +411,10 @@ def test_every_parameter_dimension_has_a_logical_axis(fields):
 def test_init_is_the_same_under_every_dispatch_and_attention(dispatch, impl):
   """for_init (what the trainer, the accounting, decode and export initialise with) gives the
   params, router bias and cache that the model's own settings give, bit for bit."""
-  cfg = make_cfg(dispatch=dispatch, attention_impl=impl, router_bias='per_pass',
-                 num_kv_heads=2, attention_block=4)
+  cfg = make_cfg(router_bias='per_pass', num_kv_heads=2)
+  runtime = rt(dispatch=dispatch, attention_impl=impl, attention_block=4)
   toks = tokens(cfg)
-  for model in (LoopedMoE(cfg), LoopedMoE(cfg, decode=True)):
+  for model in (LoopedMoE(cfg, runtime=runtime), LoopedMoE(cfg, decode=True, runtime=runtime)):
     want = jax.jit(model.init)(jax.random.key(3), toks)
     got = jax.jit(for_init(model).init)(jax.random.key(3), toks)
     assert jax.tree.structure(got) == jax.tree.structure(want)

@@ -16,6 +16,7 @@ import pytest
 
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.moe import MoE, load_balance_loss, route, z_loss
+from loopmoe_jax.runtime import Runtime
 
 
 def softmax64(z):
@@ -79,11 +80,10 @@ def test_route_is_float32_for_bfloat16_logits():
 
 def test_moe_router_logits_are_float32_for_bfloat16_inputs():
   """Inside the MoE module the router runs in float32 on bf16 activations."""
-  cfg = ModelConfig(d_model=16, num_heads=2, expert_width=8, top_k=2, dispatch='reference',
-                    dtype='bfloat16')
+  cfg = ModelConfig(d_model=16, num_heads=2, expert_width=8, top_k=2, dtype='bfloat16')
   rng = np.random.default_rng(6)
   x = jnp.asarray(rng.standard_normal((2, 8, 16)), jnp.bfloat16)
-  moe = MoE(cfg, 4, record=True)
+  moe = MoE(cfg, 4, record=True, runtime=Runtime.of(dispatch='reference'))
   params = init_params(moe, x, 0)
   y, stats = jax.jit(moe.apply)(params, x)
   assert y.dtype == jnp.bfloat16
@@ -224,18 +224,18 @@ MOE_CASES = [
 def test_moe_tiled_equals_reference(experts, top_k, mode, renormalize, shared, tile):
   d = 16
   cfg = ModelConfig(d_model=d, num_heads=2, expert_width=12, top_k=top_k,
-                    renormalize=renormalize, num_shared_experts=shared, dispatch='reference',
-                    dispatch_tile=tile, prelude_experts=experts, core_experts=experts,
-                    coda_experts=experts)
+                    renormalize=renormalize, num_shared_experts=shared,
+                    prelude_experts=experts, core_experts=experts, coda_experts=experts)
+  runtime = Runtime.of(dispatch='reference', dispatch_tile=tile)
   rng = np.random.default_rng(experts * 10 + top_k)
   x = jnp.asarray(rng.standard_normal((2, 7, d)), jnp.float32)
-  params = init_params(MoE(cfg, experts), x, experts)
+  params = init_params(MoE(cfg, experts, runtime=runtime), x, experts)
   if mode != 'random':
     params, x = _force_routing(params, x, experts, mode)
   ct = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
 
   def run(dispatch_name):
-    moe = MoE(cfg.replace(dispatch=dispatch_name), experts, record=True)
+    moe = MoE(cfg, experts, record=True, runtime=runtime.with_run(dispatch=dispatch_name))
 
     def objective(p, x):
       y, stats = moe.apply(p, x)
@@ -280,13 +280,13 @@ def test_moe_tiled_equals_reference(experts, top_k, mode, renormalize, shared, t
 def test_moe_output_equals_per_token_numpy():
   """The whole layer (router, top-k, renormalise, experts, combine) against numpy."""
   experts, k, d, f = 5, 2, 8, 6
-  cfg = ModelConfig(d_model=d, num_heads=2, expert_width=f, top_k=k, dispatch='tiled',
-                    dispatch_tile=4, prelude_experts=experts, core_experts=experts,
-                    coda_experts=experts)
+  cfg = ModelConfig(d_model=d, num_heads=2, expert_width=f, top_k=k,
+                    prelude_experts=experts, core_experts=experts, coda_experts=experts)
+  moe = MoE(cfg, experts, runtime=Runtime.of(dispatch='tiled', dispatch_tile=4))
   rng = np.random.default_rng(9)
   x = jnp.asarray(rng.standard_normal((3, 5, d)), jnp.float32)
-  params = init_params(MoE(cfg, experts), x, 1)
-  y, stats = jax.jit(MoE(cfg, experts).apply)(params, x)
+  params = init_params(moe, x, 1)
+  y, stats = jax.jit(moe.apply)(params, x)
   p = {n: np.asarray(v.unbox(), np.float64) for n, v in params['params'].items()}
   xt = np.asarray(x, np.float64).reshape(-1, d)
   logits = xt @ p['router']

@@ -15,10 +15,15 @@ from loopmoe_jax.config import REMAT_POLICIES, ModelConfig
 from loopmoe_jax.hlo import dot_flops
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.objective import loss_fn
+from loopmoe_jax.runtime import Runtime
 
 CFG = ModelConfig(vocab_size=64, d_model=32, num_heads=2, expert_width=32, core_layers=2,
-                  num_loops=3, prelude_layers=1, coda_layers=1, tie_attention=False,
-                  dispatch='xla')
+                  num_loops=3, prelude_layers=1, coda_layers=1, tie_attention=False)
+
+
+def _model(cfg=CFG, **run):
+  """The model of `cfg` dispatching with 'xla', the run settings `run` replaced."""
+  return LoopedMoE(cfg, runtime=Runtime.of(**{'dispatch': 'xla', **run}))
 
 
 def _batch():
@@ -27,20 +32,20 @@ def _batch():
 
 
 def _init(cfg):
-  return nn.unbox(jax.jit(LoopedMoE(cfg).init)(jax.random.key(0), _batch()['inputs'])['params'])
+  return nn.unbox(jax.jit(_model(cfg).init)(jax.random.key(0), _batch()['inputs'])['params'])
 
 
 def _loss(cfg, params):
-  return jax.jit(lambda p, b: loss_fn(p, LoopedMoE(cfg), b))(params, _batch())
+  return jax.jit(lambda p, b: loss_fn(p, _model(cfg), b))(params, _batch())
 
 
 def _grads(cfg, params):
-  return jax.jit(jax.grad(lambda p, b: loss_fn(p, LoopedMoE(cfg), b)[0]))(params, _batch())
+  return jax.jit(jax.grad(lambda p, b: loss_fn(p, _model(cfg), b)[0]))(params, _batch())
 
 
-def _loss_and_grads(cfg, params):
-  """(reported LM loss, gradients) from one compiled value_and_grad."""
-  fn = jax.value_and_grad(lambda p, b: loss_fn(p, LoopedMoE(cfg), b), has_aux=True)
+def _loss_and_grads(params, **run):
+  """(reported LM loss, gradients) from one compiled value_and_grad, under run settings `run`."""
+  fn = jax.value_and_grad(lambda p, b: loss_fn(p, _model(**run), b), has_aux=True)
   (_, metrics), grads = jax.jit(fn)(params, _batch())
   return float(metrics['loss']), grads
 
@@ -52,8 +57,8 @@ def plain(dispatch):
   """Params, loss and gradients with remat none, 'xla' attention, the loss in one piece."""
   if dispatch not in _PLAIN:
     params = _init(CFG)
-    _PLAIN[dispatch] = (params, *_loss_and_grads(
-        CFG.replace(attention_impl='xla', dispatch=dispatch), params))
+    _PLAIN[dispatch] = (params, *_loss_and_grads(params, attention_impl='xla',
+                                                  dispatch=dispatch))
   return _PLAIN[dispatch]
 
 
@@ -64,9 +69,8 @@ def test_remat_gives_the_same_loss_and_gradients(policy, dispatch):
   chunked attention over blocks that do not divide the length and a chunked loss, gives
   today's loss and gradients."""
   params, loss, ref = plain(dispatch)
-  cfg = CFG.replace(remat=policy, attention_impl='chunked', attention_block=5, loss_chunk=5,
-                    dispatch=dispatch)
-  got_loss, got = _loss_and_grads(cfg, params)
+  got_loss, got = _loss_and_grads(params, remat=policy, attention_impl='chunked',
+                                  attention_block=5, loss_chunk=5, dispatch=dispatch)
   assert got_loss == pytest.approx(loss, rel=1e-6)
   for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -84,8 +88,8 @@ def test_bfloat16_compute_keeps_float32_params_and_tracks_float32():
   assert all(x.dtype == jnp.float32 and np.isfinite(x).all() for x in jax.tree.leaves(g))
 
 
-def _step_dot_flops(cfg):
-  model, batch = LoopedMoE(cfg), _batch()
+def _step_dot_flops(**run):
+  model, batch = _model(**run), _batch()
   step = jax.jit(jax.value_and_grad(lambda p: loss_fn(p, model, batch)[0]))
   return dot_flops(step.lower(_init(CFG)).compiler_ir('hlo').as_hlo_text())
 
@@ -96,9 +100,8 @@ def test_token_chunks_add_no_forward_where_the_policy_keeps_the_expert_output(mo
   the pass's recompute runs no MoE forward, so the step's matmul FLOPs (with loop trip counts)
   equal the unchunked step's; under full the chunks' backward adds one expert forward, and
   without 'expert_out' in the policy attention would too."""
-  flops = {(p, r): _step_dot_flops(CFG.replace(remat=p, attention_impl='chunked',
-                                               attention_block=5, loss_chunk=5,
-                                               expert_block_rows=r))
+  flops = {(p, r): _step_dot_flops(remat=p, attention_impl='chunked', attention_block=5,
+                                   loss_chunk=5, expert_block_rows=r)
            for p in ('pass_input', 'attention', 'full') for r in (0, 4)}
   assert flops['pass_input', 4] == flops['pass_input', 0], flops
   assert flops['attention', 4] == flops['attention', 0], flops
@@ -106,9 +109,8 @@ def test_token_chunks_add_no_forward_where_the_policy_keeps_the_expert_output(mo
   # the same policy without 'expert_out': the extra forward is back
   monkeypatch.setitem(core.REMAT, 'attention', jax.checkpoint_policies.save_only_these_names(
       'exchange', 'attn_qkv', 'attention'))
-  assert _step_dot_flops(CFG.replace(remat='attention', attention_impl='chunked',
-                                     attention_block=5, loss_chunk=5,
-                                     expert_block_rows=4)) > flops['attention', 4]
+  assert _step_dot_flops(remat='attention', attention_impl='chunked', attention_block=5,
+                         loss_chunk=5, expert_block_rows=4) > flops['attention', 4]
 
 
 @pytest.mark.parametrize('policy,names', [
@@ -121,8 +123,8 @@ def test_each_policy_saves_exactly_its_named_checkpoints(policy, names, capsys):
   chunked attention and the chunked loss): exactly the checkpoint names the policy lists;
   with 'attention' the attention output and its log-sum-exp (so chunked attention's forward
   is not recomputed)."""
-  cfg = CFG.replace(remat=policy, attention_impl='chunked', attention_block=5, loss_chunk=5)
-  model, batch = LoopedMoE(cfg), _batch()
+  model = _model(remat=policy, attention_impl='chunked', attention_block=5, loss_chunk=5)
+  batch = _batch()
   jax.ad_checkpoint.print_saved_residuals(lambda p: loss_fn(p, model, batch)[0], _init(CFG))
   saved = capsys.readouterr().out
   assert set(re.findall(r"named '(\w+)'", saved)) == names, saved

@@ -16,6 +16,7 @@ import pytest
 
 from loopmoe_jax.analysis import evals, probes
 from loopmoe_jax.data import synthetic
+from loopmoe_jax.runtime import Runtime
 
 import reference
 from helpers import apply_fn, make_cfg, make_params, tokens
@@ -99,7 +100,7 @@ def test_probing_off_leaves_logits_bit_identical(probed):
   params, toks, logits_on, pr = probed
   # probes read the attention weights, so they run the 'xla' attention whatever
   # run.attention_impl says: bit-identical to that; the default (chunked on CPU) agrees closely
-  logits_off, extras = apply_fn(CFG.replace(attention_impl='xla'))(params, toks)
+  logits_off, extras = apply_fn(CFG, runtime=Runtime.of(attention_impl='xla'))(params, toks)
   np.testing.assert_array_equal(np.asarray(logits_on), np.asarray(logits_off))
   np.testing.assert_allclose(np.asarray(apply_fn(CFG)(params, toks)[0]), np.asarray(logits_on),
                              rtol=1e-4, atol=1e-5)
@@ -152,8 +153,7 @@ def test_cosine_is_one_when_core_is_a_no_op_between_visits():
 
 def test_unrolled_loop_gives_the_same_probes(probed):
   params, toks, _, pr = probed
-  cfg = CFG.replace(loop_impl='unroll')
-  _, pr_u = probes.probe_forward(cfg, params, toks)
+  _, pr_u = probes.probe_forward(CFG, params, toks, runtime=Runtime.of(loop_impl='unroll'))
   for a, b in zip(pr['core'], pr_u['core']):
     for n in ('q', 'v', 'sink'):
       np.testing.assert_allclose(np.asarray(a[n]), np.asarray(b[n]), rtol=1e-5, atol=1e-5)

@@ -24,6 +24,7 @@ from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.model import LoopedMoE, bias_shapes, variables
 from loopmoe_jax.moe import MoE, route_for
 from loopmoe_jax.sharding import MeshConfig
+from loopmoe_jax.runtime import Runtime
 from loopmoe_jax.train import checkpoint, step as steps
 from loopmoe_jax.train.step import update_router_bias
 from loopmoe_jax.config.train import TrainConfig
@@ -31,7 +32,8 @@ from loopmoe_jax.train.optimizer import make_optimizer
 
 TINY = dict(vocab_size=64, d_model=32, num_heads=2, head_dim=16, expert_width=32, top_k=2,
             prelude_layers=1, prelude_experts=4, core_layers=1, core_experts=4, num_loops=2,
-            coda_layers=0, dispatch='xla')
+            coda_layers=0)
+XLA = Runtime.of(dispatch='xla')  # the tiny model's run settings
 
 
 def route_numpy(logits, k, bias, score, renormalize=True):
@@ -85,7 +87,7 @@ def test_bias_gets_no_gradient_and_weights_are_the_unbiased_scores():
 def tiny_models():
   """Shared params of the tiny model under every bias layout (same param tree)."""
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, 64, (4, 12)), jnp.int32)
-  params = LoopedMoE(ModelConfig(**TINY)).init(jax.random.key(0), tokens)['params']
+  params = LoopedMoE(ModelConfig(**TINY), runtime=XLA).init(jax.random.key(0), tokens)['params']
   return tokens, params
 
 
@@ -99,13 +101,14 @@ def test_uniform_bias_changes_nothing_and_the_bias_gets_no_gradient(tiny_models,
   tokens, params = tiny_models
   plain = ModelConfig(**TINY)
   cfg = plain.replace(router_bias=layout)
-  want, _ = LoopedMoE(plain).apply({'params': params}, tokens)
+  want, _ = LoopedMoE(plain, runtime=XLA).apply({'params': params}, tokens)
   bias = _bias(cfg, 3.0)  # the same for every expert: the same choices, hence the same output
-  got, _ = LoopedMoE(cfg).apply({'params': params, 'router_bias': bias}, tokens)
+  got, _ = LoopedMoE(cfg, runtime=XLA).apply({'params': params, 'router_bias': bias}, tokens)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
   def loss(b):
-    logits, extras = LoopedMoE(cfg).apply({'params': params, 'router_bias': b}, tokens)
+    logits, extras = LoopedMoE(cfg, runtime=XLA).apply({'params': params, 'router_bias': b},
+                                                       tokens)
     return jnp.mean(logits ** 2) + extras['load_balance'] + extras['z_loss']
   rng = np.random.default_rng(3)
   noisy = jax.tree.map(lambda b: b + jnp.asarray(rng.normal(size=b.shape), jnp.float32), bias)
@@ -127,8 +130,8 @@ def test_a_winning_bias_makes_every_token_pick_its_expert(tiny_models, layout):
     else:
       bias['bias'][seg] = b.at[:, 1].set(10.0)
       win[seg] = np.ones((1,), int)
-  _, extras = LoopedMoE(cfg).apply({'params': params, 'router_bias': bias}, tokens,
-                                   return_routing=True)
+  _, extras = LoopedMoE(cfg, runtime=XLA).apply({'params': params, 'router_bias': bias}, tokens,
+                                                         return_routing=True)
   for seg, r in extras['routing'].items():  # experts: [(L,) D, B, T, k]
     first = np.asarray(r['experts'])[..., 0]
     assert np.all(first == np.asarray(win[seg])[..., 0]), seg
@@ -157,7 +160,7 @@ def test_train_step_updates_from_its_own_loads_outside_the_optimizer(tiny_models
   no bias."""
   tokens, _ = tiny_models
   cfg = ModelConfig(**TINY, router_bias='per_pass')
-  model, rate = LoopedMoE(cfg), 0.01
+  model, rate = LoopedMoE(cfg, runtime=XLA), 0.01
   tx, schedule = make_optimizer(TrainConfig(lr=1e-2, warmup=0))
   mesh = sharding.make_mesh(MeshConfig(data=1), jax.devices()[:1])
   state_sh, batch_sh = steps.shardings(mesh, model, tx, 12)
@@ -188,21 +191,21 @@ def test_train_step_updates_from_its_own_loads_outside_the_optimizer(tiny_models
 def test_every_dispatch_and_expert_parallel_agree_with_the_bias(score):
   """MoE layer with a router bias: reference, xla, tiled, pallas (interpret) and the
   expert-parallel path on a data2 x expert4 mesh give the same outputs and loads."""
-  cfg = ModelConfig(**{**TINY, 'router_score': score, 'router_bias': 'shared',
-                       'dispatch_tile': 16})
+  cfg = ModelConfig(**{**TINY, 'router_score': score, 'router_bias': 'shared'})
+  run = lambda backend: Runtime.of(dispatch=backend, dispatch_tile=16)
   x = jax.random.normal(jax.random.key(4), (8, 8, cfg.d_model), jnp.float32)
   bias = jnp.asarray([0.3, -0.2, 0.0, 0.1], jnp.float32)
-  params = MoE(cfg.replace(dispatch='xla'), 4).init(jax.random.key(5), x)['params']
+  params = MoE(cfg, 4, runtime=run('xla')).init(jax.random.key(5), x)['params']
   out = {}
   for backend in ('reference', 'xla', 'tiled', 'pallas'):
-    moe = MoE(cfg.replace(dispatch=backend), 4)
+    moe = MoE(cfg, 4, runtime=run(backend))
     out[backend] = jax.jit(lambda p, x, b: moe.apply({'params': p}, x, b))(params, x, bias)
-  moe = MoE(cfg.replace(dispatch='tiled'), 4)
+  moe = MoE(cfg, 4, runtime=run('tiled'))
   mesh = sharding.make_mesh(MeshConfig(data=2, expert=4))
   with jax.set_mesh(mesh):
     out['expert_parallel'] = jax.device_get(
         jax.jit(lambda p, x, b: moe.apply({'params': p}, x, b))(params, x, bias))
-  unbiased, _ = MoE(cfg.replace(dispatch='reference'), 4).apply({'params': params}, x)
+  unbiased, _ = MoE(cfg, 4, runtime=run('reference')).apply({'params': params}, x)
   want_y, want_stats = out['reference']
   assert not np.allclose(np.asarray(unbiased), np.asarray(want_y))  # the bias steers
   for name, (y, stats) in out.items():
@@ -226,9 +229,9 @@ def test_config_errors_name_the_key_and_the_fix():
       TrainConfig(bias_rate=rate)
   cfg = ModelConfig(**TINY, router_bias='shared')
   tokens = jnp.zeros((1, 4), jnp.int32)
-  params = LoopedMoE(cfg).init(jax.random.key(0), tokens)['params']
+  params = LoopedMoE(cfg, runtime=XLA).init(jax.random.key(0), tokens)['params']
   with pytest.raises(ValueError, match=r"model\.router_bias='shared': apply needs the trained"):
-    LoopedMoE(cfg).apply({'params': params}, tokens)
+    LoopedMoE(cfg, runtime=XLA).apply({'params': params}, tokens)
 
 
 def test_resume_gives_the_same_biases_and_losses_and_another_layout_is_refused(tmp_path):

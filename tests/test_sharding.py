@@ -12,6 +12,7 @@ programs trace in half the time of the CPU default 'tiled' (which
 test_local_routing_equals_one_device_on_a_skewed_batch runs under expert parallelism).
 """
 import collections
+import dataclasses
 import functools
 
 import jax
@@ -25,6 +26,7 @@ from loopmoe_jax import dispatch as dispatch_lib
 from loopmoe_jax import core, expert_parallel, sharding
 from loopmoe_jax.config import RUN_FIELDS, ModelConfig
 from loopmoe_jax.model import LoopedMoE
+from loopmoe_jax.runtime import Runtime
 from loopmoe_jax.sharding import MeshConfig
 from loopmoe_jax.train import step as steps
 from loopmoe_jax.config.train import TrainConfig
@@ -38,19 +40,34 @@ MESHES = {
 }
 SMALL = dict(vocab_size=256, d_model=32, num_heads=2, head_dim=16, expert_width=32, top_k=2,
              prelude_layers=1, prelude_experts=4, core_layers=2, core_experts=4, num_loops=2,
-             coda_layers=1, coda_experts=4, dispatch='xla')
+             coda_layers=1, coda_experts=4)
+XLA = Runtime.of(dispatch='xla')  # the run settings of the models here
 CONFIGS = {
     'untied': ModelConfig(**SMALL, tie_attention=False),
     'tied_injection': ModelConfig(**SMALL, tie_attention=True, injection='concat',
                                   residual_scale='inverse_loops'),
     # gate training (exit.py): every pass's readout through the coda and head, on the mesh
     'gate': ModelConfig(**SMALL, exit='gate', exit_threshold=0.5, exit_entropy=0.05),
+    # the MoE dispatch in recomputed token chunks (run settings: RUNS)
+    'block_rows': ModelConfig(**SMALL, tie_attention=False),
+}
+# Each config's run settings beyond XLA's (dispatch 'xla')
+RUNS = {
     # the MoE dispatch in recomputed token chunks of at most 24 rows (run.expert_block_rows,
     # under a remat policy): 4 chunks a device on the mesh (receive buffers of 64 rows), 16
     # on one device (256 routed rows)
-    'block_rows': ModelConfig(**SMALL, tie_attention=False, remat='full', expert_block_rows=24),
+    'block_rows': dict(remat='full', expert_block_rows=24),
 }
 BATCH, SEQ, STEPS = 8, 16, 3
+
+
+def runtime(config_name: str) -> Runtime:
+  """The runtime of CONFIGS[config_name]: dispatch 'xla' and its RUNS."""
+  return XLA.with_run(**RUNS.get(config_name, {}))
+
+
+def model_of(config_name: str) -> LoopedMoE:
+  return LoopedMoE(CONFIGS[config_name], runtime=runtime(config_name))
 
 
 def one_device_mesh():
@@ -68,7 +85,7 @@ def run(config_name: str, mesh_name: str, microbatches: int = 1, lb_coef: float 
   """Per step: metrics and gradients of STEPS AdamW steps from one init, on the mesh."""
   cfg = CONFIGS[config_name]
   mesh = one_device_mesh() if mesh_name == 'one' else sharding.make_mesh(MESHES[mesh_name])
-  model = LoopedMoE(cfg)
+  model = model_of(config_name)
   tx, _ = make_optimizer(TrainConfig(lr=1e-2, warmup=0))
   state_sh, batch_sh = steps.shardings(mesh, model, tx, SEQ)
   state = steps.create_state(model, tx, 0, SEQ, state_sh)
@@ -126,8 +143,8 @@ def test_microbatches_give_the_same_update():
 
 # Sharding is real -----------------------------------------------------------------------------
 
-def _state_bytes(cfg, mesh_cfg):
-  model = LoopedMoE(cfg)
+def _state_bytes(config_name, mesh_cfg):
+  model = model_of(config_name)
   tx, _ = make_optimizer(TrainConfig())
   mesh = sharding.make_mesh(mesh_cfg)
   state_sh, _ = steps.shardings(mesh, model, tx, SEQ)
@@ -136,9 +153,8 @@ def _state_bytes(cfg, mesh_cfg):
 
 
 def test_fsdp8_holds_an_eighth_of_the_state():
-  cfg = CONFIGS['untied']
-  rep = _state_bytes(cfg, MeshConfig(data=8))
-  fsdp = _state_bytes(cfg, MeshConfig(data=1, fsdp=8))
+  rep = _state_bytes('untied', MeshConfig(data=8))
+  fsdp = _state_bytes('untied', MeshConfig(data=1, fsdp=8))
   # every parameter has an 'embed' dimension (d_model 32 divides by 8): nothing but the
   # step counter and Adam's count (4 bytes each) stays replicated
   assert fsdp['params'] * 8 == rep['params']
@@ -149,7 +165,7 @@ def test_fsdp8_holds_an_eighth_of_the_state():
 def test_expert_parallel_program_exchanges_tokens_not_experts():
   cfg = CONFIGS['untied']
   mesh = sharding.make_mesh(MESHES['data2_expert4'])
-  model = LoopedMoE(cfg)
+  model = model_of('untied')
   tx, schedule = make_optimizer(TrainConfig())
   state_sh, batch_sh = steps.shardings(mesh, model, tx, SEQ)
   step = steps.make_train_step(model, tx, schedule, 0.01, 0.001, state_sh, batch_sh)
@@ -179,14 +195,23 @@ def _moe_inputs(tokens=64, d=16, f=24, experts=8, k=2, same_expert=False, seed=0
   return x, ids, w, params
 
 
+def _ep_config(params, cfg_kw):
+  """(ModelConfig, Runtime) of the expert-parallel dispatch: the run settings of `cfg_kw`
+  (RUN_FIELDS; dispatch 'tiled' with tiles of 8 unless given) in the runtime, the rest in the
+  architecture."""
+  run = dict(dispatch='tiled', dispatch_tile=8)
+  run.update({k: v for k, v in cfg_kw.items() if k in RUN_FIELDS})
+  model = {k: v for k, v in cfg_kw.items() if k not in RUN_FIELDS}
+  return ModelConfig(**dict(dict(core_experts=params['gate'].shape[0]), **model)), Runtime.of(**run)
+
+
 def _ep(mesh_cfg, x, ids, w, params, grads=False, **cfg_kw):
   """(y, dropped) of the expert-parallel dispatch; grads: also the gradients of a fixed
   linear function of y with respect to x, the weights and every expert tensor."""
   mesh = sharding.make_mesh(mesh_cfg)
-  cfg = ModelConfig(**dict(dict(core_experts=params['gate'].shape[0], dispatch='tiled',
-                                dispatch_tile=8), **cfg_kw))
+  cfg, rt = _ep_config(params, cfg_kw)
   moe = lambda x, ids, w, p: expert_parallel.moe_dispatch(x, ids, w, p, cfg,
-                                                          jax.sharding.get_abstract_mesh())
+                                                          jax.sharding.get_abstract_mesh(), rt)
   fn = jax.jit(moe)
   with jax.set_mesh(mesh):
     y, dropped = fn(x, ids, w, params)
@@ -281,12 +306,11 @@ def _ep_grad_temp_bytes(mesh_cfg, x, ids, w, params, policy=None, **cfg_kw):
   with `policy` (a core.REMAT name): the dispatch inside a checkpoint of that policy, as a
   layer stack under run.remat holds it."""
   mesh = sharding.make_mesh(mesh_cfg)
-  cfg = ModelConfig(**dict(dict(core_experts=params['gate'].shape[0], dispatch='tiled',
-                                dispatch_tile=8), **cfg_kw))
+  cfg, rt = _ep_config(params, cfg_kw)
 
   def loss(x, w, p):
     moe = lambda x, w, p: expert_parallel.moe_dispatch(x, jnp.asarray(ids), w, p, cfg,
-                                                       jax.sharding.get_abstract_mesh())[0]
+                                                       jax.sharding.get_abstract_mesh(), rt)[0]
     if policy:
       moe = jax.checkpoint(moe, policy=core.REMAT[policy], prevent_cse=False)
     y = moe(x, w, p)
@@ -334,12 +358,13 @@ def test_token_chunks_equal_the_whole_exchange_and_keep_less(monkeypatch, kind):
 def test_ragged_exchange_lowers_for_accelerators(platform):
   """Forward and gradient of the ragged transport lower for `platform` from this CPU."""
   x, ids, w, params = _moe_inputs()
-  cfg = ModelConfig(core_experts=8, expert_exchange='ragged', dispatch='xla')
+  cfg = ModelConfig(core_experts=8)
+  rt = Runtime.of(expert_exchange='ragged', dispatch='xla')
   mesh = sharding.make_mesh(MESHES['data2_expert4'])
 
   def loss(x, w, params):
     y, _ = expert_parallel.moe_dispatch(x, jnp.asarray(ids), w, params, cfg,
-                                        jax.sharding.get_abstract_mesh())
+                                        jax.sharding.get_abstract_mesh(), rt)
     return jnp.sum(y * y)
 
   with jax.set_mesh(mesh):
@@ -374,7 +399,7 @@ def test_mesh_config_errors():
      r"'embed' dimension of size 30 does not divide over mesh\.fsdp=4; change model\.d_model"),
 ])
 def test_dimension_that_does_not_divide_is_named(mesh_cfg, field, pattern):
-  model = LoopedMoE(ModelConfig(**dict(SMALL, **field)))
+  model = LoopedMoE(ModelConfig(**dict(SMALL, **field)), runtime=XLA)
   tx, _ = make_optimizer(TrainConfig())
   with pytest.raises(ValueError, match=pattern):
     steps.shardings(sharding.make_mesh(mesh_cfg), model, tx, SEQ)
@@ -411,7 +436,7 @@ def test_checkpoint_saved_on_one_mesh_resumes_on_another(tmp_path):
   train(_on(tiny(steps=3, schedule_steps=6), saved_on), work)
 
   exp = build(_on(tiny(), moved_to))  # the stored values, restored onto the other mesh
-  model, (tx, _) = LoopedMoE(exp.model), make_optimizer(exp.train)
+  model, (tx, _) = LoopedMoE(exp.model, runtime=exp.runtime()), make_optimizer(exp.train)
   state_sh, _ = steps.shardings(sharding.make_mesh(moved_to), model, tx, exp.data.seq_len)
   mngr = checkpoint.manager(tmp_path / 'moved' / 'checkpoints', read_only=True, async_save=False)
   s, state, _, _ = checkpoint.restore_latest(
@@ -505,10 +530,11 @@ def test_expert_exchange_carries_only_the_routed_rows():
 
 # Pod efficiency: local routing, sharded weights, right-sized exchange, the platform dry run -----
 
-def _moe_layer_on(mesh, cfg, x, bias=None):
-  """Output, aux losses and gradients (w.r.t. params and x) of one MoE layer on `mesh`."""
+def _moe_layer_on(mesh, cfg, rt, x, bias=None):
+  """Output, aux losses and gradients (w.r.t. params and x) of one MoE layer on `mesh`, with
+  the run settings of runtime `rt` (its mesh the one set here)."""
   from loopmoe_jax.moe import MoE
-  layer = MoE(cfg, cfg.core_experts)
+  layer = MoE(cfg, cfg.core_experts, runtime=rt)
   params = layer.init(jax.random.key(0), x)['params']
 
   def loss(p, x):
@@ -526,14 +552,15 @@ def test_local_routing_equals_one_device_on_a_skewed_batch(mesh_name):
   load-balance and z-losses, expert loads and gradients equal one device's, on a batch where
   90% of the rows are one token (so two experts take 90% of the choices) plus a router bias
   that sends the rest to one expert shard."""
-  cfg = ModelConfig(**dict(SMALL, core_experts=8, dispatch='tiled', dispatch_tile=8))
+  cfg = ModelConfig(**dict(SMALL, core_experts=8))
+  rt = Runtime.of(dispatch='tiled', dispatch_tile=8)
   rng = np.random.default_rng(0)
   x = rng.standard_normal((8, 16, cfg.d_model)).astype(np.float32)
   crowd = rng.random((8, 16)) < 0.9
   x[crowd] = x[0, 0]
   bias = jnp.asarray([0, 0, 0, 0, 0, 0, 5.0, 5.0], jnp.float32)
-  want = _moe_layer_on(one_device_mesh(), cfg, x, bias)  # one compile (jit's cache)
-  got = _moe_layer_on(sharding.make_mesh(MESHES[mesh_name]), cfg, x, bias)
+  want = _moe_layer_on(one_device_mesh(), cfg, rt, x, bias)  # one compile (jit's cache)
+  got = _moe_layer_on(sharding.make_mesh(MESHES[mesh_name]), cfg, rt, x, bias)
   load = want[1]['load']
   assert np.sort(load)[-2:].sum() >= 0.9 * load.sum() * 0.9  # skewed as intended
   np.testing.assert_allclose(got[0], want[0], rtol=2e-5)
@@ -549,7 +576,8 @@ def _small_cfg(mesh_cfg, **model):
   import ml_collections
   from loopmoe_jax.experiment import load_config
   cfg = load_config('configs/default.py:smoke')
-  for k, v in dict(CONFIGS['untied'].__dict__, **model).items():
+  for k, v in {**CONFIGS['untied'].architecture(), **dataclasses.asdict(runtime('untied').run),
+               **model}.items():
     cfg['run' if k in RUN_FIELDS else 'model'][k] = v
   cfg.data.batch_size, cfg.data.seq_len = BATCH, SEQ
   assert isinstance(cfg, ml_collections.ConfigDict)
@@ -646,7 +674,7 @@ def test_zero_data_splits_every_weight_over_data_too():
   """data=2 x expert=4: every weight is split 4 ways over `expert` (expert weights by their
   expert dimension, the rest by their width); mesh.zero_data also splits widths over `data`,
   so each device holds an eighth of every weight and of the optimizer moments."""
-  model = LoopedMoE(CONFIGS['untied'])
+  model = model_of('untied')
   tx, _ = make_optimizer(TrainConfig())
   mesh = sharding.make_mesh(MESHES['data2_expert4'])
   shapes = steps.abstract_state(model, tx, SEQ)
@@ -668,7 +696,7 @@ def _replay_step(buffer_factor: float, overflow: str):
   cfg = CONFIGS['untied'].replace(exchange_buffer_factor=buffer_factor,
                                   exchange_overflow=overflow)
   mesh = sharding.make_mesh(MESHES['data2_expert4'])
-  model = LoopedMoE(cfg)
+  model = LoopedMoE(cfg, runtime=runtime('untied'))
   tx = optax.sgd(1.0)
   state_sh, batch_sh = steps.shardings(mesh, model, tx, SEQ)
   state = steps.create_state(model, tx, 0, SEQ, state_sh)
@@ -749,13 +777,13 @@ def test_the_runtime_reads_the_mesh_in_one_place():
   assert seen['local'].local and not seen['local'].sharded and seen['local'].axis('expert') == 4
   given = Runtime(mesh=mesh.abstract_mesh)
   assert given.resolved() is given and given.local_view().local
-  cfg = ModelConfig(d_model=32, expert_width=16, core_experts=8, top_k=2, dispatch='xla')
+  cfg = ModelConfig(d_model=32, expert_width=16, core_experts=8, top_k=2)
   x = jax.random.normal(jax.random.key(1), (8, 4, 32))
-  layer = MoE(cfg, 8)
+  layer = MoE(cfg, 8, runtime=XLA)  # no mesh given: the ambient one
   params = layer.init(jax.random.key(0), x)
   y_one, _ = layer.apply(params, x)
   with jax.set_mesh(mesh):  # implicit and given runtimes: the expert-parallel branch
-    for model in (layer, MoE(cfg, 8, runtime=given)):
+    for model in (layer, MoE(cfg, 8, runtime=given.with_run(dispatch='xla'))):
       text = jax.jit(model.apply).lower(params, x).as_text()
       assert 'all_to_all' in text  # the exchange, not one device's dispatch
       np.testing.assert_allclose(jax.jit(model.apply)(params, x)[0], y_one, rtol=2e-5, atol=2e-5)

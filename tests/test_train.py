@@ -245,7 +245,7 @@ def test_a_run_directory_from_before_the_run_section_loads_and_resumes(tmp_path,
   fixture = os.path.join(os.path.dirname(__file__), 'data', 'run_v1')
   run = RunDir(fixture).load()
   assert (run.step, run.exp.run.dispatch, run.exp.run.remat) == (2, 'xla', 'full')
-  assert run.model_cfg.remat == 'full' and run.exp.model.core_experts == 4
+  assert run.runtime.run.remat == 'full' and run.exp.model.core_experts == 4
   capsys.readouterr()
   assert 'read as run.*' in logged(caplog, logging.INFO)
   work, straight = str(tmp_path / 'old'), str(tmp_path / 'straight')

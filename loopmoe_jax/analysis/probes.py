@@ -30,6 +30,7 @@ import numpy as np
 
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.model import LoopedMoE, check_loops, variables
+from loopmoe_jax.runtime import HERE, Runtime
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,8 @@ QKV = ('q', 'k', 'v')
 
 
 @functools.lru_cache(maxsize=None)
-def _probe_fn(cfg: ModelConfig, num_loops: int | None):
-  model = LoopedMoE(cfg)
+def _probe_fn(cfg: ModelConfig, num_loops: int | None, runtime: Runtime):
+  model = LoopedMoE(cfg, runtime=runtime)
 
   def fn(params, tokens_BT):
     (logits, _), state = model.apply(variables(params), tokens_BT, num_loops=num_loops,
@@ -61,11 +62,13 @@ def _attention_values(seg_tree, layers: int) -> list[dict]:
   return out
 
 
-def probe_forward(cfg: ModelConfig, params, tokens_BT, num_loops: int | None = None):
+def probe_forward(cfg: ModelConfig, params, tokens_BT, num_loops: int | None = None,
+                  runtime: Runtime = HERE):
   """(logits_BTV, probes) with probes {segment: [per layer {'q','k','v','sink'}]}: prelude/coda
-  arrays q [B,T,H,K], k/v [B,T,G,K], sink [B,H]; core arrays with a leading pass axis L."""
+  arrays q [B,T,H,K], k/v [B,T,G,K], sink [B,H]; core arrays with a leading pass axis L.
+  `runtime`: the model's run settings (runtime.py; the loop's implementation, ...)."""
   n = check_loops(cfg, num_loops)
-  logits, inter = _probe_fn(cfg, n)(params, jnp.asarray(tokens_BT, jnp.int32))
+  logits, inter = _probe_fn(cfg, n, runtime)(params, jnp.asarray(tokens_BT, jnp.int32))
   probes = {}
   if cfg.prelude_layers:
     probes['prelude'] = _attention_values(inter['prelude'], cfg.prelude_layers)

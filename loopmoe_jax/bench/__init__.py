@@ -124,8 +124,13 @@ def _batch(cfg: ModelConfig, batch: int, seq: int, seed: int = 0):
   return {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]}
 
 
-def _abstract_params(cfg: ModelConfig, batch):
-  model = LoopedMoE(cfg)
+def as_model(spec) -> nn.Module:
+  """A benchmark's model: a LoopedMoE as given, or a ModelConfig's on this machine's runtime."""
+  return spec if isinstance(spec, nn.Module) else LoopedMoE(spec)
+
+
+def _abstract_params(spec, batch):
+  model = as_model(spec)
   shapes = jax.eval_shape(lambda: nn.unbox(for_init(model).init(jax.random.key(0),
                                                                 batch['inputs'])))
   return model, shapes['params']
@@ -154,8 +159,9 @@ def _fresh(step):
   return lambda params, batch: step(params, batch)
 
 
-def compile_seconds(cfgs: dict[str, ModelConfig], batch, repeats: int, options=None):
-  """Median lower+compile seconds (wall, and process CPU) of each config's train step, with a
+def compile_seconds(cfgs: dict[str, Any], batch, repeats: int, options=None):
+  """Median lower+compile seconds (wall, and process CPU) of each config's (a ModelConfig, or
+  a LoopedMoE with its runtime: `as_model`) train step, with a
   fresh function object every time, compiling the configs in turn (A, B, A, B, ...)."""
   abstract = {name: _abstract_params(cfg, batch) for name, cfg in cfgs.items()}
   wall = {name: [] for name in cfgs}
@@ -172,12 +178,13 @@ def compile_seconds(cfgs: dict[str, ModelConfig], batch, repeats: int, options=N
   return med(wall), med(cpu)
 
 
-def step_seconds(cfgs: dict[str, ModelConfig], batch, repeats: int, options=None,
+def step_seconds(cfgs: dict[str, Any], batch, repeats: int, options=None,
                  cache: dict | None = None) -> dict[str, float]:
-  """Median train-step seconds of each config, timed interleaved on the same batch."""
+  """Median train-step seconds of each config (a ModelConfig or a LoopedMoE: `as_model`),
+  timed interleaved on the same batch."""
   thunks = {}
   for name, cfg in cfgs.items():
-    model = LoopedMoE(cfg)
+    model = as_model(cfg)
     params = init_params(model, batch['inputs'], cache)
     step = jax.jit(make_train_step(model)).lower(params, batch).compile(options)
     thunks[name] = (lambda step=step, params=params: step(params, batch))

@@ -61,7 +61,7 @@ def step_time_ratio(quick: bool, counts=(2, 8), repeats: int | None = None) -> d
   tc, dc, mc = exp.train, exp.data, exp.model
   mesh = sharding.make_mesh(devices=jax.devices()[:1])
   tx, schedule = make_optimizer(tc)
-  model = LoopedMoE(mc)
+  model = LoopedMoE(mc, runtime=exp.runtime())
   state_sh, batch_sh = steps.shardings(mesh, model, tx, dc.seq_len)
   placed = jax.device_put(_batch(mc, dc.batch_size, dc.seq_len), batch_sh)
   thunks = {}
@@ -107,22 +107,23 @@ def compiled_programs(quick: bool, steps: int | None = None) -> dict[str, Any]:
 def decode_exit_ratio(quick: bool, loops: int = 8, tokens: int | None = None,
                       repeats: int | None = None) -> dict[str, Any]:
   """Per-token decode time at batch 1, early exit ('kl', ~loops/2 passes) over every pass."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from loopmoe_jax.config import ModelConfig  # pylint: disable=import-outside-toplevel
   from loopmoe_jax.decode import decode_step, init_cache, mean_passes  # pylint: disable=import-outside-toplevel
   from loopmoe_jax.model import LoopedMoE, for_init  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.runtime import Runtime  # pylint: disable=import-outside-toplevel
   tokens = tokens or (16 if quick else 64)
   width = 64 if quick else 256
   cfg = ModelConfig(vocab_size=256, d_model=width, num_heads=4, expert_width=width,
                     prelude_layers=1, prelude_experts=0, core_layers=2, core_experts=4,
-                    num_loops=loops, coda_layers=1, coda_experts=0, dispatch='xla')
+                    num_loops=loops, coda_layers=1, coda_experts=0)
+  xla = Runtime.of(dispatch='xla')
   toks = jax.random.randint(jax.random.key(1), (1, tokens), 0, cfg.vocab_size)
   params = for_init(LoopedMoE(cfg)).init(jax.random.key(0), toks[:, :4])['params']
 
   def forward_passes(t):
     c = cfg.replace(exit='kl', exit_threshold=t)
-    _, ex = LoopedMoE(c).apply({'params': params}, toks, early_exit=True)
+    _, ex = LoopedMoE(c, runtime=xla).apply({'params': params}, toks, early_exit=True)
     return float(ex['exit']['mean_passes'])
   lo, hi = 1e-6, 1e2  # bisect log10(threshold) for about half the passes
   for _ in range(12):  # a larger threshold exits sooner
@@ -130,7 +131,8 @@ def decode_exit_ratio(quick: bool, loops: int = 8, tokens: int | None = None,
     lo, hi = (lo, mid) if forward_passes(mid) < loops / 2 else (mid, hi)
   threshold = float(np.sqrt(lo * hi))
   runs = {'full': cfg, 'exit': cfg.replace(exit='kl', exit_threshold=threshold)}
-  steps = {k: jax.jit(lambda p, ca, x, c=c: decode_step(c, p, ca, x)) for k, c in runs.items()}
+  steps = {k: jax.jit(lambda p, ca, x, c=c: decode_step(c, p, ca, x, runtime=xla))
+           for k, c in runs.items()}
   caches = {}
   secs = {}
   for k in runs:

@@ -61,6 +61,7 @@ from loopmoe_jax.bench import (FAST_COMPILE, _batch, register, step_seconds,
                                time_interleaved)
 from loopmoe_jax.config import REMAT_POLICIES
 from loopmoe_jax.experiment import build, load_config
+from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.objective import head_nll
 
 _sd = jax.ShapeDtypeStruct
@@ -222,10 +223,12 @@ def bench_memory(quick: bool = False) -> dict[str, Any]:
 
   res.update(real_compiler_rows(quick))
 
-  main = build(load_config('configs/default.py')).model
+  exp = build(load_config('configs/default.py'))
+  main, rt = exp.model, exp.runtime()
   batch = _batch(main, 4 if quick else 16, 128)
-  secs = step_seconds({'chunked': main.replace(attention_impl='chunked'),
-                       'xla': main.replace(attention_impl='xla')}, batch, 3 if quick else 15,
+  secs = step_seconds({'chunked': LoopedMoE(main, runtime=rt.with_run(attention_impl='chunked')),
+                       'xla': LoopedMoE(main, runtime=rt.with_run(attention_impl='xla'))},
+                      batch, 3 if quick else 15,
                       FAST_COMPILE if quick else None)
   res.update(step_s_chunked=secs['chunked'], step_s_xla=secs['xla'],
              step_chunked_over_xla=secs['chunked'] / secs['xla'])

@@ -33,15 +33,16 @@ from loopmoe_jax.bench import (FAST_COMPILE, _batch, _block, compile_seconds, in
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.moe import MoE
+from loopmoe_jax.runtime import HERE, Runtime
 
 
 DENSE_IN_E = ('xla', 'reference')
 
 
 def moe_fwd_bwd(cfg: ModelConfig, num_experts: int, num_tokens: int, options=None,
-                cache: dict | None = None):
+                cache: dict | None = None, runtime: Runtime = HERE):
   """A compiled fwd+bwd thunk of the MoE layer on [1, num_tokens, d_model] inputs."""
-  moe = MoE(cfg, num_experts)
+  moe = MoE(cfg, num_experts, runtime=runtime)
   x = jax.random.normal(jax.random.key(1), (1, num_tokens, cfg.d_model), jnp.float32)
   params = init_params(moe, x, cache)
 
@@ -55,19 +56,19 @@ def moe_fwd_bwd(cfg: ModelConfig, num_experts: int, num_tokens: int, options=Non
 
 def moe_ratio(cfg: ModelConfig, backend: str, num_tokens: int, small: int, large: int,
               repeats: int, max_seconds: float = float('inf'), options=None,
-              cache: dict | None = None):
+              cache: dict | None = None, tile: int = 128):
   """Seconds of one fwd+bwd at `small` and `large` experts and their ratio. When the large-E
   call is predicted (from one small-E call; linear in E for DENSE_IN_E backends) to take more
   than `max_seconds`, the large one is skipped (None)."""
-  c = cfg.replace(dispatch=backend)
-  thunks = {small: moe_fwd_bwd(c, small, num_tokens, options, cache)}
+  rt = Runtime.of(dispatch=backend, dispatch_tile=tile)
+  thunks = {small: moe_fwd_bwd(cfg, small, num_tokens, options, cache, rt)}
   t0 = time.perf_counter()
   _block(thunks[small]())
   predicted = (time.perf_counter() - t0) * (large / small if backend in DENSE_IN_E else 1.0)
   if predicted > max_seconds:
     t = time_interleaved(thunks, repeats, warmup=0)[small]
     return dict(small=t, large=None, ratio=None)
-  thunks[large] = moe_fwd_bwd(c, large, num_tokens, options, cache)
+  thunks[large] = moe_fwd_bwd(cfg, large, num_tokens, options, cache, rt)
   secs = time_interleaved(thunks, repeats, warmup=0 if backend in DENSE_IN_E else 1)
   return dict(small=secs[small], large=secs[large], ratio=secs[large] / secs[small])
 
@@ -102,8 +103,8 @@ def bench_model(quick: bool = False) -> dict[str, Any]:
   # executed depth with its own weights (D*L layers, 1 pass). No prelude or coda.
   d, l = (1, 2) if quick else (2, 4)
   looped = _cfg(quick, prelude_layers=0, coda_layers=0, core_layers=d, core_experts=8,
-                num_loops=l, tie_attention=True, loop_impl='scan')
-  cfgs = {'scan': looped, 'unroll': looped.replace(loop_impl='unroll'),
+                num_loops=l, tie_attention=True)
+  cfgs = {'scan': looped, 'unroll': LoopedMoE(looped, runtime=Runtime.of(loop_impl='unroll')),
           'unrolled': looped.replace(core_layers=d * l, num_loops=1)}
   secs = step_seconds(cfgs, _batch(looped, 2 if quick else 4, 32 if quick else 128),
                       3 if quick else 10, opts, cache)
@@ -114,14 +115,15 @@ def bench_model(quick: bool = False) -> dict[str, Any]:
   # 3. The MoE layer alone, E=64 over E=8 at the same width and top-k (same active FLOPs).
   # 'xla' and 'reference' grow with E on CPU: informational, on fewer tokens.
   moe_cfg = ModelConfig(d_model=64 if quick else 256, num_heads=4,
-                        expert_width=128 if quick else 512, top_k=2, dispatch_tile=64)
+                        expert_width=128 if quick else 512, top_k=2)
   tokens, info_tokens = (512, 256) if quick else (8192, 512)
-  r = moe_ratio(moe_cfg, 'tiled', tokens, 8, 64, 3 if quick else 5, options=opts, cache=cache)
+  r = moe_ratio(moe_cfg, 'tiled', tokens, 8, 64, 3 if quick else 5, options=opts, cache=cache,
+                tile=64)
   res.update(moe_tokens=tokens, moe_s_tiled_E8=r['small'], moe_s_tiled_E64=r['large'],
              moe_E64_over_E8=r['ratio'], moe_info_tokens=info_tokens)
   for backend in ('xla',) if quick else ('xla', 'reference'):
     r = moe_ratio(moe_cfg, backend, info_tokens, 8, 64, 1 if quick else 2, max_seconds=10.0,
-                  options=opts, cache=cache)
+                  options=opts, cache=cache, tile=64)
     res.update({f'moe_s_{backend}_E8': r['small'], f'moe_s_{backend}_E64': r['large'],
                 f'moe_{backend}_E64_over_E8': r['ratio']})
 
@@ -140,18 +142,18 @@ def bias_step_seconds(quick: bool, repeats: int) -> dict[str, float]:
   from loopmoe_jax.train import step as steps  # pylint: disable=import-outside-toplevel
   from loopmoe_jax.train.optimizer import make_optimizer  # pylint: disable=import-outside-toplevel
   exp = build(load_config('configs/default.py' + (':smoke' if quick else '')))
-  tc, dc, mc = exp.train, exp.data, exp.model
+  tc, dc, mc, rt = exp.train, exp.data, exp.model, exp.runtime()
   if quick:  # a smoke run: the main job's structure at the quick sizes, less its coda, with
     # the dispatch that traces fastest (its figures are not comparable anyway)
-    mc = mc.replace(d_model=32, num_heads=2, num_kv_heads=1, expert_width=32, coda_layers=0,
-                    dispatch='xla')
+    mc = mc.replace(d_model=32, num_heads=2, num_kv_heads=1, expert_width=32, coda_layers=0)
+    rt = rt.with_run(dispatch='xla')
     dc = dataclasses.replace(dc, batch_size=2, seq_len=32)
   mesh = sharding.make_mesh(devices=jax.devices()[:1])
   tx, schedule = make_optimizer(tc)
   batch = _batch(mc, dc.batch_size, dc.seq_len)
   thunks = {}
   for layout in ('none', 'shared'):
-    model = LoopedMoE(mc.replace(router_bias=layout))
+    model = LoopedMoE(mc.replace(router_bias=layout), runtime=rt)
     state_sh, batch_sh = steps.shardings(mesh, model, tx, dc.seq_len)
     state = steps.create_state(model, tx, tc.seed, dc.seq_len, state_sh)
     step = steps.make_train_step(model, tx, schedule, tc.lb_coef, tc.z_coef, state_sh, batch_sh,

@@ -45,7 +45,7 @@ def main_job_step(exp, host_batch):
   """(train step, its state, the batch on the device, the mesh) of `exp` on this machine's
   first device: the train step the data benchmarks time."""
   mc, tc, dc = exp.model, exp.train, exp.data
-  model = LoopedMoE(mc)
+  model = LoopedMoE(mc, runtime=exp.runtime())
   tx, schedule = make_optimizer(tc)
   mesh = sharding.make_mesh(sharding.MeshConfig(data=1), jax.devices()[:1])
   state_sh, batch_sh = steps.shardings(mesh, model, tx, dc.seq_len)

@@ -60,8 +60,9 @@ def _layer_inputs(tokens, d, f, experts, k, dtype):
   return x, ids, w, params
 
 
-def _exchange(cfg, mesh, args, platform=None):
-  runtime = Runtime.for_platform(platform) if platform else HERE
+def _exchange(cfg, mesh, args, exchange: str, platform=None):
+  runtime = (Runtime.for_platform(platform) if platform else HERE).with_run(
+      dispatch='xla', expert_exchange=exchange)
   fn = jax.jit(lambda *a: expert_parallel.moe_dispatch(*a, cfg, mesh.abstract_mesh, runtime))
   shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
   with jax.set_mesh(mesh):
@@ -87,29 +88,31 @@ def _exchange_ratios(res, quick):
   tokens, d, f, experts, k = (256, 64, 32, 8, 2) if quick else (4096, 512, 256, 16, 2)
   mesh = sharding.make_mesh(MeshConfig(data=2, expert=4))
   local_tokens = tokens // sharding.batch_size_of(mesh)
-  base = dict(core_experts=experts, top_k=k, dispatch='xla')
+  base = dict(core_experts=experts, top_k=k)
   # bf16 rows for the accelerator program; float32 for the CPU one (XLA:CPU converts bf16
   # collectives to float32, which would double its figures)
-  ragged = _exchange(ModelConfig(**base, expert_exchange='ragged'), mesh,
-                     _layer_inputs(tokens, d, f, experts, k, jnp.bfloat16), 'cuda')
+  ragged = _exchange(ModelConfig(**base), mesh,
+                     _layer_inputs(tokens, d, f, experts, k, jnp.bfloat16), 'ragged', 'cuda')
   res['a2a_bytes_over_analytic'] = _ragged_bytes(ragged) / (local_tokens * k * d * 2 * 2)
   args = _layer_inputs(tokens, d, f, experts, k, jnp.float32)
   analytic = local_tokens * k * d * 4 * 2
-  padded = collective_bytes(_exchange(ModelConfig(**base, expert_exchange='padded'), mesh, args))
+  padded = collective_bytes(_exchange(ModelConfig(**base), mesh, args, 'padded'))
   res['a2a_padded_bytes_over_analytic'] = padded['all-to-all'] / analytic
   res['ep_counts_bytes_per_token'] = padded.get('all-gather', 0) / local_tokens
-  cf1 = collective_bytes(_exchange(ModelConfig(**base, expert_exchange='padded',
-                                               capacity_factor=1.0), mesh, args))
+  cf1 = collective_bytes(_exchange(ModelConfig(**base, capacity_factor=1.0), mesh, args,
+                                   'padded'))
   res['a2a_padded_cf1_bytes_over_analytic'] = cf1['all-to-all'] / analytic
 
 
 def _model(quick):
-  cfg = load_config(DEFAULT_CONFIG + ':smoke')  # the README's main job at smoke widths
-  return build(cfg).model, cfg.data.batch_size, cfg.data.seq_len
+  """(the model, its batch size, its sequence length) of the README's main job at smoke
+  widths, with its run settings."""
+  cfg = load_config(DEFAULT_CONFIG + ':smoke')
+  exp = build(cfg)
+  return LoopedMoE(exp.model, runtime=exp.runtime()), cfg.data.batch_size, cfg.data.seq_len
 
 
-def _fsdp_ratio(res, mc, seq):
-  model = LoopedMoE(mc)
+def _fsdp_ratio(res, model, seq):
   tx, _ = make_optimizer(TrainConfig())
   shapes = steps.abstract_state(model, tx, seq)
   got = {}
@@ -120,8 +123,8 @@ def _fsdp_ratio(res, mc, seq):
   res['fsdp8_param_bytes_over_replicated'] = got['fsdp8'] / got['one']
 
 
-def _step_times(res, mc, batch, seq, quick):
-  model = LoopedMoE(mc)
+def _step_times(res, model, batch, seq, quick):
+  mc = model.cfg
   tx, schedule = make_optimizer(TrainConfig())
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, mc.vocab_size, (batch, seq + 1), dtype=np.int32)
@@ -205,8 +208,8 @@ def scale(quick: bool):
   _exchange_ratios(res, quick)
   _step_traffic(res)
   _real_step_traffic(res)
-  mc, batch, seq = _model(quick)
-  _fsdp_ratio(res, mc, seq)
-  _step_times(res, mc, batch, seq, quick)
+  model, batch, seq = _model(quick)
+  _fsdp_ratio(res, model, seq)
+  _step_times(res, model, batch, seq, quick)
   res['gpu_train_step'] = None  # needs the accelerator machine (one-GPU MFU: issue of its own)
   return res

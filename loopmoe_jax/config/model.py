@@ -81,16 +81,20 @@ class RunConfig:
     recompute would hide."""
     return self.expert_block_rows if self.remat in ('full', 'pass_input', 'attention') else 0
 
+  def replace(self, **kw) -> 'RunConfig':
+    return dataclasses.replace(self, **kw)
+
   @classmethod
   def from_dict(cls, d: Mapping[str, Any], where: str = 'run') -> 'RunConfig':
     return from_mapping(cls, d, where)
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig(RunConfig):
-  """Every field the model and the accounting read: the architecture (config section `model`)
-  and, inherited from RunConfig, how it runs (section `run`, joined in by experiment.build).
-  Field names are the config keys."""
+class ModelConfig:
+  """The architecture (config section `model`): every field that decides the parameters or
+  which assignments are computed. How the parameters run (section `run`, RunConfig) is the
+  runtime's (runtime.Runtime.run), passed to the model beside it. Field names are the config
+  keys."""
   vocab_size: int = 256
   d_model: int = 64
   num_heads: int = 4
@@ -150,17 +154,11 @@ class ModelConfig(RunConfig):
   param_dtype: str = 'float32'
 
   def __post_init__(self):
-    _validate_run(self)
     _validate(self)
 
-  @property
-  def run(self) -> RunConfig:
-    """The run settings alone."""
-    return RunConfig(**{k: getattr(self, k) for k in RUN_FIELDS})
-
   def architecture(self) -> dict[str, Any]:
-    """The fields of section `model` (everything but the run settings)."""
-    return {k: v for k, v in dataclasses.asdict(self).items() if k not in RUN_FIELDS}
+    """The fields of section `model`."""
+    return dataclasses.asdict(self)
 
   # Derived shapes -------------------------------------------------------------------------
   @property
@@ -382,14 +380,16 @@ def model_config_dict(smoke: bool = False, **fields):
   where it still divides the heads. Run settings given here (dispatch='xla') stay in it
   until experiment.experiment_config moves them to section `run`."""
   import ml_collections
-  base = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name not in RUN_FIELDS}
+  base = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
   for key in fields:
     if key not in base and key not in RUN_FIELDS:
       raise ValueError(f'unknown config field model.{key}')
   base.update(fields)
+  run = {k: base.pop(k) for k in RUN_FIELDS if k in base}
   if smoke:
     groups = base['num_heads'] // (base['num_kv_heads'] or base['num_heads'])
     base.update(SMOKE_MODEL)
     base['num_kv_heads'] = base['num_heads'] // groups if base['num_heads'] % groups == 0 else 0
   ModelConfig(**base)  # validate now, naming the field
-  return ml_collections.ConfigDict(base)
+  RunConfig(**run)
+  return ml_collections.ConfigDict({**base, **run})

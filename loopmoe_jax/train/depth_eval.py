@@ -49,7 +49,7 @@ def exit_tradeoff(workdir, rule: str, thresholds, num_loops=(None,), step=None) 
   for n in num_loops:
     rows = []
     for t, cfg in configs:
-      fn = jax.jit(lambda p, b, x, cfg=cfg, t=t: LoopedMoE(cfg).apply(
+      fn = jax.jit(lambda p, b, x, cfg=cfg, t=t: LoopedMoE(cfg, runtime=loaded.runtime).apply(
           variables(p, router_bias=b), x, num_loops=n, early_exit=t is not None))
       def loss_and_passes(b, fn=fn):
         logits, extras = fn(loaded.params, loaded.router_bias, b['inputs'])
@@ -105,8 +105,8 @@ def kv_cache_losses(workdir, layouts, num_loops=(None,), step=None, scale_passes
   for n in num_loops:
     check_loops(cfg, n)
   batches = validation_batches(loaded)
-  forward = jax.jit(lambda p, b, t, n: LoopedMoE(cfg).apply(variables(p, router_bias=b), t,
-                                                            num_loops=n)[0],
+  forward = jax.jit(lambda p, b, t, n: LoopedMoE(cfg, runtime=loaded.runtime).apply(
+      variables(p, router_bias=b), t, num_loops=n)[0],
                     static_argnums=3)
   out = {'step': loaded.step, 'tokens': int(sum(np.asarray(b['mask']).sum() for b in batches))}
   for n in num_loops:

@@ -33,7 +33,7 @@ def evaluate_checkpoint(workdir, num_loops=(None,), step: int | None = None,
                                                        jax.local_devices()[:1]))
   out = {'step': s, 'scale_passes': cfg.scale_passes, 'val_loss': {}}
   for n in num_loops:
-    model = LoopedMoE(cfg)
+    model = LoopedMoE(cfg, runtime=run.runtime)
     loss = steps.evaluate(steps.make_eval_step(model, n), params, batches, batch_sh, bias)
     out['val_loss'][str(n or cfg.num_loops)] = loss
   return out

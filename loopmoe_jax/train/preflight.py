@@ -58,8 +58,9 @@ def device_memory_bytes(device=None, sharing: int | None = None) -> int | None:
   return available // max(1, sharing or len(jax.local_devices()))
 
 
-def layer_bytes(mc, tokens: int, seqs: int, seq_len: int, experts: int) -> int:
-  """A floor on what one layer keeps for its backward without remat, per device: in the compute
+def layer_bytes(mc, run, tokens: int, seqs: int, seq_len: int, experts: int) -> int:
+  """A floor on what one layer of the architecture `mc` under the run settings `run` keeps for
+  its backward without remat, per device: in the compute
   dtype its input and normed input [tokens, d], q, k, v and the attention output
   [tokens, (2H + 2G) x K], and the routed rows' input and SwiGLU gate, up and product
   [tokens x k, d + 3F] (the 'tiled' dispatch's rounded up to whole `dispatch_tile`s; a dense
@@ -70,11 +71,11 @@ def layer_bytes(mc, tokens: int, seqs: int, seq_len: int, experts: int) -> int:
   rows, ffn = 0, 3 * mc.expert_width
   if experts:
     rows = tokens * mc.top_k
-    if resolve_backend(mc.dispatch) == 'tiled':  # its buffers hold whole tiles of rows
-      rows = -(-rows // mc.dispatch_tile) * mc.dispatch_tile
+    if resolve_backend(run.dispatch) == 'tiled':  # its buffers hold whole tiles of rows
+      rows = -(-rows // run.dispatch_tile) * run.dispatch_tile
     ffn = 0
   scores = 4 * seqs * mc.num_heads * seq_len * seq_len if resolve(
-      mc.attention_impl, mc.dtype) == 'xla' else 0
+      run.attention_impl, mc.dtype) == 'xla' else 0
   return (tokens * (width + ffn) + rows * (mc.d_model + 3 * mc.expert_width)) * act + scores
 
 
@@ -90,9 +91,9 @@ def estimate(exp, mesh, state) -> dict:
   high = exp.train.loops_bounds(mc.num_loops)[1] if exp.train.sampled else mc.num_loops
   core_passes = depth.backprop(exp.train, high) or (high if exp.train.sampled else None)
   layers = {seg: (n, core_passes if seg == 'core' and core_passes else passes,
-                  layer_bytes(mc, tokens, seqs, dc.seq_len, experts))
+                  layer_bytes(mc, exp.run, tokens, seqs, dc.seq_len, experts))
             for seg, n, experts, passes in mc.segments}
-  if mc.remat == 'none':  # every executed layer keeps its set
+  if exp.run.remat == 'none':  # every executed layer keeps its set
     per_seg = {seg: n * passes * b for seg, (n, passes, b) in layers.items()}
   else:  # each stack (prelude, a core pass, coda) keeps its input; one stack is recomputed
     act = np.dtype(mc.dtype).itemsize
@@ -103,7 +104,7 @@ def estimate(exp, mesh, state) -> dict:
     n_coda, _, coda_b = layers.get('coda', (0, 0, 0))
     passes = layers['core'][1]
     per_seg['exit_readouts'] = passes * tokens * mc.d_model * np.dtype(mc.dtype).itemsize + (
-        (passes - 1) * n_coda * coda_b if mc.remat == 'none' else 0)
+        (passes - 1) * n_coda * coda_b if exp.run.remat == 'none' else 0)
   activations = sum(per_seg.values())
   return {'params': params, 'optimizer': per_dev(state['opt_state']), 'gradients': params,
           'activations': activations, 'core_activations': per_seg.get('core', 0),

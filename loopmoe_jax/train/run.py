@@ -56,6 +56,11 @@ class Loaded:
     return self.exp.model
 
   @property
+  def runtime(self):
+    """The model's runtime on this machine with the run's stored run settings."""
+    return self.exp.runtime()
+
+  @property
   def variables(self):
     """What `model.variables` and `apply` take: the params, joined by the router bias."""
     if self.router_bias is None:

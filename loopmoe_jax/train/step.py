@@ -34,6 +34,7 @@ from loopmoe_jax import sharding
 from loopmoe_jax.moe import max_vio
 from loopmoe_jax.model import ROUTER_BIAS, bias_shapes, for_init, variables
 from loopmoe_jax.objective import loss_fn, token_nll
+from loopmoe_jax.runtime import HERE, Runtime
 
 
 def init_key(seed: int):
@@ -193,12 +194,12 @@ def all_finite(tree) -> jax.Array:
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
-def split_microbatches(batch, microbatches: int):
+def split_microbatches(batch, microbatches: int, runtime: Runtime = HERE):
   """[B, ...] -> [m, B/m, ...] with microbatch i = rows i, i+m, ...: each device keeps its own
-  rows (B/m of every device's rows per microbatch), so no data moves."""
+  rows (B/m of every device's rows per microbatch, on the runtime's mesh), so no data moves."""
   def one(x):
     x = x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:])
-    return sharding.constrain(jnp.swapaxes(x, 0, 1), (None, 'batch', 'length'))
+    return sharding.constrain(jnp.swapaxes(x, 0, 1), (None, 'batch', 'length'), runtime)
   return jax.tree.map(one, batch)
 
 
@@ -206,7 +207,8 @@ def replays(model) -> bool:
   """Whether a train step of `model` on its runtime's mesh replays an overflowing exchange
   (model.exchange_overflow='replay' with expert parallelism)."""
   rt = model.runtime.resolved()
-  return model.cfg.exchange_overflow == 'replay' and rt.sharded and rt.axis('expert') > 1
+  return (model.cfg.exchange_overflow == 'replay' and not rt.exchange_dropless and rt.sharded
+          and rt.axis('expert') > 1)
 
 
 def dropless(model, remat: str = 'full'):
@@ -214,8 +216,8 @@ def dropless(model, remat: str = 'full'):
   row dropped, the same results as the bounded program), under `remat`: 'full' for the replay
   of a step whose bounded buffers dropped a row (it keeps its activations within the bounded
   program's memory); a forward alone keeps no layer's buffers, whatever the policy."""
-  return model.clone(cfg=model.cfg.replace(exchange_buffer_factor=0.0, exchange_overflow='drop',
-                                          remat=remat))
+  return model.clone(runtime=model.runtime.replace(
+      exchange_dropless=True, run=model.runtime.run.replace(remat=remat)))
 
 
 def with_replay(value_and_grad, model):
@@ -266,7 +268,7 @@ def loss_and_grads(params, model, batch, lb_coef, z_coef, microbatches: int = 1,
     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
     return jax.tree.map(jnp.add, acc, (metrics, grads)), None
 
-  mbs = split_microbatches(batch, microbatches)
+  mbs = split_microbatches(batch, microbatches, model.runtime)
   zeros = jax.eval_shape(lambda: grad_fn(params, model, jax.tree.map(lambda x: x[0], mbs)))
   acc0 = (jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), zeros[0][1]),
           jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
@@ -317,7 +319,7 @@ def make_eval_step(model, num_loops=None, mesh=None):
   With model.exchange_overflow='replay' the forward uses the dropless exchange buffers (a
   forward keeps no layer's buffers for a backward)."""
   if model.cfg.exchange_overflow == 'replay':
-    model = dropless(model, model.cfg.remat)
+    model = dropless(model, model.runtime.run.remat)
 
   def step(params, batch, router_bias=None):
     total, count, _ = token_nll(params, model, batch, num_loops, router_bias)

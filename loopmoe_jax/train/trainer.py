@@ -21,8 +21,6 @@ import contextlib
 import json
 import math
 import os
-import signal
-import threading
 import time
 
 import jax
@@ -89,8 +87,8 @@ def check_workdir(workdir: str):
 
 def _train(cfg, exp, workdir: str, caught: preempt.StopSignals, force: bool = False,
            start_over: bool = False) -> dict:
-  mc, tc, dc = exp.model, exp.train, exp.data
-  model = LoopedMoE(mc)
+  mc, tc, dc, run = exp.model, exp.train, exp.data, exp.run
+  model = LoopedMoE(mc, runtime=exp.runtime())
   tx, schedule = make_optimizer(tc)
   n_dev, proc, n_proc = jax.device_count(), jax.process_index(), jax.process_count()
   mesh = sharding.make_mesh(exp.mesh)
@@ -132,9 +130,9 @@ def _train(cfg, exp, workdir: str, caught: preempt.StopSignals, force: bool = Fa
     print(f"model: {acct['params_total']:,} params ({acct['params_active']:,} active/token), "
           f"{mc.executed_layers} executed layers; data: {dc.source}, batch {dc.batch_size} x "
           f"{dc.seq_len}; steps {start} -> {tc.steps} on {n_dev} device(s)"
-          f"{_mesh_text(mesh)}; dispatch {mc.dispatch} -> {resolve_backend(mc.dispatch)}"
-          f"{_exchange_text(mc, mesh)}; attention {mc.attention_impl} -> "
-          f"{attention_impls.resolve(mc.attention_impl, mc.dtype, None, mc.head_size)}"
+          f"{_mesh_text(mesh)}; dispatch {run.dispatch} -> {resolve_backend(run.dispatch)}"
+          f"{_exchange_text(run, mesh)}; attention {run.attention_impl} -> "
+          f"{attention_impls.resolve(run.attention_impl, mc.dtype, None, mc.head_size)}"
           f"{depth.describe(tc, mc.num_loops)}", flush=True)
 
   pending, val_loss, val_step = None, None, None
@@ -379,10 +377,10 @@ def _write_routing(workdir, step, stats, proc):
   metrics_lib.append_lines(RunDir(workdir).file(ROUTING), lines)  # one step: one write
 
 
-def _exchange_text(mc, mesh) -> str:
+def _exchange_text(run, mesh) -> str:
   if mesh.shape['expert'] == 1:
     return ''
-  return f', expert exchange {mc.expert_exchange} -> {exchange_kind(mc.expert_exchange)}'
+  return f', expert exchange {run.expert_exchange} -> {exchange_kind(run.expert_exchange)}'
 
 
 def _print_sample(mc, params, dc, tc, router_bias=None):
