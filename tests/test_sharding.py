@@ -123,7 +123,12 @@ def assert_grads_close(got, want):
 def test_sharded_training_equals_one_device(config_name, mesh_name):
   (m_one, g_one), (m_mesh, g_mesh) = run(config_name, 'one'), run(config_name, mesh_name)
   for key in ('loss', 'load_balance', 'z_loss'):  # every step's values
-    np.testing.assert_allclose(m_mesh[key], m_one[key], rtol=2e-5, err_msg=key)
+    np.testing.assert_allclose(m_mesh[key][0], m_one[key][0], rtol=2e-5, err_msg=key)
+    # later steps: AdamW's first update is lr * sign(g) wherever |g| >> eps, so a gradient
+    # element near 0 whose sign the summation order decides moves its weight by 2 lr (as in
+    # test_microbatches_give_the_same_update); on an AMD EPYC host the fsdp2 x expert2 x data2
+    # mesh's third-step z-loss differs from one device's by 2.06e-5 of it
+    np.testing.assert_allclose(m_mesh[key][1:], m_one[key][1:], rtol=1e-4, err_msg=key)
   assert np.all(m_mesh['dropped'] == 0) and np.all(m_one['dropped'] == 0)
   assert_grads_close(g_mesh, g_one)
 
