@@ -1,17 +1,20 @@
 """The looped MoE language model: embed -> prelude -> core x L -> coda -> norm -> head.
 
 The looped core and its layers are core.py's (`Core`, `Stack`, `Layer`, the remat policies).
-`apply` returns (logits_BTV, extras): extras holds the aux losses averaged over every MoE
-visit of the unrolled depth ('load_balance', 'z_loss'), the per-visit values under
-'per_visit' ({segment: {'load_balance', 'z_loss', 'load', 'dropped'}}; core arrays are [L, C]
-and the expert loads [L, C, E]), and with `return_routing=True` the routing records under
-'routing' ({segment: {'experts', 'logits'}}).
+Each entry point of `LoopedMoE` returns its output and `extras`: the aux losses averaged
+over every MoE visit of the unrolled depth ('load_balance', 'z_loss'), the dropped
+assignments ('dropped'), the per-visit values under 'per_visit' ({segment: {'load_balance',
+'z_loss', 'load', 'dropped'}}; core arrays are [L, C] and the expert loads [L, C, E]), with
+`return_routing=True` the routing records under 'routing' ({segment: {'experts', 'logits'}})
+and with early exit the passes each token ran under 'exit'.
 """
 from __future__ import annotations
 
 from typing import Any
 
+import flax
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from loopmoe_jax import exit as early_exit_lib
@@ -22,27 +25,68 @@ from loopmoe_jax.runtime import HERE, Runtime
 from loopmoe_jax.sharding import constrain
 
 
+@flax.struct.dataclass
+class PassOutputs:
+  """Gate training's per-pass readouts (model.exit='gate', `LoopedMoE.gate_outputs`):
+  `hidden_LBTD`, the final normed states a token exiting after each pass outputs
+  (exit.pass_outputs; the last is the full forward's), and `lambda_LBT`, the gate's exit
+  probability after each pass."""
+  hidden_LBTD: jax.Array
+  lambda_LBT: jax.Array
+
+
 class LoopedMoE(nn.Module):
-  """The language model. Call with int tokens [B, T] (or `x_BTD` embeddings instead): returns
-  (logits_BTV float32, extras); with `return_hidden` (hidden_BTD, extras): the final normed
-  states, for a loss that applies the head itself (`head_matrix`, objective.py).
-  `backprop_loops` = k > 0: gradient through the core's last k passes only (truncated
-  backprop, `Core`; a training setting, train.backprop_loops); the forward is unchanged.
-  `early_exit`: apply model.exit's per-token early exit (exit.py; default: when decoding);
-  extras['exit'] then holds the passes each token ran. `pass_outputs` (gate training,
-  model.exit='gate', with `return_hidden`): extras['pass_hidden'] [L, B, T, D], the final
-  normed states a token exiting after each pass outputs (exit.pass_outputs; the last is the
-  returned one), and extras['pass_lambda'] [L, B, T], the gate's lambda after each pass."""
+  """The language model. Its entry points, each with one return type (`model.apply(variables,
+  ..., method=...)`; `extras` as the module docstring says):
+
+    __call__(tokens_BT)          scoring and decoding: (logits_BTV float32, extras);
+                                 `early_exit` applies model.exit's per-token early exit
+                                 (exit.py; default: when decoding), extras['exit'] then holds
+                                 the passes each token ran; `return_routing` adds the routing
+                                 records
+    hidden(tokens_BT)            training: (final normed states h_BTD, extras), for a loss that
+                                 applies the head itself (`head_matrix`, objective.py);
+                                 `backprop_loops` = k > 0: gradient through the core's last k
+                                 passes only (truncated backprop, `Core`; the forward is
+                                 unchanged)
+    gate_outputs(tokens_BT)      gate training (model.exit='gate'): (PassOutputs, extras)
+    from_embeddings(x_BTD)       (logits_BTV, extras) from input embeddings [B, T, D] in place
+                                 of the token lookup (gradients with respect to the inputs)
+
+  Every one takes `num_loops` (default: the trained count). With `decode=True` __call__ reads
+  and writes the KV cache (collection 'cache', decode.py)."""
   cfg: ModelConfig
   decode: bool = False
-  runtime: Runtime = HERE   # the platform its programs are built for (runtime.py)
+  runtime: Runtime = HERE   # the platform and run settings its programs are built for
+
+  def __call__(self, tokens_BT, *, num_loops: int | None = None,
+               early_exit: bool | None = None, return_routing: bool = False):
+    """See the class docstring."""
+    return self._forward(tokens_BT, None, num_loops, early_exit=early_exit,
+                         return_routing=return_routing)
+
+  def hidden(self, tokens_BT, *, num_loops: int | None = None, backprop_loops: int = 0,
+             early_exit: bool | None = None):
+    """See the class docstring."""
+    return self._forward(tokens_BT, None, num_loops, return_hidden=True,
+                         backprop_loops=backprop_loops, early_exit=early_exit)
+
+  def gate_outputs(self, tokens_BT, *, num_loops: int | None = None, backprop_loops: int = 0):
+    """See the class docstring (`backprop_loops` > 0 is refused: gate training backpropagates
+    through every pass)."""
+    _, extras = self._forward(tokens_BT, None, num_loops, return_hidden=True,
+                              backprop_loops=backprop_loops, pass_outputs=True)
+    return PassOutputs(extras.pop('pass_hidden'), extras.pop('pass_lambda')), extras
+
+  def from_embeddings(self, x_BTD, *, num_loops: int | None = None):
+    """See the class docstring."""
+    return self._forward(None, x_BTD, num_loops)
 
   @nn.compact
-  def __call__(self, tokens_BT=None, *, num_loops: int | None = None,
-               return_routing: bool = False, x_BTD=None, return_hidden: bool = False,
-               backprop_loops: int = 0, early_exit: bool | None = None,
-               pass_outputs: bool = False):
-    """See the class docstring."""
+  def _forward(self, tokens_BT, x_BTD, num_loops, *, return_routing: bool = False,
+               return_hidden: bool = False, backprop_loops: int = 0,
+               early_exit: bool | None = None, pass_outputs: bool = False):
+    """The forward every entry point runs (one path: the flags only add outputs)."""
     c = self.cfg
     num_loops = self._check_loops(num_loops)
     pass_outputs, exiting, gate = self._exit_plan(num_loops, return_hidden, backprop_loops,
@@ -100,8 +144,8 @@ class LoopedMoE(nn.Module):
     pass_outputs = pass_outputs and not self.is_initializing()
     if pass_outputs and (c.exit != 'gate' or not c.core_layers or not return_hidden or
                          early_exit or self.decode):
-      raise ValueError("pass_outputs=True is gate training: it needs model.exit='gate', "
-                       'model.core_layers >= 1, return_hidden=True and no early_exit')
+      raise ValueError("gate_outputs is gate training: it needs model.exit='gate' and "
+                       'model.core_layers >= 1, and does not decode')
     exiting = (c.exit != 'none' and c.core_layers > 0 and not self.is_initializing() and
                (self.decode if early_exit is None else early_exit))
     gate = early_exit_lib.gate_params(self, c.d_model, DTYPES[c.param_dtype]) if (

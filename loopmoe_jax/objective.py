@@ -181,8 +181,8 @@ def token_nll(params, model, batch, num_loops: int | None = None, router_bias=No
   core's last that many passes only (truncated backprop, core.Core)."""
   run = model.runtime.run
   h_BTD, extras = model.apply(variables(params, router_bias=router_bias), batch['inputs'],
-                              num_loops=num_loops, return_hidden=True,
-                              backprop_loops=backprop_loops)
+                              num_loops=num_loops, backprop_loops=backprop_loops,
+                              method='hidden')
   head_DV = _head(model, params)
   total, count = head_nll(h_BTD, head_DV, batch['targets'], batch.get('mask'),
                           run.loss_chunk, remat=run.remat != 'none')
@@ -209,10 +209,10 @@ def gate_lm_loss(params, model, batch, num_loops: int | None = None, router_bias
   logits live at once, the batch axis keeps its sharding) as run.loss_chunk and run.remat say
   (`head_token_nll`)."""
   c, run = model.cfg, model.runtime.run
-  _, extras = model.apply(variables(params, router_bias=router_bias), batch['inputs'],
-                          num_loops=num_loops, return_hidden=True, pass_outputs=True,
-                          backprop_loops=backprop_loops)  # > 0 is refused (core.Core)
-  h_LBTD, lam_LBT = extras.pop('pass_hidden'), extras.pop('pass_lambda')
+  out, extras = model.apply(variables(params, router_bias=router_bias), batch['inputs'],
+                            num_loops=num_loops, backprop_loops=backprop_loops,
+                            method='gate_outputs')  # backprop_loops > 0 is refused (core.Core)
+  h_LBTD, lam_LBT = out.hidden_LBTD, out.lambda_LBT
   head_DV = _head(model, params)
   nll_LBT = jax.lax.map(lambda h_BTD: head_token_nll(h_BTD, head_DV, batch['targets'],
                                                      run.loss_chunk, remat=run.remat != 'none'),

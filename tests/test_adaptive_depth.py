@@ -273,7 +273,8 @@ def test_bad_settings_are_refused_before_the_trainer_starts(tmp_path):
   assert not work.exists()
   cfg = make_cfg()
   with pytest.raises(ValueError, match=r'backprop_loops=4: must lie in \[0, 3\]'):
-    LoopedMoE(cfg).apply({'params': make_params(cfg)}, tokens(cfg), backprop_loops=4)
+    LoopedMoE(cfg).apply({'params': make_params(cfg)}, tokens(cfg), backprop_loops=4,
+                         method='hidden')
 
 
 # (5) The samplers' distributions ----------------------------------------------------------------

@@ -58,8 +58,8 @@ def make_model(cfg, runtime=REF):
   return LoopedMoE(cfg, runtime=runtime)
 
 
-def forward(cfg, params, toks, runtime=REF, **kw):
-  return make_model(cfg, runtime).apply({'params': params}, toks, **kw)
+def forward(cfg, params, toks, runtime=REF, method='__call__', **kw):
+  return make_model(cfg, runtime).apply({'params': params}, toks, method=method, **kw)
 
 
 def never(rule):
@@ -122,10 +122,10 @@ def test_frozen_token_keeps_its_exit_pass_state():
   p = make_params(cfg)
   toks = tokens(cfg, batch=4, length=8)
   ecfg = cfg.replace(exit='kl', exit_threshold=0.05)
-  hid, extras = forward(ecfg, p, toks, early_exit=True, return_hidden=True)
+  hid, extras = forward(ecfg, p, toks, early_exit=True, method='hidden')
   passes = np.asarray(extras['exit']['passes_BT'])
   assert 1 <= passes.min() and passes.min() < cfg.num_loops  # some token exited early
-  by_n = {n: np.asarray(forward(cfg, p, toks, num_loops=n, return_hidden=True)[0])
+  by_n = {n: np.asarray(forward(cfg, p, toks, num_loops=n, method='hidden')[0])
           for n in range(1, cfg.num_loops + 1)}
   checked_early = 0
   for b in range(passes.shape[0]):
@@ -197,7 +197,7 @@ def test_gate_inference_exits_where_the_cumulative_probability_passes_the_thresh
   p = params_with_gate(cfg, bias=-0.5)
   toks = tokens(cfg, batch=6, length=3)
   _, extras = forward(ecfg, p, toks, early_exit=True)
-  states = [forward(cfg, p, toks, num_loops=n, return_hidden=True)[0][:, 0]
+  states = [forward(cfg, p, toks, num_loops=n, method='hidden')[0][:, 0]
             for n in range(1, cfg.num_loops + 1)]  # final-normed states at position 0
   lam = np.stack([np.asarray(jax.nn.sigmoid(s @ p['exit_gate_w'] + p['exit_gate_b']))
                   for s in states])  # [L, B]
@@ -255,7 +255,7 @@ def slow_gate_loss(cfg, p, batch, coef, runtime=REF):
     lse = np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1)) + logits.max(-1)
     nll.append(lse - np.take_along_axis(logits, tg[..., None], -1)[..., 0])
     s = np.asarray(forward(nocoda, p, batch['inputs'], runtime, num_loops=n,
-                           return_hidden=True)[0], np.float64)
+                           method='hidden')[0], np.float64)
     w, b = np.asarray(p['exit_gate_w'], np.float64), float(p['exit_gate_b'])
     lam.append(1.0 / (1.0 + np.exp(-(s @ w + b))))
   L = cfg.num_loops

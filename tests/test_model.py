@@ -196,7 +196,7 @@ def test_causality_by_gradients():
   proj = jax.random.normal(jax.random.key(6), (cfg.vocab_size,))
 
   def out_0T(x_BTD):
-    logits, _ = LoopedMoE(cfg).apply({'params': params}, x_BTD=x_BTD)
+    logits, _ = LoopedMoE(cfg).apply({'params': params}, x_BTD, method='from_embeddings')
     return logits[0] @ proj
 
   jac = np.asarray(jax.jit(jax.jacrev(out_0T))(x))  # [T, B, T, D]
