@@ -154,11 +154,11 @@ class Core(nn.Module):
 
   @nn.compact
   def __call__(self, x_BTD, positions_BT, num_loops: int, bias=None, backprop_loops: int = 0,
-               readout=None, states: bool = False):
+               readout=None, pass_states: bool = False):
     """`bias`: the core's router bias, [C, E] ('shared') or [trained L, C, E] ('per_pass';
     a forward with more passes than trained reuses the last pass's bias), or None.
     `readout` (exit.Readout): per-token early exit (exit.py); the statistics are then
-    {'exit_passes': passes_BT} only. `states` (gate training): the statistics also hold every
+    {'exit_passes': passes_BT} only. `pass_states` (gate training): the statistics also hold every
     pass's output state under 'pass_states' ([L, B, T, D])."""
     c = self.cfg
     per_pass = bias is not None and bias.ndim == 3
@@ -172,7 +172,7 @@ class Core(nn.Module):
     body = remat(Stack, self.runtime.run.remat)
     # the first pass with gradient (0: all of them)
     split = num_loops - backprop_loops if 0 < backprop_loops < num_loops else 0
-    mode = self._mode(split, backprop_loops, readout, states, x_BTD.shape[0])
+    mode = self._mode(split, backprop_loops, readout, pass_states, x_BTD.shape[0])
     rt = self.runtime.resolved()  # inside core_once's shard_map: each device's share
     kw = dict(cfg=c, num_layers=c.core_layers, num_experts=c.core_experts,
               scale=residual_scale(c, num_loops), injection=c.injection, decode=self.decode,
@@ -192,7 +192,8 @@ class Core(nn.Module):
       return passes(body)(**kw, name='body')(*args)
     return _unrolled(body(**kw, name='body'), args, num_loops, split, per_pass)
 
-  def _mode(self, split: int, backprop_loops: int, readout, states: bool, batch: int) -> str:
+  def _mode(self, split: int, backprop_loops: int, readout, pass_states: bool,
+            batch: int) -> str:
     """The one place that picks the core's path (each refusal names the setting):
     'early_exit' (a readout given: per-token exit, exit.scan_core), 'pass_states' (gate
     training: the scan also emits every pass's state), 'truncated' / 'truncated_once' (the
@@ -207,7 +208,7 @@ class Core(nn.Module):
         raise ValueError(f'backprop_loops={backprop_loops}: early exit (model.exit) is an '
                          'inference setting; use backprop_loops=0')
       return 'early_exit'
-    if states and not self.is_initializing():  # gate training: always the scan
+    if pass_states and not self.is_initializing():  # gate training: always the scan
       if split or self.decode:
         raise ValueError(f'backprop_loops={backprop_loops}: gate training (model.exit=\'gate\') '
                          'backpropagates through every pass (backprop_loops=0) and does not decode')

@@ -76,7 +76,7 @@ class LoopedMoE(nn.Module):
     through every pass)."""
     _, extras = self._forward(tokens_BT, None, num_loops, return_hidden=True,
                               backprop_loops=backprop_loops, pass_outputs=True)
-    return PassOutputs(extras.pop('pass_hidden'), extras.pop('pass_lambda')), extras
+    return PassOutputs(extras.pop('pass_outputs'), extras.pop('pass_lambda')), extras
 
   def from_embeddings(self, x_BTD, *, num_loops: int | None = None):
     """See the class docstring."""
@@ -110,7 +110,7 @@ class LoopedMoE(nn.Module):
     if passes_BT is not None:
       extras['exit'] = early_exit_lib.extras(passes_BT)
     if states_LBTD is not None:
-      extras.update(self._pass_hidden(states_LBTD, x_BTD, coda, final_norm, positions_BT,
+      extras.update(self._pass_outputs(states_LBTD, x_BTD, coda, final_norm, positions_BT,
                                       bias.get('coda'), embed_VD, gate))
     if return_hidden:
       return x_BTD, extras
@@ -179,14 +179,14 @@ class LoopedMoE(nn.Module):
     return self.variable(ROUTER_BIAS, 'bias', lambda: {
         seg: jnp.zeros(shape, jnp.float32) for seg, shape in bias_shapes(c).items()}).value
 
-  def _pass_hidden(self, states_LBTD, x_BTD, coda, final_norm, positions_BT, coda_bias,
-                   embed_VD, gate) -> dict:
-    """Gate training's extras: 'pass_hidden' [L, B, T, D] (the final normed states a token
+  def _pass_outputs(self, states_LBTD, x_BTD, coda, final_norm, positions_BT, coda_bias,
+                    embed_VD, gate) -> dict:
+    """Gate training's extras: 'pass_outputs' [L, B, T, D] (the final normed states a token
     exiting after each pass outputs; the last is `x_BTD`) and 'pass_lambda' [L, B, T]."""
     n = states_LBTD.shape[0]
     coda_fn = None if coda is None else (lambda h: coda(
         h, None, None, jnp.repeat(positions_BT, n - 1, axis=0), coda_bias)[0])
-    return {'pass_hidden': early_exit_lib.pass_outputs(states_LBTD, x_BTD, coda_fn, final_norm),
+    return {'pass_outputs': early_exit_lib.pass_outputs(states_LBTD, x_BTD, coda_fn, final_norm),
             'pass_lambda': early_exit_lib.pass_lambda(
                 early_exit_lib.readout(self, embed_VD, gate, head_matrix), states_LBTD)}
 
