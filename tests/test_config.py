@@ -145,6 +145,20 @@ def test_other_bad_values_name_the_field(fields, name):
     cls(**fields)
 
 
+@pytest.mark.parametrize('make', [lambda: ModelConfig(remat='full'),
+                                  lambda: ModelConfig().replace(remat='full'),
+                                  lambda: ModelConfig.from_dict({'remat': 'full'})],
+                         ids=['init', 'replace', 'from_dict'])
+def test_a_run_setting_on_the_architecture_is_refused_naming_where_it_goes(make):
+  """ModelConfig is the architecture alone: a run setting given to it (code written before the
+  split) is refused in one line naming the run section and the runtime; the config files'
+  `model.remat` is still read into run (experiment.split_run, tested with the run_v1 fixture)."""
+  with pytest.raises(ValueError, match=_mentions('model.remat is a run setting', 'run.remat',
+                                                 re.escape('Runtime.of(remat=...)'))):
+    make()
+  assert ModelConfig(num_loops=3).replace(num_loops=4).num_loops == 4
+
+
 def test_unknown_field_suggests_near_name():
   with pytest.raises(ValueError, match=_mentions('num_head', 'did you mean', 'model.num_heads')):
     ModelConfig.from_dict({'num_head': 4})

@@ -193,11 +193,33 @@ class ModelConfig:
     return from_mapping(cls, d, where)
 
 
+def _refuse_run_fields(init):
+  """ModelConfig's dataclass __init__ (and so `replace`), refusing a run setting by name."""
+  def checked(self, *args, **fields):
+    for key in fields:
+      if key in RUN_FIELDS:
+        _refuse_run_field(key)
+    init(self, *args, **fields)
+  checked.__doc__, checked.__wrapped__ = init.__doc__, init
+  return checked
+
+
+ModelConfig.__init__ = _refuse_run_fields(ModelConfig.__init__)
+
+
+def _refuse_run_field(key: str):
+  raise ValueError(f'model.{key} is a run setting, not architecture: set run.{key} (the '
+                   f'config section `run`), or in code pass it in the model\'s runtime, '
+                   f'LoopedMoE(cfg, runtime=Runtime.of({key}=...)) (runtime.py)')
+
+
 def from_mapping(cls, d: Mapping[str, Any], where: str):
   """Builds dataclass `cls` from a mapping, rejecting unknown keys with near names."""
   d = dict(d.to_dict() if hasattr(d, 'to_dict') else d)
   names = [f.name for f in dataclasses.fields(cls)]
   for key in d:
+    if cls is ModelConfig and key in RUN_FIELDS:
+      _refuse_run_field(key)
     if key not in names:
       near = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
       hint = f'; did you mean {", ".join(f"{where}.{n}" for n in near)}?' if near else ''
