@@ -13,7 +13,7 @@ import numpy as np
 from loopmoe_jax.config import ModelConfig, model_config_dict
 from loopmoe_jax.config.model import RUN_FIELDS
 from loopmoe_jax.experiment import experiment_config
-from loopmoe_jax.model import LoopedMoE
+from loopmoe_jax.model import LoopedMoE, for_init
 from loopmoe_jax.runtime import Runtime
 
 
@@ -80,8 +80,10 @@ def tokens(cfg, seed=1, batch=B, length=T):
 
 
 def param_shapes(cfg):
-  shapes = jax.eval_shape(lambda: LoopedMoE(cfg).init(jax.random.key(0),
-                                                      jnp.zeros((1, 4), jnp.int32)))
+  """The model's param tree as shapes, traced with for_init's cheap run settings (the same
+  tree: test_model.py::test_init_is_the_same_under_every_dispatch_and_attention)."""
+  shapes = jax.eval_shape(lambda: for_init(LoopedMoE(cfg)).init(jax.random.key(0),
+                                                                jnp.zeros((1, 4), jnp.int32)))
   return nn.unbox(shapes['params'])
 
 

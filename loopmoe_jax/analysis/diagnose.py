@@ -98,7 +98,8 @@ def diagnose(workdir: str, out_dir: str, tokens: int | None = None, step: int | 
   experts = probe_set.segment_experts(cfg)
   log(f'probe set: {probe_set.describe(info)}')
   t1 = time.perf_counter()
-  res = probe_set.run(cfg, params, batches, record=bool(experts), tokens=info['tokens'])
+  res = probe_set.run(cfg, params, batches, record=bool(experts), tokens=info['tokens'],
+                      runtime=run.runtime)
   t2 = time.perf_counter()
   report = {'workdir': workdir, 'step': s, 'probe_set': info, 'loss': res['loss'],
             'not_applicable': not_applicable(cfg), 'segments': {}}
@@ -128,7 +129,7 @@ def diagnose(workdir: str, out_dir: str, tokens: int | None = None, step: int | 
     for d in range(cfg.core_layers):
       top = tuple(int(i) for i in np.argsort(-q[d], kind='stable')[:mask_top])
       masks.append(masking.traffic_matched(cfg, params, batches, 'core', d, top, q[d],
-                                           mask_draws, seed + d, res['loss']))
+                                           mask_draws, seed + d, res['loss'], run.runtime))
   elif mask_top > 0 and 'core' not in report['segments']:
     report['not_applicable'].setdefault('masking', 'no MoE core layer to mask')
   report['masking'] = masks

@@ -28,6 +28,7 @@ import numpy as np
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.data import synthetic
 from loopmoe_jax.model import LoopedMoE, check_loops, variables
+from loopmoe_jax.runtime import HERE, Runtime
 
 SEPARATOR = '\n'
 SHOTS = (0, 1, 2, 4, 8, 16, 32)
@@ -106,16 +107,18 @@ def task_accuracy(predict: Predictor, task: str, examples: int = 64, seq_len: in
 
 
 @functools.lru_cache(maxsize=None)
-def _argmax_fn(cfg: ModelConfig, num_loops: int | None):
-  model = LoopedMoE(cfg)
+def _argmax_fn(cfg: ModelConfig, num_loops: int | None, runtime: Runtime):
+  model = LoopedMoE(cfg, runtime=runtime)
   return jax.jit(lambda p, x: jnp.argmax(model.apply(variables(p), x,
                                                       num_loops=num_loops)[0], -1))
 
 
-def model_predictor(cfg: ModelConfig, params, num_loops: int | None = None) -> Predictor:
-  """Teacher-forced argmax of a model at `num_loops` passes, as a Predictor."""
+def model_predictor(cfg: ModelConfig, params, num_loops: int | None = None,
+                    runtime: Runtime = HERE) -> Predictor:
+  """Teacher-forced argmax of a model at `num_loops` passes (built for `runtime`), as a
+  Predictor."""
   check_loops(cfg, num_loops)
-  fn = _argmax_fn(cfg, num_loops)
+  fn = _argmax_fn(cfg, num_loops, runtime)
   return lambda x_BT: np.asarray(fn(params, jnp.asarray(x_BT, jnp.int32)))
 
 
@@ -137,7 +140,7 @@ def reasoning_evals(workdir, step: int | None = None, num_loops: int | None = No
   cfg, params, s, config = run.model_cfg, run.variables, run.step, run.config
   _check_bytes(config, run.workdir)
   context = context or config['data']['seq_len']
-  predict = model_predictor(cfg, params, num_loops)
+  predict = model_predictor(cfg, params, num_loops, run.runtime)
   tasks = {}
   for t in TASKS:
     try:
@@ -163,7 +166,7 @@ def recurrence(workdir, max_loops: int, step: int | None = None, examples: int =
   seq_len = config['data']['seq_len']
   acc, skipped = {t: {} for t in tasks}, {}
   for n in loops:
-    predict = model_predictor(cfg, params, n)
+    predict = model_predictor(cfg, params, n, run.runtime)
     for t in list(acc):
       try:
         acc[t][str(n)] = task_accuracy(predict, t, examples, seq_len)

@@ -71,6 +71,7 @@ from loopmoe_jax.decode import generate
 from loopmoe_jax.lm_tasks import PACK_DIR
 from loopmoe_jax.model import LoopedMoE, check_loops, variables
 from loopmoe_jax.objective import token_nll_of_logits
+from loopmoe_jax.runtime import HERE, Runtime
 from loopmoe_jax.train import step as steps
 from loopmoe_jax.train.run import load_on
 
@@ -109,11 +110,12 @@ def default_buckets(max_length: int) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def _token_scores(cfg: ModelConfig, num_loops: int | None, mesh=None):
+def _token_scores(cfg: ModelConfig, num_loops: int | None, mesh=None, runtime: Runtime = HERE):
   """jit of (params, router bias, inputs_BT, targets_BT) -> (log p of each target [B, T] float32,
   target == argmax [B, T]): one full forward. Compiled once per shape (a bucket); under `mesh`
-  (the batch's rows split over its batch axes, the params as the rules table shards them)."""
-  model = LoopedMoE(cfg)
+  (the batch's rows split over its batch axes, the params as the rules table shards them);
+  `runtime`: the run's (its stored run settings)."""
+  model = LoopedMoE(cfg, runtime=runtime)
 
   def fn(params, bias, inputs_BT, targets_BT):
     logits_BTV, _ = model.apply(variables(params, router_bias=bias), inputs_BT,
@@ -166,7 +168,7 @@ class LoopedMoELM(LM):
     if self.buckets[-1] < self.max_length:
       raise ValueError(f'buckets={self.buckets}: the largest must be >= the trained length '
                        f'{self.max_length}')
-    self._score_fn = _token_scores(self.cfg, num_loops, mesh)
+    self._score_fn = _token_scores(self.cfg, num_loops, mesh, self.run.runtime)
     self._rows = sharding.batch_sharding(mesh) if mesh is not None else None
 
   # Tokens ---------------------------------------------------------------------------------
@@ -277,7 +279,8 @@ class LoopedMoELM(LM):
         new_BS = np.asarray(generate(self.cfg, self.run.params, jnp.asarray(prompt_BT), steps,
                                      key, temperature=temp,
                                      num_loops=self.settings.num_loops,
-                                     router_bias=self.run.router_bias))[:, prompt_BT.shape[1]:]
+                                     router_bias=self.run.router_bias,
+                                     runtime=self.run.runtime))[:, prompt_BT.shape[1]:]
         for r, i in enumerate(chunk):
           out[i] = cut_text(self.tokenizer, new_BS[r], jobs[i][3])
     for req, res in zip(requests, out):

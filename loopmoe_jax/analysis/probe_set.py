@@ -26,6 +26,7 @@ from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.data import pipeline
 from loopmoe_jax.model import LoopedMoE, variables
 from loopmoe_jax.objective import lm_loss
+from loopmoe_jax.runtime import HERE, Runtime
 
 SEGMENTS = ('prelude', 'core', 'coda')
 FOIL_PROBE_TOKENS = 255_500  # Foil's probe set (Sec. 2.3)
@@ -94,9 +95,10 @@ def probe_batches(data_config: dict, cfg: ModelConfig, tokens: int) -> tuple[lis
 
 
 @functools.lru_cache(maxsize=None)
-def loss_fn(cfg: ModelConfig, record: bool):
-  """jit(params, routing_mask, batch) -> (NLL sum, token count, routing records or {})."""
-  model = LoopedMoE(cfg)
+def loss_fn(cfg: ModelConfig, record: bool, runtime: Runtime = HERE):
+  """jit(params, routing_mask, batch) -> (NLL sum, token count, routing records or {}), the
+  model built for `runtime` (a run's: its stored run settings)."""
+  model = LoopedMoE(cfg, runtime=runtime)
 
   def fn(params, routing_mask, batch):
     logits, extras = model.apply(variables(params, routing_mask=routing_mask or None),
@@ -118,11 +120,11 @@ def to_NCL(seg: str, a) -> np.ndarray:
 
 
 def run(cfg: ModelConfig, params, batches, routing_mask=None, record: bool = True,
-        tokens: int | None = None) -> dict:
+        tokens: int | None = None, runtime: Runtime = HERE) -> dict:
   """{'loss': mean LM loss over the probe set (the batches' mask), 'routing': {segment:
   {'experts', 'logits'}} of the first `tokens` tokens (all when None), 'timing': the first
   batch's seconds (with any compile) and the rest's}."""
-  fn = loss_fn(cfg, record)
+  fn = loss_fn(cfg, record, runtime)
   total, count, recs, marks = 0.0, 0.0, [], [time.perf_counter()]
   for b in batches:
     nll, c, r = fn(params, routing_mask or {}, {k: jnp.asarray(v) for k, v in b.items()})

@@ -102,12 +102,12 @@ def sink_mass(probes: Mapping) -> dict:
 
 
 def mechanistic_probes(cfg: ModelConfig, params, batches: Sequence[np.ndarray],
-                       num_loops: int | None = None) -> dict:
+                       num_loops: int | None = None, runtime: Runtime = HERE) -> dict:
   """Q/K/V similarity between visits and sink mass over token batches [B, T] (equal shapes),
   averaged over the batches; JSON-ready lists. Core-less models get no 'qkv_cosine'."""
   sims, sinks = [], []
   for tokens in batches:
-    _, probes = probe_forward(cfg, params, tokens, num_loops)
+    _, probes = probe_forward(cfg, params, tokens, num_loops, runtime)
     if 'core' in probes:
       sims.append(qkv_similarity(probes['core']))
     sinks.append(sink_mass(probes))
@@ -206,7 +206,8 @@ def probe_workdir(workdir, tokens: int = 8192, step: int | None = None,
   from loopmoe_jax.train.run import as_loaded
   run = as_loaded(workdir, step)
   inputs, _ = validation_inputs(run.config, run.model_cfg.vocab_size, tokens)
-  return {'step': run.step, **mechanistic_probes(run.model_cfg, run.variables, inputs, num_loops)}
+  return {'step': run.step, **mechanistic_probes(run.model_cfg, run.variables, inputs, num_loops,
+                                                 run.runtime)}
 
 
 def embedded_domains(config: dict, tokens_per_domain: int = 32768) -> dict[str, np.ndarray]:

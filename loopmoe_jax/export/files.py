@@ -242,11 +242,12 @@ def verify_export(workdir, out: str, fmt: str, step: int | None = None,
   if n < 1:
     raise ValueError(f'--verify: the context ({seq}) is too short for {greedy} greedy tokens')
   x = inputs[:max(1, tokens // seq), :seq].astype(np.int32)
-  forward = jax.jit(lambda p, t: LoopedMoE(cfg).apply({'params': p}, t)[0])
+  forward = jax.jit(lambda p, t: LoopedMoE(cfg, runtime=run.runtime).apply({'params': p}, t)[0])
   ours = lambda t: np.asarray(forward(params, jnp.asarray(t)), np.float32)
   if fmt == 'safetensors':
     cfg2, back, _ = safetensors_io.load_model(out)
-    forward2 = jax.jit(lambda p, t: LoopedMoE(cfg2).apply({'params': p}, t)[0])
+    forward2 = jax.jit(lambda p, t: LoopedMoE(cfg2, runtime=run.runtime).apply({'params': p},
+                                                                                t)[0])
     theirs = lambda t: np.asarray(forward2(back, jnp.asarray(t)), np.float32)
   else:
     torch, transformers = _verify_packages()

@@ -113,6 +113,7 @@ def kv_cache_losses(workdir, layouts, num_loops=(None,), step=None, scale_passes
     row = {'full_forward': _masked_means(batches, lambda b: (token_nll_of_logits(
         forward(params, bias, b['inputs'], n), b['targets']),))[0]}
     row['decode'] = {k: _masked_means(batches, lambda b, c=c: (decode_nll(
-        c, params, b['inputs'], b['targets'], n, bias),))[0] for k, c in configs.items()}
+        c, params, b['inputs'], b['targets'], n, bias, runtime=loaded.runtime),))[0]
+                     for k, c in configs.items()}
     out[str(n or cfg.num_loops)] = row
   return out

@@ -91,5 +91,5 @@ def sample_text(workdir: str, prompt: str, tokens: int, temperature: float, seed
                 f'{tok.name!r}')
   _check_length(cfg, ids.shape[1], tokens, data_cfg.seq_len, num_loops)
   out = generate(cfg, params, ids, tokens, jax.random.key(seed), temperature=temperature,
-                 num_loops=num_loops, router_bias=bias)
+                 num_loops=num_loops, router_bias=bias, runtime=run.runtime)
   return tok.decode(np.asarray(out[0]))

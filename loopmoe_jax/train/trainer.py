@@ -275,7 +275,7 @@ def _train(cfg, exp, workdir: str, caught: preempt.StopSignals, force: bool = Fa
       from jax.experimental import multihost_utils
       params, bias = multihost_utils.process_allgather((params, bias), tiled=True)
     if proc == 0:
-      _print_sample(mc, params, dc, tc, bias)
+      _print_sample(mc, params, dc, tc, bias, model.runtime)
   return summary
 
 
@@ -383,7 +383,7 @@ def _exchange_text(run, mesh) -> str:
   return f', expert exchange {run.expert_exchange} -> {exchange_kind(run.expert_exchange)}'
 
 
-def _print_sample(mc, params, dc, tc, router_bias=None):
+def _print_sample(mc, params, dc, tc, router_bias, runtime):
   from loopmoe_jax.decode import generate
   tok = pipeline.data_tokenizer(dc)
   if tok is None:
@@ -394,5 +394,5 @@ def _print_sample(mc, params, dc, tc, router_bias=None):
   if prompt.size == 0:
     return
   out = generate(mc, params, prompt, tc.sample_tokens, jax.random.key(tc.seed),
-                 temperature=0.8, router_bias=router_bias)
+                 temperature=0.8, router_bias=router_bias, runtime=runtime)
   print('sample:\n' + tok.decode(np.asarray(out[0])), flush=True)
