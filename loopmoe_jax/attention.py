@@ -50,8 +50,8 @@ class Attention(nn.Module):
   shared K/V of earlier steps and its own K/V of this step, and decode.py keeps the named
   pass's copy.
 
-  Probes (opt-in, analysis/probes.py): only when the caller applies the model with
-  mutable=['intermediates'] (outside decode), it sows float32 'q' [B,T,H,K], 'k' and 'v'
+  Probes (opt-in, analysis/probes.py): only with `probe` (LoopedMoE(cfg, probe=True)), applied
+  with mutable=['intermediates'] (outside decode), it sows float32 'q' [B,T,H,K], 'k' and 'v'
   [B,T,G,K] (after RoPE) and 'sink' [B,H], the attention mass on key 0 averaged over queries
   1..T-1. Otherwise nothing is sown and the traced program is unchanged.
 
@@ -62,6 +62,7 @@ class Attention(nn.Module):
   cfg: ModelConfig
   decode: bool = False
   runtime: Runtime = HERE
+  probe: bool = False
 
   @nn.compact
   def __call__(self, x_BTD, positions_BT, w):
@@ -87,12 +88,12 @@ class Attention(nn.Module):
         # larger than every query's).
         k_pos_BS = jnp.broadcast_to(jnp.arange(k_BSGK.shape[1]), (x_BTD.shape[0],
                                                                    k_BSGK.shape[1]))
-    if not self.decode and self.is_mutable_collection('intermediates'):
+    if self.probe and not self.decode:
       out_BTHK, sink_BH = attend(q_BTHK, k_BSGK, v_BSGK, positions_BT, k_pos_BS, sink=True)
       for name, val in (('q', q_BTHK), ('k', k_BSGK), ('v', v_BSGK), ('sink', sink_BH)):
         self.sow('intermediates', name, val.astype(jnp.float32))
-    elif self.decode or (impl := resolve(self.runtime.run.attention_impl, c.dtype, self.runtime.backend,
-                                         c.head_size)) == 'xla':
+    elif self.decode or (impl := resolve(self.runtime.run.attention_impl, c.dtype,
+                                         self.runtime.backend, c.head_size)) == 'xla':
       out_BTHK = checkpoint_name(attend(q_BTHK, k_BSGK, v_BSGK, positions_BT, k_pos_BS),
                                  'attention')
     else:

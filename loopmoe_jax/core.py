@@ -84,6 +84,7 @@ class Layer(nn.Module):
   decode: bool = False
   record: bool = False
   runtime: Runtime = HERE
+  probe: bool = False       # sow the attention's probes (attention.Attention)
 
   @nn.compact
   def __call__(self, x_BTD, positions_BT, attn_w=None, bias_E=None):
@@ -91,8 +92,8 @@ class Layer(nn.Module):
     if attn_w is None:
       attn_w = AttentionWeights(c, name='attn')()
     norm = lambda name: RMSNorm(c.norm_gain, c.norm_eps, c.param_dtype, name=name)
-    h = Attention(c, self.decode, self.runtime, name='attention')(norm('attn_norm')(x_BTD),
-                                                                  positions_BT, attn_w)
+    attention = Attention(c, self.decode, self.runtime, self.probe, name='attention')
+    h = attention(norm('attn_norm')(x_BTD), positions_BT, attn_w)
     x_BTD = x_BTD + self.scale * h
     u = norm('mlp_norm')(x_BTD)
     if self.num_experts:
@@ -113,6 +114,7 @@ class Stack(nn.Module):
   decode: bool = False
   record: bool = False
   runtime: Runtime = HERE
+  probe: bool = False
 
   @nn.compact
   def __call__(self, x_BTD, pass_attn, e_BTD, positions_BT, bias_CE=None):
@@ -126,7 +128,7 @@ class Stack(nn.Module):
     stats = []
     for i in range(self.num_layers):
       layer = Layer(c, self.num_experts, self.scale, self.decode, self.record, self.runtime,
-                    name=f'layer_{i}')
+                    self.probe, name=f'layer_{i}')
       x_BTD, s = layer(x_BTD, positions_BT, None if pass_attn is None else pass_attn[i],
                        None if bias_CE is None else bias_CE[i])
       stats.append(s)
@@ -151,6 +153,7 @@ class Core(nn.Module):
   decode: bool = False
   record: bool = False
   runtime: Runtime = HERE
+  probe: bool = False
 
   @nn.compact
   def __call__(self, x_BTD, positions_BT, num_loops: int, bias=None, backprop_loops: int = 0,
@@ -176,7 +179,8 @@ class Core(nn.Module):
     rt = self.runtime.resolved()  # inside core_once's shard_map: each device's share
     kw = dict(cfg=c, num_layers=c.core_layers, num_experts=c.core_experts,
               scale=residual_scale(c, num_loops), injection=c.injection, decode=self.decode,
-              record=self.record, runtime=rt.local_view() if mode.endswith('once') else rt)
+              record=self.record, probe=self.probe,
+              runtime=rt.local_view() if mode.endswith('once') else rt)
     args = (x_BTD, pass_attn, x_BTD if c.injection != 'none' else None, positions_BT, bias)
     passes = lambda fn, length=num_loops: scan_passes(fn, length, per_pass)
     if mode == 'early_exit':
@@ -200,7 +204,7 @@ class Core(nn.Module):
     first `split` passes without gradient: `_truncated`), 'once' (the scan inside core_once's
     shard_map: collectives once a step), 'scan' or 'unroll' (model.loop_impl; decoding always
     scans)."""
-    if split and (self.decode or self.is_mutable_collection('intermediates')):
+    if split and (self.decode or self.probe):
       raise ValueError(f'backprop_loops={backprop_loops} is a training setting: decoding and '
                        'probes run every pass with gradient (backprop_loops=0)')
     if readout is not None:  # early exit: always the scan (an inference setting)
@@ -250,8 +254,7 @@ class Core(nn.Module):
     return (rt.run.core_collectives == 'once' and rt.sharded and rt.axis('tensor') == 1 and
             batch % sharding.batch_size_of(rt.mesh) == 0 and not self.decode and
             not self.record and not self.is_initializing() and
-            'routing_mask' not in self.variables and
-            not self.is_mutable_collection('intermediates'))
+            'routing_mask' not in self.variables and not self.probe)
 
 
 def _with_pass_states(passes, stack, args):

@@ -58,6 +58,7 @@ class LoopedMoE(nn.Module):
   cfg: ModelConfig
   decode: bool = False
   runtime: Runtime = HERE   # the platform and run settings its programs are built for
+  probe: bool = False       # sow the attention probes (apply with mutable=['intermediates'])
 
   def __call__(self, tokens_BT, *, num_loops: int | None = None,
                early_exit: bool | None = None, return_routing: bool = False):
@@ -122,7 +123,8 @@ class LoopedMoE(nn.Module):
     core x num_loops (`core_args`: backprop_loops, readout, pass_outputs) and coda."""
     c = self.cfg
     per_visit: dict[str, Any] = {}
-    seg_kw = dict(decode=self.decode, record=return_routing, runtime=self.runtime.resolved())
+    seg_kw = dict(decode=self.decode, record=return_routing, probe=self.probe,
+                  runtime=self.runtime.resolved())
     stack = remat(Stack, self.runtime.run.remat)  # prelude and coda, rematerialised like the core's passes
     if c.prelude_layers:
       x_BTD, per_visit['prelude'] = stack(c, c.prelude_layers, c.prelude_experts, **seg_kw,

@@ -14,8 +14,9 @@
   available to the prediction). Domains: the data carries no domain labels, so a domain is a
   caller-named token array (e.g. the bytes of a file through the run's tokenizer).
 
-The probes read values the attention sows only when applied with mutable=['intermediates']
-(loopmoe_jax/attention.py); the core's scan stacks them per pass (core.PER_PASS).
+The probes read values the attention sows only in a model built with `probe=True` and applied
+with mutable=['intermediates'] (loopmoe_jax/attention.py); the core's scan stacks them per pass
+(core.PER_PASS).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ QKV = ('q', 'k', 'v')
 
 @functools.lru_cache(maxsize=None)
 def _probe_fn(cfg: ModelConfig, num_loops: int | None, runtime: Runtime):
-  model = LoopedMoE(cfg, runtime=runtime)
+  model = LoopedMoE(cfg, runtime=runtime, probe=True)
 
   def fn(params, tokens_BT):
     (logits, _), state = model.apply(variables(params), tokens_BT, num_loops=num_loops,
