@@ -125,7 +125,8 @@ class LoopedMoE(nn.Module):
     per_visit: dict[str, Any] = {}
     seg_kw = dict(decode=self.decode, record=return_routing, probe=self.probe,
                   runtime=self.runtime.resolved())
-    stack = remat(Stack, self.runtime.run.remat)  # prelude and coda, rematerialised like the core's passes
+    # prelude and coda, rematerialised like the core's passes
+    stack = remat(Stack, self.runtime.run.remat)
     if c.prelude_layers:
       x_BTD, per_visit['prelude'] = stack(c, c.prelude_layers, c.prelude_experts, **seg_kw,
                                           name='prelude')(x_BTD, None, None, positions_BT,
