@@ -6,10 +6,11 @@
 
 `cfg` (config.ModelConfig) is the architecture alone. A `Runtime` holds the run settings
 (`run`, config.RunConfig: dispatch backend, remat policy, attention implementation, loss
-chunks, ...: how the same parameters run), names the platform a program is built for and how its Pallas kernels are built
-(compiled or interpreted, their family and tiles), and the device mesh the program runs
-under (`mesh`; `local` inside a shard_map over all of it, where every value is one device's). Every module and function whose program
-depends on it takes it as an argument (`LoopedMoE.runtime`, down to `dispatch.dispatch` and
+chunks, ...: how the same parameters run), names the platform a program is built for and how
+its Pallas kernels are built (compiled or interpreted, their family and tiles), and the device
+mesh the program runs under (`mesh`; `local` inside a shard_map over all of it, where every
+value is one device's). Every module and function whose program depends on it takes it as an
+argument (`LoopedMoE.runtime`, down to `dispatch.dispatch` and
 `pallas_kernels.gmm`); nothing reads it from module globals, so a program kept for reuse keys
 on the model that carries it (train/step.py). `Runtime()` is this machine: the platform
 `jax.default_backend()`, kernels interpreted on a CPU, compiled elsewhere, and the mesh of
@@ -101,7 +102,7 @@ class Runtime:
 
   def with_run(self, **kw) -> 'Runtime':
     """The same runtime with the run settings `kw` replaced (run.remat='full': remat='full')."""
-    return dataclasses.replace(self, run=self.run.replace(**kw))
+    return self.replace(run=self.run.replace(**kw))
 
   def with_tiles(self, tiles: Mapping[str, Mapping[str, Any]]) -> 'Runtime':
     """The same runtime with the kernels' per-op tiles (and families) `tiles`."""

@@ -216,8 +216,7 @@ def dropless(model, remat: str = 'full'):
   row dropped, the same results as the bounded program), under `remat`: 'full' for the replay
   of a step whose bounded buffers dropped a row (it keeps its activations within the bounded
   program's memory); a forward alone keeps no layer's buffers, whatever the policy."""
-  return model.clone(runtime=model.runtime.replace(
-      exchange_dropless=True, run=model.runtime.run.replace(remat=remat)))
+  return model.clone(runtime=model.runtime.with_run(remat=remat).replace(exchange_dropless=True))
 
 
 def with_replay(value_and_grad, model):
