@@ -32,7 +32,7 @@ from loopmoe_jax.config import ModelConfig
 
 
 def _attn(c: ModelConfig) -> int:
-  return c.d_model * c.head_size * (2 * c.num_heads + 2 * c.kv_heads)
+  return c.d_model * c.resolved_head_dim * (2 * c.num_heads + 2 * c.kv_heads)
 
 
 def _ffn(c: ModelConfig, experts: int) -> dict[str, int]:
@@ -69,11 +69,11 @@ def count(c: ModelConfig, context: int = 2048) -> dict[str, Any]:
   embed_stored = br['embeddings']
   nonembed_total = total - embed_stored
   nonembed_active = active - c.vocab_size * d
-  attn_flops = 4 * context * c.num_heads * c.head_size * c.executed_layers
+  attn_flops = 4 * context * c.num_heads * c.resolved_head_dim * c.executed_layers
   gate_flops = 0
   if c.exit == 'gate' and c.core_layers:
     coda = c.coda_layers * (attn + _ffn(c, c.coda_experts)['active'])
-    coda_attn = 4 * context * c.num_heads * c.head_size * c.coda_layers
+    coda_attn = 4 * context * c.num_heads * c.resolved_head_dim * c.coda_layers
     gate_flops = (c.num_loops - 1) * (2 * (coda + c.vocab_size * d) + coda_attn) + \
         c.num_loops * 2 * d
   e, dl = c.core_experts, c.core_layers
@@ -86,7 +86,7 @@ def count(c: ModelConfig, context: int = 2048) -> dict[str, Any]:
       'flops_per_token': 2 * active + attn_flops,
       'gate_train_flops_per_token': gate_flops,
       'context': context,
-      'kv_per_token': cached_layers(c) * 2 * c.kv_heads * c.head_size,
+      'kv_per_token': cached_layers(c) * 2 * c.kv_heads * c.resolved_head_dim,
       'cached_layers': cached_layers(c),
       'executed_layers': c.executed_layers,
       'E_real': e * dl,

@@ -26,7 +26,7 @@ class AttentionWeights(nn.Module):
   @nn.compact
   def __call__(self):
     c, dt = self.cfg, DTYPES[self.cfg.param_dtype]
-    d, h, g, k = c.d_model, c.num_heads, c.kv_heads, c.head_size
+    d, h, g, k = c.d_model, c.num_heads, c.kv_heads, c.resolved_head_dim
     lead, lead_axes = ((self.stack,), ('loops',)) if self.stack else ((), ())
     b = len(lead)
     batch = tuple(range(b))
@@ -93,7 +93,7 @@ class Attention(nn.Module):
       for name, val in (('q', q_BTHK), ('k', k_BSGK), ('v', v_BSGK), ('sink', sink_BH)):
         self.sow('intermediates', name, val.astype(jnp.float32))
     elif self.decode or (impl := resolve(self.runtime.run.attention_impl, c.dtype,
-                                         self.runtime.backend, c.head_size)) == 'xla':
+                                         self.runtime.backend, c.resolved_head_dim)) == 'xla':
       out_BTHK = checkpoint_name(attend(q_BTHK, k_BSGK, v_BSGK, positions_BT, k_pos_BS),
                                  'attention')
     else:

@@ -44,26 +44,26 @@ SIXTEEN_BIT = ('bfloat16', 'float16')
 SPLASH_MULTIPLE = 128  # splash's block sizes are multiples of the 128-lane layout
 
 
-# cuDNN's fused attention as jax calls it: head sizes that are multiples of 8, at most 128
+# cuDNN's fused attention as jax calls it: head dims that are multiples of 8, at most 128
 CUDNN_HEAD_MULTIPLE, CUDNN_MAX_HEAD = 8, 128
 
 
-def _cudnn_head_ok(head_size: int | None) -> bool:
-  return head_size is None or (head_size % CUDNN_HEAD_MULTIPLE == 0 and
-                               head_size <= CUDNN_MAX_HEAD)
+def _cudnn_head_ok(head_dim: int | None) -> bool:
+  return head_dim is None or (head_dim % CUDNN_HEAD_MULTIPLE == 0 and
+                               head_dim <= CUDNN_MAX_HEAD)
 
 
 def resolve(impl: str, dtype: str, platform: str | None = None,
-            head_size: int | None = None) -> str:
+            head_dim: int | None = None) -> str:
   """The implementation `impl` ('auto' or a name) runs as on `platform` ('cpu', 'gpu', 'tpu':
   the one programs are built for, `Runtime.backend`; default: this machine's) for heads of
-  `head_size`; one the platform or the head size cannot run is a ValueError naming the key,
-  and `auto` never picks it (a head size cuDNN does not take: chunked)."""
+  `head_dim`; one the platform or the head dim cannot run is a ValueError naming the key,
+  and `auto` never picks it (a head dim cuDNN does not take: chunked)."""
   platform = platform or HERE.backend
   if impl == 'auto':
     if platform == 'tpu':
       return 'splash'
-    cudnn = platform == 'gpu' and dtype in SIXTEEN_BIT and _cudnn_head_ok(head_size)
+    cudnn = platform == 'gpu' and dtype in SIXTEEN_BIT and _cudnn_head_ok(head_dim)
     return 'cudnn' if cudnn else 'chunked'
   if impl not in RUNS_ON:
     raise ValueError(f'run.attention_impl={impl!r}: must be one of {IMPLS}')
@@ -73,10 +73,10 @@ def resolve(impl: str, dtype: str, platform: str | None = None,
   if impl == 'cudnn' and dtype not in SIXTEEN_BIT:
     raise ValueError(f"run.attention_impl='cudnn' needs a 16-bit model.dtype (got {dtype!r}); "
                      "set model.dtype='bfloat16' or use chunked")
-  if impl == 'cudnn' and not _cudnn_head_ok(head_size):
+  if impl == 'cudnn' and not _cudnn_head_ok(head_dim):
     raise ValueError(f"run.attention_impl='cudnn' needs heads of a multiple of "
                      f'{CUDNN_HEAD_MULTIPLE} up to {CUDNN_MAX_HEAD} (model.head_dim: '
-                     f'{head_size}); use auto or chunked')
+                     f'{head_dim}); use auto or chunked')
   return impl
 
 

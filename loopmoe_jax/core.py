@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 
 from loopmoe_jax import exit as early_exit_lib
-from loopmoe_jax import sharding
 from loopmoe_jax.attention import Attention, AttentionWeights
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.core_once import core_once
@@ -172,38 +171,32 @@ class Core(nn.Module):
       stacked = [AttentionWeights(c, stack=c.num_loops, name=f'pass_attn_{i}')()
                  for i in range(c.core_layers)]
       pass_attn = jax.tree.map(lambda w: w[:num_loops], stacked)
-    body = remat(Stack, self.runtime.run.remat)
     # the first pass with gradient (0: all of them)
     split = num_loops - backprop_loops if 0 < backprop_loops < num_loops else 0
-    mode = self._mode(split, backprop_loops, readout, pass_states, x_BTD.shape[0])
+    mode = self._mode(split, backprop_loops, readout, x_BTD.shape[0], pass_states)
     rt = self.runtime.resolved()  # inside core_once's shard_map: each device's share
-    kw = dict(cfg=c, num_layers=c.core_layers, num_experts=c.core_experts,
-              scale=residual_scale(c, num_loops), injection=c.injection, decode=self.decode,
-              record=self.record, probe=self.probe,
-              runtime=rt.local_view() if mode.endswith('once') else rt)
+    stack = remat(Stack, rt.run.remat)(
+        cfg=c, num_layers=c.core_layers, num_experts=c.core_experts,
+        scale=residual_scale(c, num_loops), injection=c.injection, decode=self.decode,
+        record=self.record, runtime=rt.local_view() if mode == 'once' else rt, probe=self.probe,
+        name='body')
     args = (x_BTD, pass_attn, x_BTD if c.injection != 'none' else None, positions_BT, bias)
     passes = lambda fn, length=num_loops: scan_passes(fn, length, per_pass)
     if mode == 'early_exit':
-      return early_exit_lib.scan_core(passes, body(**kw, name='body'), args, readout)
+      return early_exit_lib.scan_core(passes, stack, args, readout)
     if mode == 'pass_states':
-      return _with_pass_states(passes, body(**kw, name='body'), args)
-    if mode.startswith('truncated'):
-      return self._truncated(passes(body, length=split), passes(body, length=num_loops - split),
-                             kw, args, split, per_pass, mode == 'truncated_once')
-    if mode == 'once':
-      return core_once(passes(body)(**kw), self.variables['params']['body'], args)
-    if mode == 'scan':
-      return passes(body)(**kw, name='body')(*args)
-    return _unrolled(body(**kw, name='body'), args, num_loops, split, per_pass)
+      return _with_pass_states(passes, stack, args)
+    if mode == 'unroll':
+      return _unrolled(stack, args, num_loops, split, per_pass)
+    return _scanned(passes, stack, args, num_loops, split, per_pass, mode == 'once')
 
-  def _mode(self, split: int, backprop_loops: int, readout, pass_states: bool,
-            batch: int) -> str:
-    """The one place that picks the core's path (each refusal names the setting):
-    'early_exit' (a readout given: per-token exit, exit.scan_core), 'pass_states' (gate
-    training: the scan also emits every pass's state), 'truncated' / 'truncated_once' (the
-    first `split` passes without gradient: `_truncated`), 'once' (the scan inside core_once's
-    shard_map: collectives once a step), 'scan' or 'unroll' (model.loop_impl; decoding always
-    scans)."""
+  def _mode(self, split: int, backprop_loops: int, readout, batch: int,
+            pass_states: bool) -> str:
+    """The core's path: 'early_exit' (a readout given: per-token exit, exit.scan_core),
+    'pass_states' (gate training: the scan also emits every pass's state), else the runtime's
+    `core_mode` ('once', 'scan' or 'unroll'; runtime.py), each refusal naming the setting.
+    A `split` (truncated backprop) runs in 'scan' and 'once' as two scans (`_scanned`), in
+    'unroll' as one loop."""
     if split and (self.decode or self.probe):
       raise ValueError(f'backprop_loops={backprop_loops} is a training setting: decoding and '
                        'probes run every pass with gradient (backprop_loops=0)')
@@ -212,49 +205,36 @@ class Core(nn.Module):
         raise ValueError(f'backprop_loops={backprop_loops}: early exit (model.exit) is an '
                          'inference setting; use backprop_loops=0')
       return 'early_exit'
-    if pass_states and not self.is_initializing():  # gate training: always the scan
+    if pass_states:  # gate training: always the scan
       if split or self.decode:
         raise ValueError(f'backprop_loops={backprop_loops}: gate training (model.exit=\'gate\') '
                          'backpropagates through every pass (backprop_loops=0) and does not decode')
       return 'pass_states'
-    if self.runtime.run.loop_impl == 'unroll' and not self.decode:
-      return 'unroll'
-    once = self._collectives_once(batch)
-    if split and not self.is_initializing():
-      return 'truncated_once' if once else 'truncated'
-    return 'once' if once else 'scan'
+    return self.runtime.resolved().core_mode(batch, decode=self.decode, record=self.record,
+                                             probe=self.probe,
+                                             initializing=self.is_initializing())
 
-  def _truncated(self, early, late, kw, args, split, per_pass, once):
-    """Passes [0, split) (`early`, a scan of them), stop_gradient, then the rest (`late`): two
-    scans applied to the one set of weights under 'body' (each through core_once when
-    `once`), each pass with its own slice of the per-pass inputs; the statistics of both parts
-    joined by pass."""
-    x_BTD, pass_attn, e_BTD, positions_BT, bias = args
-    weights = {col: self.variables[col]['body'] for col in BROADCAST
-               if 'body' in self.variables.get(col, {})}
-    stats = []
-    for scanned, part in ((early(**kw), slice(0, split)), (late(**kw), slice(split, None))):
-      cut = lambda t: None if t is None else jax.tree.map(lambda a: a[part], t)
-      part_args = (x_BTD, cut(pass_attn), e_BTD, positions_BT, cut(bias) if per_pass else bias)
-      if once:
-        x_BTD, s = core_once(scanned, weights['params'], part_args)
-      else:
-        x_BTD, s = scanned.apply(weights, *part_args)
-      if part.start == 0:  # no gradient to the carry, the statistics or the weights of these
-        x_BTD, s = jax.lax.stop_gradient((x_BTD, s))
-      stats.append(s)
-    return x_BTD, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *stats)
 
-  def _collectives_once(self, batch: int) -> bool:
-    """run.core_collectives='once' applies: a multi-device mesh without `tensor` (heads and
-    expert widths would need manual collectives) whose batch shards split the sequences,
-    training or evaluation (not decoding, routing records, probes or expert masks), params
-    already made. Otherwise the loop runs as a plain scan under XLA's partitioning."""
-    rt = self.runtime.resolved()
-    return (rt.run.core_collectives == 'once' and rt.sharded and rt.axis('tensor') == 1 and
-            batch % sharding.batch_size_of(rt.mesh) == 0 and not self.decode and
-            not self.record and not self.is_initializing() and
-            'routing_mask' not in self.variables and not self.probe)
+def _scanned(passes, stack, args, num_loops: int, split: int, per_pass: bool, once: bool):
+  """The passes as scans of the one bound `stack` (shared weights), through core_once when
+  `once`: one scan of `num_loops`, or with a `split` (truncated backprop, Core's docstring)
+  a scan of passes [0, split) whose carry and statistics pass through stop_gradient, then a
+  scan of the rest, each pass with its own slice of the per-pass inputs; the statistics of
+  both parts joined by pass."""
+  run = lambda mdl, *a: mdl(*a)
+  x_BTD, pass_attn, e_BTD, positions_BT, bias = args
+  stats = []
+  for part in ((slice(0, split), slice(split, num_loops)) if split else (slice(0, num_loops),)):
+    cut = lambda t: t if (t is None or not split) else jax.tree.map(lambda a: a[part], t)
+    part_args = (x_BTD, cut(pass_attn), e_BTD, positions_BT, cut(bias) if per_pass else bias)
+    scan = passes(run, length=part.stop - part.start)
+    x_BTD, s = core_once(scan, stack, part_args, per_pass) if once else scan(stack, *part_args)
+    if split and part.start == 0:  # no gradient to the carry, the statistics or the weights
+      x_BTD, s = jax.lax.stop_gradient((x_BTD, s))
+    stats.append(s)
+  if len(stats) == 1:
+    return x_BTD, stats[0]
+  return x_BTD, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *stats)
 
 
 def _with_pass_states(passes, stack, args):

@@ -8,6 +8,11 @@ accumulate locally across the passes and are reduced once per step, whatever the
 (XLA's partitioning of a plain scan reduces them inside the loop, once per pass). The MoE
 layers see a manual mesh and route and exchange locally (moe.py, expert_parallel.py); their
 routing sums are added over the shards here so the aux losses are the global batch's.
+
+`core_once` is a lifted transform (like `nn.scan`): it takes the core's bound layer stack and
+hands the stack's own variables (its weights, and read-only inputs such as analysis/masking's
+expert masks) into the shard_map, where the stack runs on each device's view of them
+(`LOCAL_SPLIT`: whole, but for an expert dimension, which keeps its `expert` split).
 """
 from __future__ import annotations
 
@@ -16,17 +21,21 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.core import lift, unfreeze
 from jax.sharding import PartitionSpec as P
 
 from loopmoe_jax import sharding
 from loopmoe_jax.attention import AttentionWeights
 from loopmoe_jax.moe import SUM_KEYS, losses_from_sums
+from loopmoe_jax.runtime import LOCAL_SPLIT
+
+# The variable collections the stack reads inside the shard_map (core.BROADCAST's).
+VARIABLES = ('params', 'routing_mask')
 
 
 def _gather_specs(boxed, mesh):
   """Per weight of a boxed tree: (its PartitionSpec under the rules table, per dimension the
-  mesh axes to gather it over inside the shard_map: all of them but an expert dimension's
-  `expert`)."""
+  mesh axes to gather it over inside the shard_map: all of them but those LOCAL_SPLIT keeps)."""
   specs = sharding.param_specs(boxed, mesh)
   is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)
 
@@ -34,66 +43,102 @@ def _gather_specs(boxed, mesh):
     out = []
     for name, entry in zip(box.names, spec):
       axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-      out.append(tuple(a for a in axes if not (name == 'experts' and a == 'expert')))
+      out.append(tuple(a for a in axes if a != LOCAL_SPLIT.get(name)))
     return tuple(out)
   gathers = jax.tree.map(gather_axes, boxed, specs, is_leaf=is_box)
   return specs, gathers
 
 
-def core_once(scanned, params, args):
-  """The scanned core inside `jax.shard_map` over the whole mesh: each device runs every pass
-  on its rows. The core's weights enter in their sharded layout and are all-gathered once
-  inside, before the loop (expert weights keep their `expert` split); the transpose of that
-  gather is one reduce-scatter of each weight's gradient after the backward loop, so the
-  shared weights' gradients accumulate locally across passes and are reduced once (the
-  memory price: the core's weights, and their gradient accumulator, whole over the batch
-  axes for the step). The MoE layers route and exchange locally (moe.py) and return their
-  routing sums, added here over the shards to give the global batch's aux losses; outputs
-  as the plain scan's."""
-  mesh = scanned.runtime.mesh  # its runtime is the local view (Runtime.local_view)
+def _layouts(stack: nn.Module, args, per_pass: bool, mesh):
+  """(specs, gathers) of the stack's params and of the untied attention's per-pass weights,
+  read from their declarations (an abstract init of the stack, whole over the mesh, on one
+  pass's inputs: the same boxes the train state's shardings are made from)."""
+  x_BTD, pass_attn, e_BTD, positions_BT, bias = args
+  first = lambda t: None if t is None else jax.tree.map(lambda a: a[0], t)
+  one_pass = (x_BTD, first(pass_attn), e_BTD, positions_BT, first(bias) if per_pass else bias)
+  whole = stack.clone(parent=None, runtime=dataclasses.replace(stack.runtime, local=False))
+  shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), one_pass)
+  params = _gather_specs(jax.eval_shape(
+      lambda *a: whole.init(jax.random.key(0), *a), *shapes)['params'], mesh)
+  if pass_attn is None:
+    return params, None
+  layer = jax.eval_shape(lambda: AttentionWeights(stack.cfg, stack=stack.cfg.num_loops)
+                         .init(jax.random.key(0)))['params']
+  attn_spec, attn_gather = _gather_specs(layer, mesh)
+  return params, ([attn_spec] * len(pass_attn), [attn_gather] * len(pass_attn))
+
+
+def _gather(w, dims):
+  for dim, axes in enumerate(dims):
+    if axes:
+      w = jax.lax.all_gather(w, axes, axis=dim, tiled=True)
+  return w
+
+
+def _gather_tree(tree, gathers):
+  return jax.tree.map(_gather, tree, gathers, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def _shard_mapped(body_fn, scope, *args, mesh, layouts, has_experts: bool):
+  """The lifted shard_map (flax.core.lift.pack): `body_fn(scope, *args)` inside
+  `jax.shard_map` over `mesh`, the scope's VARIABLES entering in their stored layout and
+  gathered to each device's view before the body runs (nothing written back: the stack's
+  variables are read-only here)."""
+  (param_specs, param_gathers), attn = layouts
   rows = P(sharding.batch_axes(mesh))
   x_BTD, pass_attn, e_BTD, positions_BT, bias = args
-  shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
-  whole = scanned.clone(runtime=dataclasses.replace(scanned.runtime, local=False))
-  specs, gathers = _gather_specs(jax.eval_shape(  # the weights' specs, whole over the mesh
-      lambda *a: whole.init(jax.random.key(0), *a), *shapes)['params'], mesh)
-  attn_specs, attn_gathers = None, None
-  if pass_attn is not None:  # untied attention: per pass, sharded like any weight
-    one_layer = jax.eval_shape(lambda: AttentionWeights(scanned.cfg, stack=scanned.cfg.num_loops)
-                               .init(jax.random.key(0)))['params']
-    attn_spec, attn_gather = _gather_specs(one_layer, mesh)
-    attn_specs = [attn_spec] * len(pass_attn)
-    attn_gathers = [attn_gather] * len(pass_attn)
 
-  def gather(w, dims):
-    for dim, axes in enumerate(dims):
-      if axes:
-        w = jax.lax.all_gather(w, axes, axis=dim, tiled=True)
-    return w
+  def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args):
+    del repack_fn
+    (variables,) = variable_groups[0]   # one filter, one scope
+    variables = nn.unbox(unfreeze(variables))  # boxed params (a fresh init) read as arrays
+    specs = {col: param_specs if col == 'params' else jax.tree.map(lambda _: P(), tree)
+             for col, tree in variables.items()}
 
-  def inner(params, x_BTD, pass_attn, e_BTD, positions_BT, bias):
-    with jax.named_scope('gather_core_weights'):
-      dims = lambda x: isinstance(x, tuple)
-      params = jax.tree.map(gather, params, gathers, is_leaf=dims)
-      if pass_attn is not None:
-        pass_attn = jax.tree.map(gather, pass_attn, attn_gathers, is_leaf=dims)
-    x_BTD, stats = scanned.apply({'params': params}, x_BTD, pass_attn, e_BTD, positions_BT, bias)
-    if not stats:
-      return x_BTD, {}
-    return x_BTD, {'sums': jax.tree.map(lambda v: v[None], stats['sums']),
-                   'dropped': stats['dropped']}
+    def local(variables, x_BTD, pass_attn, e_BTD, positions_BT, bias):
+      with jax.named_scope('gather_core_weights'):
+        variables = dict(variables, params=_gather_tree(variables['params'], param_gathers))
+        if pass_attn is not None:
+          pass_attn = _gather_tree(pass_attn, attn[1])
+      inner_scope = scope_fn(((variables,),), rng_groups)
+      x_BTD, stats = body_fn(inner_scope, x_BTD, pass_attn, e_BTD, positions_BT, bias)
+      if not stats:
+        return x_BTD, {}
+      return x_BTD, {'sums': jax.tree.map(lambda v: v[None], stats['sums']),
+                     'dropped': stats['dropped']}
 
-  out_stats = {} if not scanned.num_experts else {
-      'sums': {k: rows for k in SUM_KEYS}, 'dropped': P()}
-  opt = lambda a, spec: None if a is None else spec
-  x_BTD, stats = jax.shard_map(
-      inner, in_specs=(specs, rows, attn_specs, opt(e_BTD, rows), rows,
-                       opt(bias, P())),
-      out_specs=(rows, out_stats), check_vma=False)(params, x_BTD, pass_attn, e_BTD,
-                                                    positions_BT, bias)
+    out_stats = {'sums': {k: rows for k in SUM_KEYS}, 'dropped': P()} if has_experts else {}
+    opt = lambda a, spec: None if a is None else spec
+    y = jax.shard_map(
+        local, in_specs=(specs, rows, None if attn is None else attn[0], opt(e_BTD, rows), rows,
+                         opt(bias, P())),
+        out_specs=(rows, out_stats), check_vma=False)(variables, *args)
+    return y, ()
+
+  return lift.pack(inner, (VARIABLES,), (), (), name='core_once')(
+      scope, x_BTD, pass_attn, e_BTD, positions_BT, bias)
+
+
+def core_once(fn, stack: nn.Module, args, per_pass: bool):
+  """`fn(stack, *args)` (the core's scan of its passes over the bound layer stack `stack`,
+  whose runtime is the local view) inside `jax.shard_map` over the whole mesh: each device
+  runs every pass on its rows. The stack's weights enter in their sharded layout and are
+  all-gathered once inside, before the loop (expert weights keep their `expert` split); the
+  transpose of that gather is one reduce-scatter of each weight's gradient after the backward
+  loop, so the shared weights' gradients accumulate locally across passes and are reduced
+  once (the memory price: the core's weights, and their gradient accumulator, whole over the
+  batch axes for the step). The MoE layers route and exchange locally (moe.py) and return
+  their routing sums, added here over the shards to give the global batch's aux losses;
+  outputs as the plain scan's. `args`: (x_BTD, pass_attn, e_BTD, positions_BT, bias), bias
+  per pass ([L, C, E]) when `per_pass`."""
+  mesh = stack.runtime.mesh
+  layouts = _layouts(stack, args, per_pass, mesh)
+  x_BTD, stats = nn.transforms.lift_direct_transform(
+      _shard_mapped, (fn,), stack, *args, mesh=mesh, layouts=layouts,
+      has_experts=bool(stack.num_experts))
   if not stats:
     return x_BTD, {}
   sums = jax.tree.map(lambda v: jnp.sum(v, axis=0), stats['sums'])
-  lb, zl = losses_from_sums(sums, scanned.cfg.top_k)
+  lb, zl = losses_from_sums(sums, stack.cfg.top_k)
   return x_BTD, {'load_balance': lb, 'z_loss': zl, 'load': sums['load'],
                  'dropped': stats['dropped']}

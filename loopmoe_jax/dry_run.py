@@ -91,7 +91,7 @@ def step_flops(cfg_dict, num_devices: int | None = None) -> int:
 def analytic_flops(exp, mesh) -> int:
   """Training FLOPs per device and step: the trainer's per-token count
   (depth.step_flops_per_token: 6 x N_active per token plus attention's 12 x context x heads x
-  head size per executed layer, accounting.py's convention, no causal discount; the gate's
+  head dim per executed layer, accounting.py's convention, no causal discount; the gate's
   readouts and truncated backprop as the run sets them) x the batch's tokens, over the
   devices."""
   L = exp.model.num_loops

@@ -7,7 +7,7 @@ Array names carry their shape in capitals after an underscore (`x_BTD`, `gate_ED
 per dimension across the package:
 
   B batch            T tokens (query positions)    S key positions      V vocabulary
-  D d_model          H query heads                  G kv heads (groups)  K head size
+  D d_model          H query heads                  G kv heads (groups)  K head dim
   F expert width     E experts                      k top-k (lower case) M routed rows (T*k)
   N rows or windows of an analysis batch, and a matmul's output width (rhs_GKN)
   L passes of the looped core (num_loops)           C core layers (core_layers; the papers'
@@ -39,13 +39,19 @@ def fan_in_init(in_axes: Sequence[int], out_axes: Sequence[int], batch_axes: Seq
                                           batch_axis=tuple(batch_axes))
 
 
-def param(module: nn.Module, name: str, shape, axes: Sequence[str], init, dtype):
-  """Creates a parameter annotated with logical axis names (one per dimension)."""
+def param(module: nn.Module, name: str, shape, axes: Sequence[str], init, dtype, runtime=None):
+  """Creates (or reads) a parameter of shape `shape` annotated with logical axis names (one
+  per dimension). Declared with its whole shape wherever it runs: given the `runtime`
+  (runtime.Runtime) of a body inside a shard_map over the whole mesh, the value is the
+  device's view of it (`Runtime.local_shape`: a layer's experts are its own), and Flax checks
+  the value against that shape."""
   if len(axes) != len(shape):
     raise ValueError(f'{name}: {len(axes)} axis names for shape {shape}')
   unknown = [a for a in axes if a not in LOGICAL_AXES]
   if unknown:
     raise ValueError(f'{name}: axis names {unknown} are not in layers.LOGICAL_AXES')
+  if runtime is not None:
+    shape = runtime.local_shape(shape, axes)
   return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape), dtype)
 
 

@@ -152,16 +152,16 @@ class MoE(nn.Module):
     b, t, d = x_BTD.shape
     e, f = self.num_experts, c.expert_width
     rt = self.runtime.resolved()
-    # inside the core's shard_map (core.Core) a device holds its E/n experts
-    e_here = e // rt.axis('expert') if rt.local else e
-    router_DE = param(self, 'router', (d, e), ('embed', 'experts'), fan_in_init([0], [1]), dt)
+    # declared whole; inside the core's shard_map (core_once.py) a device's view of them
+    # holds its own E/n experts (layers.param)
+    router_DE = param(self, 'router', (d, e), ('embed', 'experts'), fan_in_init([0], [1]), dt, rt)
     experts = {
-        'gate': param(self, 'gate', (e_here, d, f), ('experts', 'embed', 'mlp'),
-                      fan_in_init([1], [2], [0]), dt),
-        'up': param(self, 'up', (e_here, d, f), ('experts', 'embed', 'mlp'),
-                    fan_in_init([1], [2], [0]), dt),
-        'down': param(self, 'down', (e_here, f, d), ('experts', 'mlp', 'embed'),
-                      fan_in_init([1], [2], [0]), dt),
+        'gate': param(self, 'gate', (e, d, f), ('experts', 'embed', 'mlp'),
+                      fan_in_init([1], [2], [0]), dt, rt),
+        'up': param(self, 'up', (e, d, f), ('experts', 'embed', 'mlp'),
+                    fan_in_init([1], [2], [0]), dt, rt),
+        'down': param(self, 'down', (e, f, d), ('experts', 'mlp', 'embed'),
+                      fan_in_init([1], [2], [0]), dt, rt),
     }
     x_TD = x_BTD.reshape(b * t, d)
     with jax.named_scope('route'):

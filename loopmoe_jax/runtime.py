@@ -26,6 +26,7 @@ accelerators' compilers (aot.py); nothing built so runs here.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping
 
 import jax
@@ -34,6 +35,14 @@ from loopmoe_jax.config.model import RunConfig
 from pallas_kernels.ops import platform_of
 
 PLATFORMS = ('cpu', 'gpu', 'tpu')
+
+# Inside a shard_map over the whole mesh (the looped core's, core_once.py) each device holds a
+# view of a weight that is whole but for these logical dimensions, which keep their split over
+# the named mesh axis: a device runs its own experts (`Runtime.local_shape`).
+LOCAL_SPLIT = {'experts': 'expert'}
+
+# How the looped core runs its passes (`Runtime.core_mode`).
+CORE_MODES = ('once', 'scan', 'unroll')
 
 
 def platform_name(name: str) -> str:
@@ -110,10 +119,10 @@ class Runtime:
 
   def check(self, mc) -> None:
     """Refuses run settings that its platform cannot run for the model config `mc` (cudnn
-    attention on a TPU, splash on a GPU, cudnn with a head size or dtype cuDNN does not take):
+    attention on a TPU, splash on a GPU, cudnn with a head dim or dtype cuDNN does not take):
     a ValueError naming the key and the platform, before anything is traced or compiled."""
     from loopmoe_jax.attention_impls import resolve  # pylint: disable=import-outside-toplevel
-    resolve(self.run.attention_impl, mc.dtype, self.backend, mc.head_size)
+    resolve(self.run.attention_impl, mc.dtype, self.backend, mc.resolved_head_dim)
 
   def resolved(self) -> 'Runtime':
     """This runtime with its mesh: the one given, else the mesh of `jax.set_mesh` in force
@@ -129,6 +138,37 @@ class Runtime:
   def local_view(self) -> 'Runtime':
     """The runtime of a body run inside a shard_map over the whole mesh (core_once)."""
     return dataclasses.replace(self.resolved(), local=True)
+
+  def local_shape(self, shape, names) -> tuple[int, ...]:
+    """The shape a weight declared as `shape` (logical dimension `names`) has here: itself,
+    or inside a shard_map over the whole mesh (`local`) the device's view: each dimension
+    whole but over the mesh axes that the rules table gives it and LOCAL_SPLIT keeps split
+    (a layer's experts over `expert`; a router's expert dimension is whole)."""
+    if not self.local:
+      return tuple(shape)
+    from loopmoe_jax.sharding import spec  # pylint: disable=import-outside-toplevel
+    out = []
+    for n, name, entry in zip(shape, names, spec(names, self.mesh.axis_names)):
+      axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+      out.append(n // math.prod(self.axis(a) for a in axes if a == LOCAL_SPLIT.get(name)))
+    return tuple(out)
+
+  def core_mode(self, batch: int, *, decode: bool = False, record: bool = False,
+                probe: bool = False, initializing: bool = False) -> str:
+    """How the looped core runs its passes on a batch of `batch` rows, decided here alone (a
+    resolved runtime; one of CORE_MODES): 'unroll' with run.loop_impl='unroll' (a Python loop
+    over the passes; decoding always scans); 'once' when run.core_collectives='once' applies
+    (core_once.py): a multi-device mesh without `tensor` (heads and expert widths would need
+    manual collectives) whose batch shards split the rows, training or evaluation (not
+    decoding, routing records, probes or init, which make or read what the whole pass holds);
+    else 'scan' (one nn.scan of the passes under XLA's partitioning)."""
+    from loopmoe_jax.sharding import batch_size_of  # pylint: disable=import-outside-toplevel
+    if self.run.loop_impl == 'unroll' and not decode:
+      return 'unroll'
+    once = (self.run.core_collectives == 'once' and self.sharded and self.axis('tensor') == 1
+            and batch % batch_size_of(self.mesh) == 0
+            and not (decode or record or probe or initializing))
+    return 'once' if once else 'scan'
 
   @property
   def sharded(self) -> bool:

@@ -119,7 +119,7 @@ def test_attention_impl_errors_name_the_key_and_platform():
     resolve('cudnn', 'float32', 'gpu')
   assert resolve('auto', 'float32', 'gpu') == 'chunked'  # never a kernel that cannot run
   assert resolve('auto', 'bfloat16', 'cpu') == 'chunked'
-  # cuDNN's head sizes: multiples of 8 up to 128; auto falls back, asking for it is an error
+  # cuDNN's head dims: multiples of 8 up to 128; auto falls back, asking for it is an error
   assert resolve('auto', 'bfloat16', 'gpu', 64) == 'cudnn'
   for head in (60, 256):
     assert resolve('auto', 'bfloat16', 'gpu', head) == 'chunked'

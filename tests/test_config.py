@@ -109,8 +109,8 @@ def test_top_k_above_a_segments_experts(segment):
 def test_heads_must_divide_d_model():
   with pytest.raises(ValueError, match=_mentions('num_heads', 'd_model')):
     ModelConfig(d_model=64, num_heads=5)
-  assert ModelConfig(d_model=60, num_heads=5, head_dim=12).head_size == 12
-  assert ModelConfig(d_model=64, num_heads=4).head_size == 16
+  assert ModelConfig(d_model=60, num_heads=5, head_dim=12).resolved_head_dim == 12
+  assert ModelConfig(d_model=64, num_heads=4).resolved_head_dim == 16
 
 
 @pytest.mark.parametrize('kv', [3, 8])
@@ -393,7 +393,7 @@ FLOP_IDS = [f'{_stem(p)}:{a}' if kind == 'file' else a for kind, p, a in FLOP_CA
 def test_flops_and_active_params_brute_force(kind, path, arg):
   cfg = model_of(path, arg) if kind == 'file' else ModelConfig(**EXTRA[arg])
   active, attn_hk = brute_force(cfg, abstract_params(cfg))
-  assert attn_hk == cfg.num_heads * cfg.head_size * cfg.executed_layers
+  assert attn_hk == cfg.num_heads * cfg.resolved_head_dim * cfg.executed_layers
   for context in (2048, 333):
     acc = count(cfg, context)
     assert acc['params_active'] == active

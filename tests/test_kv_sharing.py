@@ -177,7 +177,7 @@ def test_cache_shrinks_by_the_pass_count_in_the_core_and_accounting_follows(num_
     assert jax.tree.map(lambda s: (s.shape, s.dtype), cache_shapes(cfg, batch, length)) == \
         jax.tree.map(lambda x: (x.shape, x.dtype), real)
   saved = count(base)['kv_per_token'] - count(base.replace(kv_cache='last_pass'))['kv_per_token']
-  assert saved == base.core_layers * (num_loops - 1) * 2 * base.kv_heads * base.head_size
+  assert saved == base.core_layers * (num_loops - 1) * 2 * base.kv_heads * base.resolved_head_dim
 
 
 def test_shared_cache_does_not_grow_with_test_time_passes():
@@ -188,7 +188,7 @@ def test_shared_cache_does_not_grow_with_test_time_passes():
     grows = cache_bytes(cfg, 1, 8, num_loops=n)
     flat = cache_bytes(cfg.replace(kv_cache='last_pass'), 1, 8, num_loops=n)
     assert flat == cache_bytes(cfg.replace(kv_cache='last_pass'), 1, 8)
-    slot = 8 * 2 * cfg.kv_heads * cfg.head_size * jnp.dtype(cfg.dtype).itemsize  # one layer's
+    slot = 8 * 2 * cfg.kv_heads * cfg.resolved_head_dim * jnp.dtype(cfg.dtype).itemsize  # one layer's
     assert grows - flat == (n - 1) * cfg.core_layers * slot
 
 

@@ -299,7 +299,7 @@ def test_foil_pairs_every_step_of_the_final_window_with_the_tied_control(tmp_pat
 @pytest.mark.parametrize('smoke', ['', ',smoke'])
 def test_foil_base_tied_differs_from_base_only_in_attention_tying(smoke):
   """Same FLOPs; the parameter trees differ by the per-pass attention alone, C (L - 1) sets of
-  d_model x head_size x (2 heads + 2 KV heads); full size, the paper's 553.7M and 520.2M."""
+  d_model x head dim x (2 heads + 2 KV heads); full size, the paper's 553.7M and 520.2M."""
   import jax
   from loopmoe_jax.accounting import count
   from loopmoe_jax.config import ModelConfig
@@ -313,7 +313,7 @@ def test_foil_base_tied_differs_from_base_only_in_attention_tying(smoke):
   trees = {v: param_shapes(m) for v, m in mc.items()}
   size = lambda t: sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(t))
   m = mc['base']
-  attn = m.d_model * m.head_size * (2 * m.num_heads + 2 * m.kv_heads)
+  attn = m.d_model * m.resolved_head_dim * (2 * m.num_heads + 2 * m.kv_heads)
   assert size(trees['base']) - size(trees['base_tied']) == m.core_layers * (m.num_loops - 1) * attn
   no_attn = {v: {jax.tree_util.keystr(p): x.shape for p, x in
                  jax.tree_util.tree_leaves_with_path(t) if 'attn' not in jax.tree_util.keystr(p)}

@@ -79,6 +79,6 @@ def test_constraints_are_honoured():
   m = match(base, context=2048, fixed={'top_k': 6}, d_step=32, width_step=32, head_step=16)
   c = m.config
   assert c.top_k == 6
-  assert c.d_model % 32 == 0 and c.expert_width % 32 == 0 and c.head_size % 16 == 0
+  assert c.d_model % 32 == 0 and c.expert_width % 32 == 0 and c.resolved_head_dim % 16 == 0
   with pytest.raises(ValueError, match=r"cannot hold \['vocab_size'\] fixed"):
     match(base, fixed={'vocab_size': 10})

@@ -792,3 +792,59 @@ def test_the_runtime_reads_the_mesh_in_one_place():
       text = jax.jit(model.apply).lower(params, x).as_text()
       assert 'all_to_all' in text  # the exchange, not one device's dispatch
       np.testing.assert_allclose(jax.jit(model.apply)(params, x)[0], y_one, rtol=2e-5, atol=2e-5)
+
+
+def test_the_runtime_decides_the_cores_path_and_the_local_view():
+  """Runtime.core_mode is the one decision of how the core runs its passes: 'once' under a
+  multi-device mesh without `tensor` whose batch shards split the rows, training or
+  evaluation; the plain scan when decoding, recording routes, probing, initializing, with
+  per-pass collectives, a tensor axis or rows that do not split; 'unroll' by run.loop_impl
+  (decoding scans). Inside that shard_map a layer's experts are the device's own and a
+  router's expert dimension is whole (`local_shape`, the same rule core_once gathers by:
+  what the sharded-training tests run)."""
+  rt = Runtime(mesh=sharding.make_mesh(MESHES['data2_expert4']).abstract_mesh)
+  assert rt.core_mode(8) == 'once'
+  for flags in (dict(decode=True), dict(record=True), dict(probe=True),
+                dict(initializing=True)):
+    assert rt.core_mode(8, **flags) == 'scan', flags
+  assert rt.core_mode(4) == 'scan'  # 4 rows over 8 batch shards
+  assert rt.with_run(core_collectives='per_pass').core_mode(8) == 'scan'
+  assert Runtime().core_mode(8) == 'scan'  # one device
+  tensor = Runtime(mesh=sharding.make_mesh(MESHES['fsdp4_tensor2']).abstract_mesh)
+  assert tensor.core_mode(8) == 'scan'
+  unroll = rt.with_run(loop_impl='unroll')
+  assert unroll.core_mode(8) == 'unroll' and unroll.core_mode(8, decode=True) == 'scan'
+  local = rt.local_view()
+  assert local.local_shape((4, 32, 16), ('experts', 'embed', 'mlp')) == (1, 32, 16)
+  assert local.local_shape((32, 4), ('embed', 'experts')) == (32, 4)
+  assert rt.local_shape((4, 32, 16), ('experts', 'embed', 'mlp')) == (4, 32, 16)
+
+
+def test_expert_masks_reach_the_core_run_once_per_step():
+  """analysis/masking's 'routing_mask' collection enters core_once's shard_map with the core's
+  weights: on data2 x expert4 (the core's path 'once') the masked forward equals the masked
+  forward on one device, the masked experts get no routed token, and the mask changes the
+  output."""
+  from loopmoe_jax.analysis import masking  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.model import for_init, variables  # pylint: disable=import-outside-toplevel
+  cfg = CONFIGS['untied']
+  model = model_of('untied')
+  toks = jnp.asarray(batches()['inputs'][0])
+  params = for_init(model).init(jax.random.key(0), toks)['params']
+  mask = masking.mask_tree(cfg, {('core', 0): [0, 1]})
+  fwd = jax.jit(lambda p, m, t: model.apply(variables(p, routing_mask=m), t))
+  plain = jax.jit(lambda p, t: model.apply(variables(p), t))
+  want, want_x = fwd(params, mask, toks)
+  unmasked = plain(params, toks)[0]
+  mesh = sharding.make_mesh(MESHES['data2_expert4'])
+  with jax.set_mesh(mesh):
+    assert Runtime(run=model.runtime.run).resolved().core_mode(BATCH) == 'once'
+    on_mesh = jax.jit(lambda p, m, t: model.apply(variables(p, routing_mask=m), t))
+    text = on_mesh.lower(params, mask, toks).as_text(debug_info=True)
+    got, got_x = on_mesh(params, mask, toks)
+  assert 'gather_core_weights' in text  # the core ran through core_once
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+  load = np.asarray(got_x['per_visit']['core']['load'])  # [L, C, E]
+  assert np.all(load[:, 0, :2] == 0) and np.all(load[:, 0, 2:].sum(-1) > 0)
+  np.testing.assert_allclose(load, np.asarray(want_x['per_visit']['core']['load']))
+  assert np.max(np.abs(np.asarray(want) - np.asarray(unmasked))) > 1e-3

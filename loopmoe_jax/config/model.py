@@ -166,7 +166,9 @@ class ModelConfig:
     return self.num_kv_heads or self.num_heads
 
   @property
-  def head_size(self) -> int:
+  def resolved_head_dim(self) -> int:
+    """K, the head dim in force: model.head_dim, or d_model // num_heads when it is 0 (one
+    concept, one name: the setting and its value)."""
     return self.head_dim or self.d_model // self.num_heads
 
   @property
@@ -258,9 +260,9 @@ def _validate(c: ModelConfig):
       _err(name, getattr(c, name), 'must be >= 0')
   if not c.head_dim and c.d_model % c.num_heads:
     _err('num_heads', c.num_heads, f'does not divide model.d_model={c.d_model} '
-         '(set model.head_dim to use another head size)')
-  if c.head_size % 2:
-    _err('head_dim', c.head_size, 'RoPE needs an even head size')
+         '(set model.head_dim to use another head dim)')
+  if c.resolved_head_dim % 2:
+    _err('head_dim', c.resolved_head_dim, 'RoPE needs an even head dim')
   if c.num_heads % c.kv_heads:
     _err('num_kv_heads', c.num_kv_heads, f'GQA groups: must divide model.num_heads={c.num_heads}')
   for seg, layers, experts, _ in c.segments:

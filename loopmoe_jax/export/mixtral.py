@@ -90,7 +90,7 @@ def to_hf(c: ModelConfig, params, max_positions: int = 4096):
   check_exportable(c)
   f32 = lambda x: np.asarray(x, np.float32)
   params = {k: v for k, v in params.items()}
-  d, h, g, k = c.d_model, c.num_heads, c.kv_heads, c.head_size
+  d, h, g, k = c.d_model, c.num_heads, c.kv_heads, c.resolved_head_dim
   t = {'model.embed_tokens.weight': f32(params['embed'])}
   layers = executed_layers(c, params)
   num_experts = max(e for _, _, e, _ in c.segments) or 1

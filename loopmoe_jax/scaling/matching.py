@@ -7,7 +7,7 @@
 The twin loops the contiguous middle `span` of the baseline's layers `loops` times
 (`config.middle_span`), and pays for the extra executed layers by narrowing the width
 (d_model, a multiple of `d_step`), moving the expert count (the same E in every layer of the
-twin, as in SMELT; the baseline's E is its core_experts), top-k, head size and KV heads (GQA groups must divide), and
+twin, as in SMELT; the baseline's E is its core_experts), top-k, head dim and KV heads (GQA groups must divide), and
 optionally the expert width. Every candidate is scored by `accounting.count` at the
 baseline's context; the one with the smallest max |ratio - 1| over the three budgets wins.
 
@@ -71,7 +71,7 @@ def head_configs(baseline: ModelConfig, executed_layers: int, kv_target: float, 
   head_dim a multiple of `head_step`; `fixed` fields (num_heads, num_kv_heads, head_dim)
   held."""
   fixed = fixed or {}
-  hd0 = baseline.head_size
+  hd0 = baseline.resolved_head_dim
   out = []
   h0 = baseline.num_heads
   for h in ([fixed['num_heads']] if 'num_heads' in fixed else
@@ -98,7 +98,7 @@ def match(baseline: ModelConfig, span: float = 0.5, loops: int = 2, context: int
   `fixed` holds twin fields at given values (any of d_model, core_experts, top_k,
   expert_width, num_heads, num_kv_heads, head_dim; e.g. SMELT's published width 1056 and
   expert pool 288) and searches the rest; `d_step`, `width_step` and `head_step` make the
-  width, expert width and head size multiples of a hardware-friendly number."""
+  width, expert width and head dim multiples of a hardware-friendly number."""
   fixed = dict(fixed or {})
   unknown = sorted(set(fixed) - set(FIXABLE))
   if unknown:
@@ -126,7 +126,7 @@ def match(baseline: ModelConfig, span: float = 0.5, loops: int = 2, context: int
   heads = head_configs(baseline, layers, base['kv_per_token'], tol, num_heads,
                        head_step=head_step, fixed=fixed)
   if not heads:
-    raise ValueError(f'no head size / KV heads holds the KV cache within {tol:.0%} over '
+    raise ValueError(f'no head dim / KV heads holds the KV cache within {tol:.0%} over '
                      f'{layers} executed layers')
   best = None
   for (h, kv, hd), d, k in itertools.product(heads, d_values, top_ks or range(k0, k0 + 3)):

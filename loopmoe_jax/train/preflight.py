@@ -67,7 +67,7 @@ def layer_bytes(mc, run, tokens: int, seqs: int, seq_len: int, experts: int) -> 
   layer: [tokens, 3F]); with the 'xla' attention also its float32 probabilities
   [seqs, H, T, T]."""
   act = np.dtype(mc.dtype).itemsize
-  width = 2 * mc.d_model + (2 * mc.num_heads + 2 * mc.kv_heads) * mc.head_size
+  width = 2 * mc.d_model + (2 * mc.num_heads + 2 * mc.kv_heads) * mc.resolved_head_dim
   rows, ffn = 0, 3 * mc.expert_width
   if experts:
     rows = tokens * mc.top_k

@@ -132,7 +132,7 @@ def _train(cfg, exp, workdir: str, caught: preempt.StopSignals, force: bool = Fa
           f"{dc.seq_len}; steps {start} -> {tc.steps} on {n_dev} device(s)"
           f"{_mesh_text(mesh)}; dispatch {run.dispatch} -> {resolve_backend(run.dispatch)}"
           f"{_exchange_text(run, mesh)}; attention {run.attention_impl} -> "
-          f"{attention_impls.resolve(run.attention_impl, mc.dtype, None, mc.head_size)}"
+          f"{attention_impls.resolve(run.attention_impl, mc.dtype, None, mc.resolved_head_dim)}"
           f"{depth.describe(tc, mc.num_loops)}", flush=True)
 
   pending, val_loss, val_step = None, None, None
