@@ -136,8 +136,10 @@ class Stack(nn.Module):
 
 
 class Core(nn.Module):
-  """D shared layers applied `num_loops` times (default: the trained count). Under a mesh the
-  scan runs through `core_once` (collectives once per step, core_once.py) when it applies.
+  """C shared layers (model.core_layers) applied `num_loops` times (default: the trained
+  count). How the passes run is the runtime's decision (`Runtime.core_mode`: one scan, the
+  scan inside core_once's shard_map with its collectives once per step, or a Python loop);
+  early exit and gate training have scans of their own.
 
   With `backprop_loops` = k (0 < k < num_loops) the backward is truncated (Huginn's truncated
   backprop, Geiping et al. 2025, "Scaling up test-time compute with latent reasoning"): the

@@ -16,7 +16,8 @@ on the model that carries it (train/step.py). `Runtime()` is this machine: the p
 `jax.default_backend()`, kernels interpreted on a CPU, compiled elsewhere, and the mesh of
 `jax.set_mesh` when the program is traced: `resolved()` is the one place that reads it, and
 every module that splits work over the mesh (the MoE layer, attention's fused kernels, the
-core's collectives) takes its decision from the resolved runtime.
+core's collectives) takes its decision from the resolved runtime: how the looped core runs its
+passes is `core_mode`, and the shape a weight has inside the core's shard_map `local_shape`.
 
 Building for another platform (`for_platform('tpu')` on this CPU) gives the programs that
 platform runs: its dispatch backend, attention implementation, exchange, and Pallas kernels

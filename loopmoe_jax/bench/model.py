@@ -6,7 +6,7 @@ Measures (targets in bench.TARGETS; lower is better):
   wall clock; `compile_cpu_ratio_*` uses process CPU time, steadier on a shared machine).
   `compile_ratio_L16_over_L2` shows whether compile grows with L once there is a loop at all
   (the lowered step has the scan's while loops at every L; XLA deletes them at trip count 1).
-- loop_over_unrolled: step time of the looped core (tied attention, D layers x L passes,
+- loop_over_unrolled: step time of the looped core (tied attention, C layers x L passes,
   loop_impl='scan') over the unrolled model with independent weights and the same executed
   depth (core_layers=D*L, num_loops=1). loop_unroll_impl_over_unrolled: the same with
   loop_impl='unroll'. Models are timed interleaved (A, B, A, B, ...), median per model.
@@ -99,7 +99,7 @@ def bench_model(quick: bool = False) -> dict[str, Any]:
   if 2 in loops:
     res['compile_ratio_L16_over_L2'] = wall[16] / wall[2]
 
-  # 2. Looped core (D layers x L passes, shared weights) vs the unrolled model of the same
+  # 2. Looped core (C layers x L passes, shared weights) vs the unrolled model of the same
   # executed depth with its own weights (D*L layers, 1 pass). No prelude or coda.
   d, l = (1, 2) if quick else (2, 4)
   looped = _cfg(quick, prelude_layers=0, coda_layers=0, core_layers=d, core_experts=8,
