@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -848,3 +849,26 @@ def test_expert_masks_reach_the_core_run_once_per_step():
   assert np.all(load[:, 0, :2] == 0) and np.all(load[:, 0, 2:].sum(-1) > 0)
   np.testing.assert_allclose(load, np.asarray(want_x['per_visit']['core']['load']))
   assert np.max(np.abs(np.asarray(want) - np.asarray(unmasked))) > 1e-3
+
+
+def test_truncated_backprop_on_a_mesh_equals_one_device():
+  """train.backprop_loops on data2 x expert4: both scans of the truncated core run through
+  core_once (the lifted shard_map applied twice to the one layer stack); loss and gradients
+  equal one device's, and the first pass's own attention gets no gradient."""
+  from loopmoe_jax.model import for_init  # pylint: disable=import-outside-toplevel
+  model = model_of('untied')
+  b = batches()
+  batch = {k: jnp.asarray(v[0]) for k, v in b.items()}
+  params = nn.unbox(for_init(model).init(jax.random.key(0), batch['inputs'])['params'])
+  grads = lambda: jax.jit(lambda p, x: steps.loss_and_grads(
+      p, model, x, 0.01, 0.001, num_loops=2, backprop_loops=1))
+  want_m, want = grads()(params, batch)
+  with jax.set_mesh(sharding.make_mesh(MESHES['data2_expert4'])):
+    fn = grads()
+    text = fn.lower(params, batch).as_text(debug_info=True)
+    got_m, got = fn(params, batch)
+  assert text.count('gather_core_weights') >= 2  # each part through core_once
+  np.testing.assert_allclose(got_m['loss'], want_m['loss'], rtol=2e-5)
+  assert_grads_close(jax.tree.map(lambda g: g[None], got), jax.tree.map(lambda g: g[None], want))
+  for w in jax.tree.leaves(got['core']['pass_attn_0']):
+    assert not np.any(np.asarray(w[0])) and np.any(np.asarray(w[1]))
