@@ -230,7 +230,8 @@ def _scanned(passes, stack, args, num_loops: int, split: int, per_pass: bool, on
     cut = lambda t: t if (t is None or not split) else jax.tree.map(lambda a: a[part], t)
     part_args = (x_BTD, cut(pass_attn), e_BTD, positions_BT, cut(bias) if per_pass else bias)
     scan = passes(run, length=part.stop - part.start)
-    x_BTD, s = core_once(scan, stack, part_args, per_pass) if once else scan(stack, *part_args)
+    x_BTD, s = (core_once(scan, stack, part_args, per_pass, BROADCAST) if once
+                else scan(stack, *part_args))
     if split and part.start == 0:  # no gradient to the carry, the statistics or the weights
       x_BTD, s = jax.lax.stop_gradient((x_BTD, s))
     stats.append(s)

@@ -12,7 +12,7 @@ routing sums are added over the shards here so the aux losses are the global bat
 `core_once` is a lifted transform (like `nn.scan`): it takes the core's bound layer stack and
 hands the stack's own variables (its weights, and read-only inputs such as analysis/masking's
 expert masks) into the shard_map, where the stack runs on each device's view of them
-(`LOCAL_SPLIT`: whole, but for an expert dimension, which keeps its `expert` split).
+(runtime.LOCAL_SPLIT: whole, but for an expert dimension, which keeps its `expert` split).
 """
 from __future__ import annotations
 
@@ -27,24 +27,18 @@ from jax.sharding import PartitionSpec as P
 from loopmoe_jax import sharding
 from loopmoe_jax.attention import AttentionWeights
 from loopmoe_jax.moe import SUM_KEYS, losses_from_sums
-from loopmoe_jax.runtime import LOCAL_SPLIT
-
-# The variable collections the stack reads inside the shard_map (core.BROADCAST's).
-VARIABLES = ('params', 'routing_mask')
+from loopmoe_jax.runtime import split_inside
 
 
 def _gather_specs(boxed, mesh):
   """Per weight of a boxed tree: (its PartitionSpec under the rules table, per dimension the
-  mesh axes to gather it over inside the shard_map: all of them but those LOCAL_SPLIT keeps)."""
+  mesh axes to gather it over inside the shard_map: all of them but those LOCAL_SPLIT keeps,
+  runtime.split_inside)."""
   specs = sharding.param_specs(boxed, mesh)
   is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)
 
   def gather_axes(box, spec):
-    out = []
-    for name, entry in zip(box.names, spec):
-      axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-      out.append(tuple(a for a in axes if a != LOCAL_SPLIT.get(name)))
-    return tuple(out)
+    return tuple(split_inside(name, entry)[1] for name, entry in zip(box.names, spec))
   gathers = jax.tree.map(gather_axes, boxed, specs, is_leaf=is_box)
   return specs, gathers
 
@@ -79,9 +73,9 @@ def _gather_tree(tree, gathers):
   return jax.tree.map(_gather, tree, gathers, is_leaf=lambda x: isinstance(x, tuple))
 
 
-def _shard_mapped(body_fn, scope, *args, mesh, layouts, has_experts: bool):
+def _shard_mapped(body_fn, scope, *args, collections, mesh, layouts, has_experts: bool):
   """The lifted shard_map (flax.core.lift.pack): `body_fn(scope, *args)` inside
-  `jax.shard_map` over `mesh`, the scope's VARIABLES entering in their stored layout and
+  `jax.shard_map` over `mesh`, the scope's `collections` entering in their stored layout and
   gathered to each device's view before the body runs (nothing written back: the stack's
   variables are read-only here)."""
   (param_specs, param_gathers), attn = layouts
@@ -115,11 +109,11 @@ def _shard_mapped(body_fn, scope, *args, mesh, layouts, has_experts: bool):
         out_specs=(rows, out_stats), check_vma=False)(variables, *args)
     return y, ()
 
-  return lift.pack(inner, (VARIABLES,), (), (), name='core_once')(
+  return lift.pack(inner, (collections,), (), (), name='core_once')(
       scope, x_BTD, pass_attn, e_BTD, positions_BT, bias)
 
 
-def core_once(fn, stack: nn.Module, args, per_pass: bool):
+def core_once(fn, stack: nn.Module, args, per_pass: bool, collections):
   """`fn(stack, *args)` (the core's scan of its passes over the bound layer stack `stack`,
   whose runtime is the local view) inside `jax.shard_map` over the whole mesh: each device
   runs every pass on its rows. The stack's weights enter in their sharded layout and are
@@ -130,11 +124,12 @@ def core_once(fn, stack: nn.Module, args, per_pass: bool):
   batch axes for the step). The MoE layers route and exchange locally (moe.py) and return
   their routing sums, added here over the shards to give the global batch's aux losses;
   outputs as the plain scan's. `args`: (x_BTD, pass_attn, e_BTD, positions_BT, bias), bias
-  per pass ([L, C, E]) when `per_pass`."""
+  per pass ([L, C, E]) when `per_pass`; `collections`: the variable collections the stack
+  reads (its weights first, 'params'; read-only)."""
   mesh = stack.runtime.mesh
   layouts = _layouts(stack, args, per_pass, mesh)
   x_BTD, stats = nn.transforms.lift_direct_transform(
-      _shard_mapped, (fn,), stack, *args, mesh=mesh, layouts=layouts,
+      _shard_mapped, (fn,), stack, *args, collections=collections, mesh=mesh, layouts=layouts,
       has_experts=bool(stack.num_experts))
   if not stats:
     return x_BTD, {}

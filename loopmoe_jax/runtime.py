@@ -42,8 +42,14 @@ PLATFORMS = ('cpu', 'gpu', 'tpu')
 # the named mesh axis: a device runs its own experts (`Runtime.local_shape`).
 LOCAL_SPLIT = {'experts': 'expert'}
 
-# How the looped core runs its passes (`Runtime.core_mode`).
-CORE_MODES = ('once', 'scan', 'unroll')
+
+def split_inside(name: str, entry) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """(kept, gathered): of the mesh axes in `entry` (a PartitionSpec entry: None, an axis or
+  a tuple of axes) that split a weight's dimension `name`, those that stay split inside the
+  core's shard_map (LOCAL_SPLIT) and those core_once gathers over."""
+  axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+  kept = tuple(a for a in axes if a == LOCAL_SPLIT.get(name))
+  return kept, tuple(a for a in axes if a not in kept)
 
 
 def platform_name(name: str) -> str:
@@ -148,16 +154,13 @@ class Runtime:
     if not self.local:
       return tuple(shape)
     from loopmoe_jax.sharding import spec  # pylint: disable=import-outside-toplevel
-    out = []
-    for n, name, entry in zip(shape, names, spec(names, self.mesh.axis_names)):
-      axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-      out.append(n // math.prod(self.axis(a) for a in axes if a == LOCAL_SPLIT.get(name)))
-    return tuple(out)
+    return tuple(n // math.prod(self.axis(a) for a in split_inside(name, entry)[0])
+                 for n, name, entry in zip(shape, names, spec(names, self.mesh.axis_names)))
 
   def core_mode(self, batch: int, *, decode: bool = False, record: bool = False,
                 probe: bool = False, initializing: bool = False) -> str:
     """How the looped core runs its passes on a batch of `batch` rows, decided here alone (a
-    resolved runtime; one of CORE_MODES): 'unroll' with run.loop_impl='unroll' (a Python loop
+    resolved runtime): 'unroll' with run.loop_impl='unroll' (a Python loop
     over the passes; decoding always scans); 'once' when run.core_collectives='once' applies
     (core_once.py): a multi-device mesh without `tensor` (heads and expert widths would need
     manual collectives) whose batch shards split the rows, training or evaluation (not

@@ -2,6 +2,7 @@
 silent fallbacks, unchecked sizes, and how the CLIs report errors."""
 import errno
 import json
+import logging
 import math
 import os
 import re
@@ -477,8 +478,9 @@ def test_checksums_equal_numpy_on_any_sharding_without_gathering():
 
 def test_abandoned_orbax_reads_are_quiet_and_other_errors_are_not():
   """The unraisable hook drops the errors of Orbax's abandoned reads, also when asyncio wraps
-  the coroutine (the error's frames are Orbax's, the object's code is asyncio's), and passes
-  every other error on."""
+  the coroutine (the error's frames are Orbax's, the object's code is asyncio's) or a
+  TensorStore future (asyncio's frame alone, the driver named), and passes every other error
+  on; so does the filter of asyncio's never-retrieved task errors."""
   import os.path
   import types
   from loopmoe_jax.train import checkpoint
@@ -498,6 +500,26 @@ def test_abandoned_orbax_reads_are_quiet_and_other_errors_are_not():
   other = wrapped(error_from(os.path.join(os.sep, 'site', 'mine', 'code.py')))
   hook(other)
   assert seen == [other]
+  # a TensorStore read's own future wrapped by asyncio: only asyncio's frame, the message
+  # names the driver (the never-retrieved task asyncio logs at exit); asyncio's other errors pass
+  asyncio_file = os.path.join(os.sep, 'lib', 'asyncio', 'tasks.py')
+  tensorstore = ValueError('OUT_OF_RANGE: Error opening "zarr" driver: Error reading "a/.zarray"')
+  plain = ValueError('read failed')
+  for e in (tensorstore, plain):
+    try:
+      exec(compile('raise e', asyncio_file, 'exec'))  # pylint: disable=exec-used
+    except ValueError as err:
+      err.with_traceback(err.__traceback__.tb_next)  # asyncio's frame alone, as in a task
+  seen.clear()
+  hook(wrapped(tensorstore))
+  assert seen == []
+  hook(wrapped(plain))
+  assert len(seen) == 1
+  task_filter = checkpoint._AbandonedOrbaxTasks()  # pylint: disable=protected-access
+  record = lambda e: logging.LogRecord('asyncio', logging.ERROR, __file__, 0,
+                                       'Task exception was never retrieved', (),
+                                       (ValueError, e, e.__traceback__))
+  assert not task_filter.filter(record(tensorstore)) and task_filter.filter(record(plain))
 
 
 def test_importing_the_package_rewires_nothing():

@@ -41,10 +41,8 @@ def _quiet_abandoned_reads(previous):
     code = getattr(unraisable.object, 'cr_code', None)
     if code is not None and _orbax_file(code.co_filename):
       return
-    # the same reads wrapped by asyncio (tasks._wrap_awaitable): the error's own frames are
-    # Orbax's
-    frames = traceback.extract_tb(unraisable.exc_traceback) if unraisable.exc_traceback else []
-    if any(_orbax_file(f.filename) for f in frames):
+    # the same reads wrapped by asyncio (tasks._wrap_awaitable), Orbax's or TensorStore's own
+    if _abandoned_read(unraisable.exc_value, unraisable.exc_traceback):
       return
     if _closed_loop(unraisable.exc_value):
       return
@@ -54,6 +52,17 @@ def _quiet_abandoned_reads(previous):
 
 def _orbax_file(path: str) -> bool:
   return f'{os.sep}orbax{os.sep}' in path
+
+
+def _abandoned_read(exc, tb) -> bool:
+  """`exc` (with traceback `tb`) is the error of one of Orbax's abandoned reads: raised in
+  Orbax's code, or a TensorStore read's error (a future that asyncio wraps: its traceback is
+  asyncio's alone, its message names the TensorStore driver)."""
+  frames = traceback.extract_tb(tb) if tb else []
+  if any(_orbax_file(f.filename) for f in frames):
+    return True
+  asyncio_only = bool(frames) and all(f'{os.sep}asyncio{os.sep}' in f.filename for f in frames)
+  return asyncio_only and isinstance(exc, ValueError) and '" driver' in str(exc)
 
 
 def _quiet_closed_loop(previous):
@@ -70,9 +79,8 @@ class _AbandonedOrbaxTasks(logging.Filter):
   def filter(self, record):
     if record.levelno < logging.ERROR or 'never retrieved' not in record.getMessage():
       return True
-    tb = record.exc_info[2] if record.exc_info else None
-    return not (tb and any(f'{os.sep}orbax{os.sep}' in frame.filename
-                           for frame in traceback.extract_tb(tb)))
+    exc, tb = (record.exc_info[1], record.exc_info[2]) if record.exc_info else (None, None)
+    return not _abandoned_read(exc, tb)
 
 
 _QUIETED = []  # set once the hooks below are installed in this process
