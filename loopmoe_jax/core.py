@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from loopmoe_jax import exit as early_exit_lib
 from loopmoe_jax.attention import Attention, AttentionWeights
 from loopmoe_jax.config import ModelConfig
-from loopmoe_jax.core_once import core_once
+from loopmoe_jax import core_once as core_once_lib
 from loopmoe_jax.layers import DTYPES, DenseMLP, RMSNorm, fan_in_init, param
 from loopmoe_jax.moe import MoE
 from loopmoe_jax.runtime import HERE, Runtime
@@ -175,8 +175,8 @@ class Core(nn.Module):
       pass_attn = jax.tree.map(lambda w: w[:num_loops], stacked)
     # the first pass with gradient (0: all of them)
     split = num_loops - backprop_loops if 0 < backprop_loops < num_loops else 0
-    mode = self._mode(split, backprop_loops, readout, x_BTD.shape[0], pass_states)
     rt = self.runtime.resolved()  # inside core_once's shard_map: each device's share
+    mode = self._mode(rt, split, backprop_loops, readout, x_BTD.shape[0], pass_states)
     stack = remat(Stack, rt.run.remat)(
         cfg=c, num_layers=c.core_layers, num_experts=c.core_experts,
         scale=residual_scale(c, num_loops), injection=c.injection, decode=self.decode,
@@ -192,7 +192,7 @@ class Core(nn.Module):
       return _unrolled(stack, args, num_loops, split, per_pass)
     return _scanned(passes, stack, args, num_loops, split, per_pass, mode == 'once')
 
-  def _mode(self, split: int, backprop_loops: int, readout, batch: int,
+  def _mode(self, rt: Runtime, split: int, backprop_loops: int, readout, batch: int,
             pass_states: bool) -> str:
     """The core's path: 'early_exit' (a readout given: per-token exit, exit.scan_core),
     'pass_states' (gate training: the scan also emits every pass's state), else the runtime's
@@ -212,9 +212,8 @@ class Core(nn.Module):
         raise ValueError(f'backprop_loops={backprop_loops}: gate training (model.exit=\'gate\') '
                          'backpropagates through every pass (backprop_loops=0) and does not decode')
       return 'pass_states'
-    return self.runtime.resolved().core_mode(batch, decode=self.decode, record=self.record,
-                                             probe=self.probe,
-                                             initializing=self.is_initializing())
+    return rt.core_mode(batch, decode=self.decode, record=self.record, probe=self.probe,
+                        initializing=self.is_initializing())
 
 
 def _scanned(passes, stack, args, num_loops: int, split: int, per_pass: bool, once: bool):
@@ -225,12 +224,13 @@ def _scanned(passes, stack, args, num_loops: int, split: int, per_pass: bool, on
   both parts joined by pass."""
   run = lambda mdl, *a: mdl(*a)
   x_BTD, pass_attn, e_BTD, positions_BT, bias = args
+  layouts = core_once_lib.layouts(stack, args, per_pass) if once else None  # both parts'
   stats = []
   for part in ((slice(0, split), slice(split, num_loops)) if split else (slice(0, num_loops),)):
     cut = lambda t: t if (t is None or not split) else jax.tree.map(lambda a: a[part], t)
     part_args = (x_BTD, cut(pass_attn), e_BTD, positions_BT, cut(bias) if per_pass else bias)
     scan = passes(run, length=part.stop - part.start)
-    x_BTD, s = (core_once(scan, stack, part_args, per_pass, BROADCAST) if once
+    x_BTD, s = (core_once_lib.core_once(scan, stack, part_args, BROADCAST, layouts) if once
                 else scan(stack, *part_args))
     if split and part.start == 0:  # no gradient to the carry, the statistics or the weights
       x_BTD, s = jax.lax.stop_gradient((x_BTD, s))

@@ -43,10 +43,13 @@ def _gather_specs(boxed, mesh):
   return specs, gathers
 
 
-def _layouts(stack: nn.Module, args, per_pass: bool, mesh):
-  """(specs, gathers) of the stack's params and of the untied attention's per-pass weights,
-  read from their declarations (an abstract init of the stack, whole over the mesh, on one
-  pass's inputs: the same boxes the train state's shardings are made from)."""
+def layouts(stack: nn.Module, args, per_pass: bool):
+  """The layouts `core_once` takes: (specs, gathers) of the stack's params and of the untied
+  attention's per-pass weights on the stack's mesh, read from their declarations (an abstract
+  init of the stack, whole over the mesh, on one pass's inputs: the same boxes the train
+  state's shardings are made from). `args` as core_once's (any of the passes), bias per pass
+  when `per_pass`."""
+  mesh = stack.runtime.mesh
   x_BTD, pass_attn, e_BTD, positions_BT, bias = args
   first = lambda t: None if t is None else jax.tree.map(lambda a: a[0], t)
   one_pass = (x_BTD, first(pass_attn), e_BTD, positions_BT, first(bias) if per_pass else bias)
@@ -113,7 +116,7 @@ def _shard_mapped(body_fn, scope, *args, collections, mesh, layouts, has_experts
       scope, x_BTD, pass_attn, e_BTD, positions_BT, bias)
 
 
-def core_once(fn, stack: nn.Module, args, per_pass: bool, collections):
+def core_once(fn, stack: nn.Module, args, collections, layouts):
   """`fn(stack, *args)` (the core's scan of its passes over the bound layer stack `stack`,
   whose runtime is the local view) inside `jax.shard_map` over the whole mesh: each device
   runs every pass on its rows. The stack's weights enter in their sharded layout and are
@@ -123,11 +126,11 @@ def core_once(fn, stack: nn.Module, args, per_pass: bool, collections):
   once (the memory price: the core's weights, and their gradient accumulator, whole over the
   batch axes for the step). The MoE layers route and exchange locally (moe.py) and return
   their routing sums, added here over the shards to give the global batch's aux losses;
-  outputs as the plain scan's. `args`: (x_BTD, pass_attn, e_BTD, positions_BT, bias), bias
-  per pass ([L, C, E]) when `per_pass`; `collections`: the variable collections the stack
-  reads (its weights first, 'params'; read-only)."""
+  outputs as the plain scan's. `args`: (x_BTD, pass_attn, e_BTD, positions_BT, bias);
+  `collections`: the variable collections the stack reads (its weights first, 'params';
+  read-only); `layouts`: the weights' (`layouts(stack, args, per_pass)`, made once for every
+  scan of the same stack)."""
   mesh = stack.runtime.mesh
-  layouts = _layouts(stack, args, per_pass, mesh)
   x_BTD, stats = nn.transforms.lift_direct_transform(
       _shard_mapped, (fn,), stack, *args, collections=collections, mesh=mesh, layouts=layouts,
       has_experts=bool(stack.num_experts))
