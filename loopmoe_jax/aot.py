@@ -30,7 +30,6 @@ finder reads them back).
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -40,8 +39,11 @@ import time
 
 import jax
 
-from loopmoe_jax import hlo, targets
+from loopmoe_jax import dry_run, hlo, sharding, targets
+from loopmoe_jax.experiment import build
+from loopmoe_jax.job import Job
 from loopmoe_jax.runtime import Runtime
+from loopmoe_jax.train import compile_cache
 
 PRESETS = {
     'tpu': {'xla_tpu_enable_latency_hiding_scheduler': True,
@@ -70,22 +72,6 @@ KERNEL_CALLS = {'tpu': {'mosaic': 'tpu_custom_call'},
                          'cudnn_attention': '__cudnn$fmha'}}
 
 
-@contextlib.contextmanager
-def no_persistent_cache():
-  """A compile that must run the compiler: a cache hit writes no XLA dump, and a program for
-  compile-only devices cannot be read back from jax's persistent cache. jax decides once per
-  process whether its persistent cache is in use; its reset makes it decide again."""
-  from jax._src import compilation_cache  # pylint: disable=import-outside-toplevel
-  old = jax.config.jax_enable_compilation_cache
-  jax.config.update('jax_enable_compilation_cache', False)
-  compilation_cache.reset_cache()
-  try:
-    yield
-  finally:
-    jax.config.update('jax_enable_compilation_cache', old)
-    compilation_cache.reset_cache()
-
-
 def compiler_options(platform: str, preset: str = 'pod') -> dict:
   if preset not in PRESET_NAMES:
     raise ValueError(f'--compiler_preset={preset!r}: must be one of {", ".join(PRESET_NAMES)}')
@@ -109,13 +95,12 @@ def lower_step(cfg_dict, target: targets.Target):
   """(lowered train step, (state, batch), mesh, experiment) for `target`: the mesh over its
   compile-only devices, the kernels, dispatch and exchange its platform picks (Pallas kernels
   compiled, not interpreted)."""
-  from loopmoe_jax.dry_run import train_step_program  # pylint: disable=import-outside-toplevel
   try:
-    step, args, mesh, exp = train_step_program(cfg_dict, target.devices(),
-                                               Runtime.for_platform(target.platform))
-  except ValueError as e:  # a setting the target cannot run (Runtime.check), a mesh it refuses
+    job = Job.build(build(cfg_dict), target.devices(), Runtime.for_platform(target.platform))
+  except ValueError as e:  # a setting the target cannot run (attention_impls.check), a mesh it refuses
     raise ValueError(f'target {target.name}: {e}') from None
-  return step.lower(*args), args, mesh, exp
+  args = job.step_args()
+  return job.train_step().lower(*args), args, job.mesh, job.exp
 
 
 def summarize(compiled, platform: str) -> dict:
@@ -161,7 +146,7 @@ def compile_summary(cfg_dict, target: targets.Target, preset: str = 'pod',
     out.update(cached=True, lower_s=round(lower_s, 1))
     return out, (args, mesh, exp)
   start = time.perf_counter()
-  with no_persistent_cache():
+  with compile_cache.off():
     compiled = lowered.compile(options)
   out = summarize(compiled, target.platform)
   out.update(compile_s=round(time.perf_counter() - start, 1), lower_s=round(lower_s, 1),
@@ -180,7 +165,6 @@ def target_report(cfg_dict, target: targets.Target, preset: str = 'pod',
   from the compiled program against the target's memory, the compiled program's collectives
   (bytes per step, async and overlapped ops), FLOPs and lower bounds of communication and
   compute time per step, beside the parameter accounting of the CPU dry run."""
-  from loopmoe_jax import dry_run, sharding  # pylint: disable=import-outside-toplevel
   summary, ((state, _), mesh, exp) = compile_summary(cfg_dict, target, preset, use_cache)
   mem, hbm = summary['memory'], target.hbm_bytes_per_device
   colls = summary['collectives']
@@ -239,7 +223,6 @@ def target_report(cfg_dict, target: targets.Target, preset: str = 'pod',
 
 def advice(exp, mesh, over: int) -> str:
   """What does not fit, by how much, and the setting the fit finder changes first."""
-  from loopmoe_jax import sharding  # pylint: disable=import-outside-toplevel
   per_shard = exp.data.batch_size // sharding.batch_size_of(mesh)
   first = ('run.remat (attention, pass_input or full)' if exp.run.remat == 'none' else
            'train.microbatches' if exp.train.microbatches < per_shard else
@@ -254,7 +237,6 @@ def candidate(cfg_dict, target: targets.Target, settings: dict, preset: str = 'p
   ..., 'train.microbatches': ..., 'data.batch_size': ...}) compiled for `target`: bytes per
   device, fit, matmul FLOPs per device (`flops`, else dry_run.step_flops: the step lowered for
   one device)."""
-  from loopmoe_jax import dry_run, sharding  # pylint: disable=import-outside-toplevel
   cfg = with_settings(cfg_dict, settings)
   summary, (_, mesh, exp) = compile_summary(cfg, target, preset, use_cache)
   mem = summary['memory']

@@ -53,6 +53,13 @@ def _cudnn_head_ok(head_dim: int | None) -> bool:
                                head_dim <= CUDNN_MAX_HEAD)
 
 
+def check(runtime: Runtime, mc) -> None:
+  """Refuses run settings that the runtime's platform cannot run for the model config `mc`
+  (cudnn attention on a TPU, splash on a GPU, cudnn with a head dim or dtype cuDNN does not
+  take): a ValueError naming the key and the platform, before anything is traced."""
+  resolve(runtime.run.attention_impl, mc.dtype, runtime.backend, mc.resolved_head_dim)
+
+
 def resolve(impl: str, dtype: str, platform: str | None = None,
             head_dim: int | None = None) -> str:
   """The implementation `impl` ('auto' or a name) runs as on `platform` ('cpu', 'gpu', 'tpu':

@@ -21,7 +21,6 @@ from loopmoe_jax import core_once as core_once_lib
 from loopmoe_jax.layers import DTYPES, DenseMLP, RMSNorm, fan_in_init, param
 from loopmoe_jax.moe import MoE
 from loopmoe_jax.runtime import HERE, Runtime
-from loopmoe_jax.sharding import constrain
 
 ACTIVATION = ('batch', 'length', 'act_embed')  # the residual stream's logical axes
 
@@ -99,7 +98,7 @@ class Layer(nn.Module):
       h, stats = MoE(c, self.num_experts, self.record, self.runtime, name='moe')(u, bias_E)
     else:
       h, stats = DenseMLP(c.expert_width, c.param_dtype, name='mlp')(u), {}
-    return constrain(x_BTD + self.scale * h, ACTIVATION, self.runtime), stats
+    return self.runtime.constrain(x_BTD + self.scale * h, ACTIVATION), stats
 
 
 class Stack(nn.Module):

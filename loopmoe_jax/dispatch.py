@@ -288,9 +288,6 @@ FASTEST = {'cpu': 'tiled', 'gpu': 'pallas', 'tpu': 'pallas'}
 FALLBACK = 'xla'
 
 
-SELF_CHECK_ERRORS: dict[str, str] = {}  # platform -> why its Pallas self-check failed
-
-
 def _self_check_error() -> str | None:
   key_l, key_r = jax.random.split(jax.random.key(0))
   lhs = jax.random.normal(key_l, (256, 128), jnp.bfloat16)
@@ -302,34 +299,41 @@ def _self_check_error() -> str | None:
   return None if err <= 2e-2 else f'relative error {err:.3g} > 2e-2'
 
 
-@functools.lru_cache(maxsize=None)
-def pallas_self_check(platform: str) -> bool:
-  """True when the Pallas gmm matches ragged_dot (bf16 inputs, float32 sums, 2e-2 of the
-  largest magnitude) on a small ragged problem here; else the reason goes to
-  SELF_CHECK_ERRORS. Runs in a worker thread: JAX's trace state is per thread, so the check
-  executes eagerly even when called while a model is being traced."""
-  del platform  # the cache key: one check per platform per process
+def pallas_self_check() -> str:
+  """'' when the Pallas gmm matches ragged_dot (bf16 inputs, float32 sums, 2e-2 of the
+  largest magnitude) on a small ragged problem on this machine, else why not. Runs in a
+  worker thread: JAX's trace state is per thread, so the check executes eagerly even when
+  called while a model is being traced."""
   try:
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-      error = pool.submit(_self_check_error).result()
+      return pool.submit(_self_check_error).result() or ''
   except Exception as e:  # pylint: disable=broad-except  (a kernel that fails to lower)
-    error = f'{type(e).__name__}: {str(e)[:500]}'
-  if error:
-    SELF_CHECK_ERRORS[jax.default_backend()] = error
-  return error is None
+    return f'{type(e).__name__}: {str(e)[:500]}'
+
+
+def _checks_pallas(runtime: Runtime) -> bool:
+  """Whether `auto` on this runtime would pick Pallas on this machine (so it is checked)."""
+  platform = runtime.backend
+  return (FASTEST.get(platform) == 'pallas' and
+          platform == platform_name(jax.default_backend()))
+
+
+def settle(runtime: Runtime) -> Runtime:
+  """`runtime` with the Pallas self-check's verdict (`Runtime.pallas_check`) where its `auto`
+  dispatch would pick Pallas on this machine: checked once, here; every trace reads it."""
+  if runtime.pallas_check is not None or not _checks_pallas(runtime):
+    return runtime
+  return runtime.replace(pallas_check=pallas_self_check())
 
 
 def resolve_backend(backend: str, runtime: Runtime = HERE) -> str:
-  """'auto' -> the measured-fastest correct backend of the runtime's platform; others
+  """'auto' -> the measured-fastest correct backend of the runtime's platform (the fallback
+  where the runtime's Pallas self-check failed; an unsettled runtime checks now); others
   unchanged."""
   if backend != 'auto':
     return backend
-  platform = runtime.backend
-  choice = FASTEST.get(platform, 'tiled')
-  if platform != platform_name(jax.default_backend()):  # built for another platform: nothing
-    # to check here
-    return choice
-  if choice == 'pallas' and not pallas_self_check(platform):
+  choice = FASTEST.get(runtime.backend, 'tiled')
+  if _checks_pallas(runtime) and settle(runtime).pallas_check:
     return FALLBACK
   return choice
 

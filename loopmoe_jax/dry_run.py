@@ -4,7 +4,7 @@ abstract shapes (no arrays are made), then read per-device bytes and collective 
     report = dry_run(config_dict, platform='tpu')   # on as many fake CPU devices as the mesh
 
 Library, not an application, so it stays beside aot.py: the program-reading functions here
-(train_step_program, partitioned_compile, classify, step_flops, analytic_flops,
+(job_of, partitioned_compile, classify, step_flops, analytic_flops,
 remat_policies) are what aot.py (the real-compiler dry run), fit.py, bench/memory.py and
 bench/scale.py build on; the application is scripts/dry_run.py, a thin script over them.
 
@@ -61,14 +61,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loopmoe_jax import aot, dispatch, sharding
+from loopmoe_jax import dispatch, sharding
 from loopmoe_jax.hlo import collective_bytes, collectives, dot_flops
 from loopmoe_jax.config import RUN_FIELDS
 from loopmoe_jax.experiment import build
-from loopmoe_jax.model import LoopedMoE
-from loopmoe_jax.runtime import HERE, Runtime
-from loopmoe_jax.train import depth, step as steps
-from loopmoe_jax.train.optimizer import make_optimizer
+from loopmoe_jax.job import Job
+from loopmoe_jax.runtime import Runtime
+from loopmoe_jax.train import compile_cache, depth
 
 PLATFORMS = ('cpu', 'tpu', 'cuda')
 def step_flops(cfg_dict, num_devices: int | None = None) -> int:
@@ -83,8 +82,8 @@ def step_flops(cfg_dict, num_devices: int | None = None) -> int:
   devices = int(np.prod(list(devices.values())))
   one = _with_model(cfg_dict, dispatch='xla', attention_impl='chunked')
   one['mesh'] = {'data': 1}
-  step, args, _, _ = train_step_program(one, jax.devices()[:1], Runtime.for_platform('tpu'))
-  text = step.lower(*args, platform='tpu').compiler_ir('hlo').as_hlo_text()
+  job = job_of(one, jax.devices()[:1], Runtime.for_platform('tpu'))
+  text = job.train_step().lower(*job.step_args(), platform='tpu').compiler_ir('hlo').as_hlo_text()
   return dot_flops(text) // devices
 
 
@@ -164,30 +163,17 @@ def check_platform(platform: str):
                      f'that has the {platform} lowering') from None
 
 
-def train_step_program(cfg_dict, devices=None, runtime: Runtime = HERE):
-  """(train step, abstract state and batch, mesh, experiment) for the config, on its mesh
-  (over `devices`, default all), built for `runtime`'s platform (default: this machine)."""
-  exp = build(cfg_dict)
-  mesh = sharding.make_mesh(exp.mesh, devices)
-  sharding.check_batch(exp.data.batch_size, exp.train.microbatches, mesh)
-  runtime = exp.runtime(runtime)
-  runtime.check(exp.model)
-  model = LoopedMoE(exp.model, runtime=runtime)
-  tx, schedule = make_optimizer(exp.train)
-  state_sh, batch_sh = steps.shardings(mesh, model, tx, exp.data.seq_len, exp.mesh.zero_data)
-  state = steps.abstract_state(model, tx, exp.data.seq_len, state_sh)
-  batch = {k: jax.ShapeDtypeStruct((exp.data.batch_size, exp.data.seq_len), jnp.int32,
-                                   sharding=batch_sh) for k in ('inputs', 'targets')}
-  step = steps.make_train_step(model, tx, schedule, exp.train.lb_coef, exp.train.z_coef,
-                               state_sh, batch_sh, exp.train.microbatches)
-  return step, (state, batch), mesh, exp
+def job_of(cfg_dict, devices=None, runtime: Runtime | None = None) -> Job:
+  """The config's Job on its mesh (over `devices`, default all), built for `runtime`'s
+  platform (default: this machine)."""
+  return Job.build(build(cfg_dict), devices, runtime)
 
 
 def partitioned_compile(lowered):
   """(HLO text after SPMD partitioning, the compiled CPU program or None): compiles for this
   CPU with XLA's dump of that pass; a program XLA:CPU cannot finish (the ragged exchange)
   still yields the partitioned module."""
-  with tempfile.TemporaryDirectory() as tmp, aot.no_persistent_cache():
+  with tempfile.TemporaryDirectory() as tmp, compile_cache.off():
     compiled, error = None, None
     try:
       compiled = lowered.compile(compiler_options={
@@ -272,8 +258,9 @@ def memory_and_flops(cfg_dict, devices=None, flops: bool = True) -> dict:
   """{'temp_bytes_per_device', 'flops_per_step_per_device', 'analytic_flops_per_step_per_device',
   'flops_over_analytic'}: temporaries of the train step compiled for this CPU (mesh over
   `devices`), FLOPs by `step_flops` (not with `flops=False`: the temporaries alone)."""
-  step, (state, batch), mesh, exp = train_step_program(cfg_dict, devices)
-  compiled = step.lower(state, batch).compile()
+  job = job_of(cfg_dict, devices)
+  exp, mesh = job.exp, job.mesh
+  compiled = job.train_step().lower(*job.step_args()).compile()
   mem = compiled.memory_analysis()
   out = {'temp_bytes_per_device': int(getattr(mem, 'temp_size_in_bytes', 0)) if mem else None}
   if flops:
@@ -290,23 +277,23 @@ def remat_policies(cfg_dict, policies, devices=None, flops: bool = True) -> dict
 
 def dry_run(cfg_dict, platform: str = 'cpu') -> dict:
   check_platform(platform)
-  step, (state, batch), mesh, exp = train_step_program(cfg_dict)
-  cpu_hlo, compiled = partitioned_compile(step.lower(state, batch))
+  job = job_of(cfg_dict)
+  exp, mesh, state = job.exp, job.mesh, job.abstract_state
+  cpu_hlo, compiled = partitioned_compile(job.train_step().lower(*job.step_args()))
   mem = compiled.memory_analysis()
   flops, analytic_f = step_flops(cfg_dict), analytic_flops(exp, mesh)
   report_hlo, lowered_for = cpu_hlo, None
   if platform != 'cpu':
     runtime = Runtime.for_platform(platform)
     # what the platform runs, lowered for it (Pallas kernels compiled)
-    step_p, args, _, _ = train_step_program(cfg_dict, runtime=runtime)
-    text = step_p.lower(*args, platform=platform).as_text()
+    job_p = job_of(cfg_dict, runtime=runtime)
+    text = job_p.train_step().lower(*job_p.step_args(), platform=platform).as_text()
     # the same program for the partitioner here: XLA's grouped matmul in place of the
     # kernels (no collective in either), the exchange the platform uses
     # (and chunked attention for the platform's fused kernel: neither has a collective)
-    step_x, args, _, _ = train_step_program(_with_model(cfg_dict, dispatch='xla',
-                                                        attention_impl='chunked'),
-                                            runtime=runtime)
-    report_hlo, _ = partitioned_compile(step_x.lower(*args))
+    job_x = job_of(_with_model(cfg_dict, dispatch='xla', attention_impl='chunked'),
+                   runtime=runtime)
+    report_hlo, _ = partitioned_compile(job_x.train_step().lower(*job_x.step_args()))
     lowered_for = {'platform': platform, 'custom_calls': text.count('stablehlo.custom_call'),
                    'ragged_all_to_all': text.count('ragged_all_to_all')}
   colls = collectives(report_hlo)

@@ -37,6 +37,8 @@ class Experiment(NamedTuple):
   def runtime(self, base=None):
     """The model's runtime with this experiment's run settings: `base` (a runtime.Runtime,
     e.g. Runtime.for_platform('tpu')) or this machine's."""
+    # imported here, not at the top: the config layer loads without jax (a config file is
+    # read before a script's Ctrl-C handler is installed, and config errors come at once)
     from loopmoe_jax.runtime import Runtime  # pylint: disable=import-outside-toplevel
     return (base or Runtime()).replace(run=self.run)
 

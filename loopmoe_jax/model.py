@@ -22,7 +22,6 @@ from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.core import ACTIVATION, Core, Stack, remat
 from loopmoe_jax.layers import DTYPES, RMSNorm, fan_in_init, param
 from loopmoe_jax.runtime import HERE, Runtime
-from loopmoe_jax.sharding import constrain
 
 
 @flax.struct.dataclass
@@ -166,8 +165,8 @@ class LoopedMoE(nn.Module):
                      nn.initializers.normal(1.0), DTYPES[c.param_dtype])
     if x_BTD is None:  # the table gathered whole over its width first (an FSDP parameter
       # gather), so each batch shard looks up its own tokens: no activation is gathered
-      x_BTD = jnp.take(constrain(embed_VD, ('vocab', None), self.runtime), tokens_BT, axis=0)
-    return embed_VD, constrain(x_BTD.astype(DTYPES[c.dtype]), ACTIVATION, self.runtime)
+      x_BTD = jnp.take(self.runtime.constrain(embed_VD, ('vocab', None)), tokens_BT, axis=0)
+    return embed_VD, self.runtime.constrain(x_BTD.astype(DTYPES[c.dtype]), ACTIVATION)
 
   def _router_bias(self) -> dict:
     """{segment: bias} of model.router_bias (the variables' ROUTER_BIAS collection; zeros at
@@ -178,7 +177,7 @@ class LoopedMoE(nn.Module):
     if not (self.is_initializing() or self.has_variable(ROUTER_BIAS, 'bias')):
       raise ValueError(f'model.router_bias={c.router_bias!r}: apply needs the trained bias, '
                        f"variables {{'params': ..., '{ROUTER_BIAS}': ...}} (the train state's "
-                       f"'{ROUTER_BIAS}', or checkpoint.load_router_bias)")
+                       f"'{ROUTER_BIAS}', or train.run.RunDir.load)")
     return self.variable(ROUTER_BIAS, 'bias', lambda: {
         seg: jnp.zeros(shape, jnp.float32) for seg, shape in bias_shapes(c).items()}).value
 
@@ -214,7 +213,7 @@ def head_matrix(c: ModelConfig, params, dtype=None, runtime: Runtime = HERE):
   lookup)."""
   dt = dtype or DTYPES[c.dtype]
   if c.tie_embeddings:
-    table_VD = constrain(params['embed'], ('vocab', None), runtime)
+    table_VD = runtime.constrain(params['embed'], ('vocab', None))
     return table_VD.T.astype(dt) / jnp.sqrt(c.d_model).astype(dt)
   return params['head'].astype(dt)
 

@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 
 from loopmoe_jax import exit as early_exit
-from loopmoe_jax import sharding
 from loopmoe_jax.layers import DTYPES
 from loopmoe_jax.model import head_matrix, variables
 
@@ -195,7 +194,7 @@ def _head(model, params):
   on the model's mesh (a parameter gather: the hidden states stay where they are)."""
   c = model.cfg
   head_DV = head_matrix(c, variables(params)['params'], DTYPES[c.param_dtype], model.runtime)
-  return sharding.constrain(head_DV, (None, 'vocab'), model.runtime)
+  return model.runtime.constrain(head_DV, (None, 'vocab'))
 
 
 def gate_lm_loss(params, model, batch, num_loops: int | None = None, router_bias=None,

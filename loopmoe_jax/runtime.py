@@ -33,6 +33,7 @@ from typing import Any, Mapping
 import jax
 
 from loopmoe_jax.config.model import RunConfig
+from loopmoe_jax.sharding import batch_size_of, spec
 from pallas_kernels.ops import platform_of
 
 PLATFORMS = ('cpu', 'gpu', 'tpu')
@@ -84,6 +85,8 @@ class Runtime:
     implementation, loss chunks, ...; config.RunConfig). None of it changes a parameter.
   exchange_dropless: the expert exchange's buffers for the dropless worst case whatever
     model.exchange_buffer_factor says (the replay of an overflowing step, train/step.dropless).
+  pallas_check: the Pallas self-check's verdict on this machine, settled once
+    (dispatch.settle): '' passed, else why it failed; None: not checked.
   """
   platform: str | None = None
   interpret: bool | None = None
@@ -93,6 +96,7 @@ class Runtime:
   local: bool = False
   run: RunConfig = RunConfig()
   exchange_dropless: bool = False
+  pallas_check: str | None = None
 
   def __post_init__(self):
     if self.platform is not None:
@@ -124,12 +128,14 @@ class Runtime:
     """The same runtime with the kernels' per-op tiles (and families) `tiles`."""
     return dataclasses.replace(self, kernel_tiles=_frozen_tiles(tiles))
 
-  def check(self, mc) -> None:
-    """Refuses run settings that its platform cannot run for the model config `mc` (cudnn
-    attention on a TPU, splash on a GPU, cudnn with a head dim or dtype cuDNN does not take):
-    a ValueError naming the key and the platform, before anything is traced or compiled."""
-    from loopmoe_jax.attention_impls import resolve  # pylint: disable=import-outside-toplevel
-    resolve(self.run.attention_impl, mc.dtype, self.backend, mc.resolved_head_dim)
+  def constrain(self, x, names):
+    """with_sharding_constraint by logical names on this runtime's mesh (`resolved`: the one
+    given, or that of `jax.set_mesh`); a no-op without one (one device, decoding, tests of the
+    model alone) and inside a shard_map over the whole mesh (the looped core's, core.Core)."""
+    rt = self.resolved()
+    if not rt.sharded:
+      return x
+    return jax.lax.with_sharding_constraint(x, spec(names, rt.mesh.axis_names))
 
   def resolved(self) -> 'Runtime':
     """This runtime with its mesh: the one given, else the mesh of `jax.set_mesh` in force
@@ -153,7 +159,6 @@ class Runtime:
     (a layer's experts over `expert`; a router's expert dimension is whole)."""
     if not self.local:
       return tuple(shape)
-    from loopmoe_jax.sharding import spec  # pylint: disable=import-outside-toplevel
     return tuple(n // math.prod(self.axis(a) for a in split_inside(name, entry)[0])
                  for n, name, entry in zip(shape, names, spec(names, self.mesh.axis_names)))
 
@@ -166,7 +171,6 @@ class Runtime:
     manual collectives) whose batch shards split the rows, training or evaluation (not
     decoding, routing records, probes or init, which make or read what the whole pass holds);
     else 'scan' (one nn.scan of the passes under XLA's partitioning)."""
-    from loopmoe_jax.sharding import batch_size_of  # pylint: disable=import-outside-toplevel
     if self.run.loop_impl == 'unroll' and not decode:
       return 'unroll'
     once = (self.run.core_collectives == 'once' and self.sharded and self.axis('tensor') == 1

@@ -29,7 +29,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from loopmoe_jax.config.mesh import AXES, MeshConfig
 from loopmoe_jax.layers import LOGICAL_AXES
-from loopmoe_jax.runtime import HERE, Runtime
 
 BATCH_AXES = ('dcn_data', 'data', 'fsdp', 'expert')
 
@@ -166,16 +165,6 @@ def check_batch(batch_size: int, microbatches: int, mesh):
                      f'shards of the mesh ({axes or "one device"}); make the batch'
                      f'{" per microbatch" if per else ""} a multiple of {shards} or change '
                      'the mesh')
-
-
-def constrain(x, names: Sequence[str | None], runtime: Runtime = HERE):
-  """with_sharding_constraint by logical names on the runtime's mesh (Runtime.resolved: the
-  one given, or that of `jax.set_mesh`); a no-op without one (one device, decoding, tests of
-  the model alone) and inside a shard_map over the whole mesh (the looped core's, core.Core)."""
-  rt = runtime.resolved()
-  if not rt.sharded:
-    return x
-  return jax.lax.with_sharding_constraint(x, spec(names, rt.mesh.axis_names))
 
 
 # Train-state shardings ---------------------------------------------------------------------

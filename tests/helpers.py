@@ -12,7 +12,11 @@ import numpy as np
 
 from loopmoe_jax.config import ModelConfig, model_config_dict
 from loopmoe_jax.config.model import RUN_FIELDS
-from loopmoe_jax.experiment import experiment_config
+from loopmoe_jax.config.data import DataConfig
+from loopmoe_jax.config.mesh import MeshConfig
+from loopmoe_jax.config.train import TrainConfig
+from loopmoe_jax.experiment import Experiment, experiment_config
+from loopmoe_jax.job import Job
 from loopmoe_jax.model import LoopedMoE, for_init
 from loopmoe_jax.runtime import Runtime
 
@@ -73,6 +77,17 @@ def make(**fields) -> tuple[ModelConfig, Runtime]:
   settings (config.RUN_FIELDS) among them."""
   run = {k: fields.pop(k) for k in RUN_FIELDS if k in fields}
   return make_cfg(**fields), rt(**run)
+
+
+def job_of(cfg: ModelConfig, runtime: Runtime = RT, train: TrainConfig = TrainConfig(),
+           seq_len: int = 8, batch_size: int = 8, mesh: MeshConfig = MeshConfig(),
+           devices=None) -> Job:
+  """The Job of a model config and runtime (its run settings) at these train, data and mesh
+  settings, over `devices` (default all)."""
+  exp = Experiment(model=cfg, train=train, data=DataConfig(seq_len=seq_len,
+                                                            batch_size=batch_size),
+                   mesh=mesh, run=runtime.run)
+  return Job.build(exp, devices, runtime)
 
 
 def tokens(cfg, seed=1, batch=B, length=T):

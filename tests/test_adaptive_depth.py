@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from loopmoe_jax import sharding
 from loopmoe_jax.config.train import TrainConfig
 from loopmoe_jax.experiment import build, experiment_config
 from loopmoe_jax.core import Stack
@@ -22,10 +21,9 @@ from loopmoe_jax.model import LoopedMoE, bias_shapes
 from loopmoe_jax.objective import loss_fn
 from loopmoe_jax.sharding import MeshConfig
 from loopmoe_jax.train import depth, step as steps
-from loopmoe_jax.train.optimizer import make_optimizer
 from loopmoe_jax.train.trainer import train
 from loopmoe_jax.config import model_config_dict
-from helpers import losses, make_cfg, make_params, rt, tiny, tokens
+from helpers import job_of, losses, make_cfg, make_params, rt, tiny, tokens
 
 
 # (1) The counts are a pure function of (seed, step): a resumed run draws the same ----------
@@ -102,8 +100,8 @@ def test_truncated_backprop_equals_the_stop_gradient_reference(name):
   batch = {'inputs': t, 'targets': jnp.roll(t, -1, axis=1)}
   grad = lambda f: jax.jit(jax.value_and_grad(f, has_aux=True))
   got_m, got = jax.jit(lambda p: steps.loss_and_grads(
-      p, LoopedMoE(cfg, runtime=xla), batch, 0.01, 0.001, router_bias=bias, num_loops=n,
-      backprop_loops=k))(params)
+      p, LoopedMoE(cfg, runtime=xla), batch,
+      steps.StepSettings(num_loops=n, backprop_loops=k), bias))(params)
   ref = _reference_loss(LoopedMoE(cfg, runtime=unrolled_rt), n - k)
   (_, ref_m), want = grad(lambda p: ref(p, batch, n, bias))(params)
   (_, full_m), full = grad(lambda p: loss_fn(p, LoopedMoE(cfg, runtime=xla), batch, 0.01,
@@ -126,8 +124,8 @@ def test_truncated_backprop_equals_the_stop_gradient_reference(name):
     return
   # the unrolled loop under test agrees too
   _, unrolled = jax.jit(lambda p: steps.loss_and_grads(
-      p, LoopedMoE(cfg, runtime=unrolled_rt), batch, 0.01, 0.001, router_bias=bias,
-      num_loops=n, backprop_loops=k))(params)
+      p, LoopedMoE(cfg, runtime=unrolled_rt), batch,
+      steps.StepSettings(num_loops=n, backprop_loops=k), bias))(params)
   for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(unrolled), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * scale,
                                err_msg=jax.tree_util.keystr(path))
@@ -143,8 +141,8 @@ def test_a_draw_below_k_backpropagates_through_all_its_passes():
   params = make_params(cfg)
   t = tokens(cfg, seed=5, batch=2, length=6)
   batch = {'inputs': t, 'targets': jnp.roll(t, -1, axis=1)}
-  grads = jax.jit(lambda p, n, k: steps.loss_and_grads(p, model, batch, 0.01, 0.001,
-                                                       num_loops=n, backprop_loops=k)[1],
+  grads = jax.jit(lambda p, n, k: steps.loss_and_grads(
+      p, model, batch, steps.StepSettings(num_loops=n, backprop_loops=k))[1],
                   static_argnums=(1, 2))
   for r in (1, 2, 3):
     got, full = grads(params, r, depth.backprop(tc, r)), grads(params, r, 0)
@@ -194,20 +192,16 @@ MESH_MODEL = dict(vocab_size=256, d_model=32, num_heads=2, head_dim=16, expert_w
 
 
 def _mesh_run(devices, mesh_cfg, tc, num_steps, batches):
-  cfg = make_cfg(**MESH_MODEL)
-  mesh = sharding.make_mesh(mesh_cfg, devices)
-  model = LoopedMoE(cfg, runtime=rt(dispatch='xla'))
-  tx, schedule = make_optimizer(tc)
-  state_sh, batch_sh = steps.shardings(mesh, model, tx, batches.shape[-1] - 1)
-  state = steps.create_state(model, tx, tc.seed, batches.shape[-1] - 1, state_sh)
-  programs = depth.TrainSteps(model, tx, schedule, tc, state_sh, batch_sh)
+  job = job_of(make_cfg(**MESH_MODEL), rt(dispatch='xla'), tc, batches.shape[-1] - 1,
+               batches.shape[1], mesh_cfg, devices)
+  state = job.create_state()
   out = []
   for s in range(num_steps):
-    n, fn = programs.at(s)
+    n, fn = depth.train_step_at(job, s)
     b = {'inputs': batches[s, :, :-1], 'targets': batches[s, :, 1:]}
-    state, m = fn(state, steps.put_batch(b, batch_sh))
+    state, m = fn(state, steps.put_batch(b, job.batch_sh))
     out.append((n, float(m['loss']), float(m['load_balance']), float(m['grad_norm'])))
-  return out, len(programs)
+  return out, job.train_programs
 
 
 def test_sampled_counts_on_a_mesh_equal_one_device():

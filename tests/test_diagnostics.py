@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from loopmoe_jax.train.run import RunDir
 from loopmoe_jax.analysis import diagnostics as dg
 from loopmoe_jax.analysis import masking, probe_set
 from loopmoe_jax.config import ModelConfig
@@ -224,7 +225,6 @@ def test_diagnose_end_to_end_on_a_trained_workdir(tmp_path, monkeypatch):
   without checkpoints are errors naming the problem."""
   from loopmoe_jax.analysis import probe_set as ps
   from loopmoe_jax.analysis.diagnose import diagnose, summary_lines
-  from loopmoe_jax.train import checkpoint
   from loopmoe_jax.train.trainer import train
   from helpers import tiny
   work, out = str(tmp_path / 'run'), str(tmp_path / 'diag')
@@ -249,7 +249,8 @@ def test_diagnose_end_to_end_on_a_trained_workdir(tmp_path, monkeypatch):
     sim = np.asarray(sim)
     np.testing.assert_allclose(np.diagonal(sim, axis1=1, axis2=2), 1.0, atol=1e-5)
     np.testing.assert_allclose(sim, np.swapaxes(sim, 1, 2), atol=1e-6)
-  model_cfg, params, _, config = checkpoint.load_params(work)
+  loaded = RunDir(work).load()
+  model_cfg, params, config = loaded.model_cfg, loaded.params, loaded.config
   with pytest.raises(ValueError, match='apply needs the trained bias'):
     ps.run(model_cfg, params, ps.probe_batches(config['data'], model_cfg, 16)[0])
   with pytest.raises(ValueError, match='--probes=-1: must be >= 0'):

@@ -354,19 +354,28 @@ def test_auto_resolves_to_tiled_on_cpu_and_matches():
 
 
 def test_pallas_self_check_runs_inside_a_trace_and_catches_a_wrong_kernel(monkeypatch):
-  """'auto' consults the self-check while a model is traced: it must execute for real there
-  (interpret mode on CPU) and fail, with its reason recorded, when the kernel is wrong."""
+  """The self-check executes for real even inside a trace (interpret mode on CPU) and fails,
+  naming why, when the kernel is wrong. Where 'auto' would pick Pallas (here: with CPU's
+  choice set to it), the verdict is settled into the runtime once (a Job's, a loaded run's)
+  and every trace reads it: Pallas when it passed, the fallback when not."""
   import loopmoe_jax.dispatch as dsp
-  dsp.pallas_self_check.cache_clear()
+  from loopmoe_jax.runtime import Runtime
   seen = {}
-  jax.jit(lambda x: seen.setdefault('ok', dsp.pallas_self_check('cpu')) and x)(1.0)
-  assert seen['ok'] is True and 'cpu' not in dsp.SELF_CHECK_ERRORS
-  dsp.pallas_self_check.cache_clear()
+  jax.jit(lambda x: seen.setdefault('error', dsp.pallas_self_check()) or x)(1.0)
+  assert seen['error'] == ''
+  monkeypatch.setattr(dsp, 'FASTEST', {**dsp.FASTEST, 'cpu': 'pallas'})
+  assert Runtime.of().pallas_check is None and dsp.settle(Runtime.of()).pallas_check == ''
+  calls = []
+  real_check = dsp.pallas_self_check
+  monkeypatch.setattr(dsp, 'pallas_self_check', lambda: calls.append(1) or real_check())
   real = pk.gmm
   monkeypatch.setattr(dsp.pallas_kernels, 'gmm', lambda l, r, s: real(l, r[::-1], s))
-  assert dsp.pallas_self_check('cpu') is False
-  assert 'relative error' in dsp.SELF_CHECK_ERRORS.pop('cpu')
-  dsp.pallas_self_check.cache_clear()
+  bad = dsp.settle(Runtime.of())
+  assert 'relative error' in bad.pallas_check and len(calls) == 1
+  assert dsp.resolve_backend('auto', bad) == dsp.FALLBACK
+  assert dsp.resolve_backend('auto', bad.with_run(remat='full')) == dsp.FALLBACK
+  assert dsp.resolve_backend('auto', bad.replace(pallas_check='')) == 'pallas'
+  assert len(calls) == 1  # settled: read, not checked again
 
 
 @pytest.mark.parametrize('target', ['gpu', 'mgpu', 'mgpu_ws'])

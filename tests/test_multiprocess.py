@@ -14,9 +14,9 @@ import pytest
 
 import numpy as np
 
+from loopmoe_jax.train.run import RunDir
 from loopmoe_jax.data import pipeline
 from loopmoe_jax.experiment import build
-from loopmoe_jax.train import checkpoint
 from loopmoe_jax.train.trainer import train
 from helpers import losses, tiny
 
@@ -75,7 +75,7 @@ def test_two_processes_match_one(tmp_path, capsys):
   half = first.shape[0] // 2
   single = train(tiny(steps=4), str(tmp_path / 'single'))
   one = losses(tmp_path / 'single')
-  one_params = checkpoint.load_params(str(tmp_path / "single"))[1]
+  one_params = RunDir(str(tmp_path / "single")).load().params
   resumed = [str(work) for spec, split, work, _ in checks if split == 'resumed']
   checks = [c for c in checks if c[1] != 'resumed']
   train(tiny(steps=6), str(tmp_path / 'straight'))
@@ -101,7 +101,8 @@ def test_two_processes_match_one(tmp_path, capsys):
       assert two[s] == pytest.approx(one[s], rel=1e-5), (spec, s)
     assert per_process[0]['final_window_loss'] == pytest.approx(single['final_window_loss'],
                                                                rel=1e-5)
-    _, params, step, _ = checkpoint.load_params(work)
+    loaded = RunDir(work).load()
+    params, step = loaded.params, loaded.step
     assert step == 4
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(one_params)):
       np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),

@@ -17,11 +17,13 @@ import jax
 import numpy as np
 import pytest
 
+from loopmoe_jax.train.run import RunDir
 from loopmoe_jax.data import pipeline, sources
 from loopmoe_jax.train import checkpoint
 from loopmoe_jax.train.evaluation import evaluate_checkpoint, sample_text
 from loopmoe_jax.train.lock import WorkdirLock, WorkdirLocked
-from loopmoe_jax.train.trainer import TrainingDiverged, train
+from loopmoe_jax.train.loop import TrainingDiverged
+from loopmoe_jax.train.trainer import train
 from helpers import logged, losses, tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -78,7 +80,7 @@ def test_injected_full_disk_stops_with_one_line(tmp_path, monkeypatch):
   assert message.startswith(f'saving checkpoint step 6 to {ckpt_dir} failed (no space left on '
                             'device; ') and 'MiB free there' in message
   assert os.listdir(ckpt_dir) == ['3']       # the earlier step kept, no temporary left
-  assert checkpoint.load_params(work)[2] == 3
+  assert RunDir(work).load().step == 3
 
 
 def test_failed_background_save_names_its_step(tmp_path, monkeypatch):
@@ -163,7 +165,7 @@ def test_a_missing_step_lists_the_steps_and_generate_takes_a_step(straight):
   with pytest.raises(FileNotFoundError, match=r'step 7: no such checkpoint .* \(steps there: '
                                               r'\[3, 6\]\)'):
     evaluate_checkpoint(straight, [None], step=7)
-  assert checkpoint.load_params(straight, 3)[2] == 3
+  assert RunDir(straight).load(3).step == 3
   text = sample_text(straight, 'def ', 5, 0.0, 0, step=3)
   assert text.startswith('def ') and len(text) >= 5
 
@@ -334,7 +336,7 @@ def test_silently_corrupted_state_is_detected_by_checksum(straight, tmp_path, ca
     ckptr.save(str(tmp_path / 'rewritten'), state)
   shutil.rmtree(state_dir)
   shutil.copytree(str(tmp_path / 'rewritten'), state_dir)
-  assert checkpoint.load_params(work)[2] == 3  # the params reader skips the damaged step
+  assert RunDir(work).load().step == 3  # the params reader skips the damaged step
   capsys.readouterr()
   caplog.clear()
   train(tiny(steps=6), work)
@@ -442,9 +444,11 @@ def test_data_is_checked_before_the_model_is_built(tmp_path, monkeypatch):
   any model is built (the README's promise; it came 67-101 s in, after model init)."""
   from loopmoe_jax.train import trainer  # pylint: disable=import-outside-toplevel
 
-  def no_model(*a, **kw):
-    raise AssertionError('the model was built before the data was checked')
-  monkeypatch.setattr(trainer, 'LoopedMoE', no_model)
+  class NoJob:
+    @staticmethod
+    def build(*a, **kw):
+      raise AssertionError('the model was built before the data was checked')
+  monkeypatch.setattr(trainer, 'Job', NoJob)
   bad = tmp_path / 'bad.bin'
   bad.write_bytes(b'not a token file at all')
   for path, match in ((tmp_path / 'missing.bin', 'missing.bin'), (bad, 'bad.bin')):
@@ -467,7 +471,7 @@ def test_checksums_equal_numpy_on_any_sharding_without_gathering():
   mesh = jax.make_mesh((8,), ('x',), devices=jax.devices()[:8])
   split = jax.device_put(x, NamedSharding(mesh, P(None, 'x')))
   assert checkpoint.checksums({'a': x}) == checkpoint.checksums({'a': split}) == {"['a']": want}
-  hlo = checkpoint._checksums_jit.lower({'a': split}).compile().as_text()  # pylint: disable=protected-access
+  hlo = checkpoint.checksum_program().lower({'a': split}).compile().as_text()
   gathered = [math.prod(int(d) for d in dims.split(',') if d) for dims in re.findall(
       r'= \w+\[([\d,]*)\][^ ]* all-gather\(', hlo)]
   assert all(n <= 8 for n in gathered), gathered

@@ -25,7 +25,8 @@ from loopmoe_jax.model import LoopedMoE, bias_shapes, variables
 from loopmoe_jax.moe import MoE, route_for
 from loopmoe_jax.sharding import MeshConfig
 from loopmoe_jax.runtime import Runtime
-from loopmoe_jax.train import checkpoint, step as steps
+from loopmoe_jax.train import step as steps
+from loopmoe_jax.train.run import read_router_bias
 from loopmoe_jax.train.step import update_router_bias
 from loopmoe_jax.config.train import TrainConfig
 from loopmoe_jax.train.optimizer import make_optimizer
@@ -172,8 +173,8 @@ def test_train_step_updates_from_its_own_loads_outside_the_optimizer(tiny_models
   batch = steps.put_batch(jax.device_get(batch), batch_sh)
   _, extras = model.apply(variables(before['params'], router_bias=before['router_bias']),
                           batch['inputs'])
-  train_step = steps.make_train_step(model, tx, schedule, 0.0, 0.001, state_sh, batch_sh,
-                                     bias_rate=rate)
+  train_step = steps.make_train_step(model, tx, schedule, state_sh, batch_sh,
+                                     steps.StepSettings(lb_coef=0.0, bias_rate=rate))
   new, metrics = train_step(state, batch)
   for seg, b in before['router_bias']['bias'].items():
     load = np.asarray(extras['per_visit'][seg]['load'])
@@ -253,7 +254,7 @@ def test_resume_gives_the_same_biases_and_losses_and_another_layout_is_refused(t
   resumed = train(cfg(steps=6), b)
   assert losses(a) == losses(b) and sorted(losses(a)) == list(range(1, 7))
   assert straight['final_window_loss'] == resumed['final_window_loss']
-  bias_a, bias_b = checkpoint.load_router_bias(a, 6), checkpoint.load_router_bias(b, 6)
+  bias_a, bias_b = read_router_bias(a, 6), read_router_bias(b, 6)
   for x, y in zip(jax.tree.leaves(bias_a), jax.tree.leaves(bias_b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   assert any(np.any(np.asarray(x) != 0) for x in jax.tree.leaves(bias_a))  # it moved

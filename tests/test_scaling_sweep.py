@@ -146,7 +146,7 @@ def test_sweep_with_the_trainer_skips_and_resumes(tmp_path, capsys):
 def test_a_sweep_holds_one_point_of_programs_and_arrays(tmp_path):
   """Six real points of different shapes in one process: what the process holds after a
   point (live compiled programs and device arrays) does not grow with the points run, since
-  each point's programs are released when it ends (train/step.release_programs)."""
+  each point's programs belong to its Job, dropped when the point ends."""
   import jax  # pylint: disable=import-outside-toplevel
   cfg = _trainer_config(steps=2, seq_len=16)
   from loopmoe_jax.train.trainer import train
@@ -157,7 +157,6 @@ def test_a_sweep_holds_one_point_of_programs_and_arrays(tmp_path):
     return train(c, workdir)
 
   grid = {'model.num_loops': [1, 2, 3], 'model.core_experts': [2, 4]}
-  sweep.release_programs()
   base = (len(client.live_executables()), len(jax.live_arrays()))
   rows = sweep.run_sweep(cfg, grid, str(tmp_path), run=measured)
   held.append((len(client.live_executables()), len(jax.live_arrays())))
@@ -175,7 +174,6 @@ def test_points_in_child_processes_train_as_in_process(tmp_path):
   cfg = _trainer_config(steps=2, seq_len=16)
   grid = {'model.num_loops': [1, 2]}
   here = sweep.run_sweep(cfg, grid, str(tmp_path / 'here'), isolate=False, log=lambda *_: None)
-  sweep.release_programs()
   client = jax.devices()[0].client
   before = len(client.live_executables())
   lines = []

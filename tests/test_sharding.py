@@ -23,6 +23,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from loopmoe_jax.train.run import RunDir
 from loopmoe_jax import dispatch as dispatch_lib
 from loopmoe_jax import core, expert_parallel, sharding
 from loopmoe_jax.config import RUN_FIELDS, ModelConfig
@@ -95,7 +96,8 @@ def run(config_name: str, mesh_name: str, microbatches: int = 1, lb_coef: float 
   def train(params, opt_state, data):
     def body(carry, batch):
       params, opt_state = carry
-      metrics, grads = steps.loss_and_grads(params, model, batch, lb_coef, 0.001, microbatches)
+      metrics, grads = steps.loss_and_grads(params, model, batch,
+                                                 steps.StepSettings(lb_coef, 0.001, microbatches))
       updates, opt_state = tx.update(grads, opt_state, params)
       return (optax.apply_updates(params, updates), opt_state), (metrics, grads)
     return jax.lax.scan(body, (params, opt_state), data)[1]
@@ -174,7 +176,7 @@ def test_expert_parallel_program_exchanges_tokens_not_experts():
   model = model_of('untied')
   tx, schedule = make_optimizer(TrainConfig())
   state_sh, batch_sh = steps.shardings(mesh, model, tx, SEQ)
-  step = steps.make_train_step(model, tx, schedule, 0.01, 0.001, state_sh, batch_sh)
+  step = steps.make_train_step(model, tx, schedule, state_sh, batch_sh, steps.StepSettings())
   state = steps.abstract_state(model, tx, SEQ, state_sh)
   batch = {k: jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32, sharding=batch_sh)
            for k in ('inputs', 'targets')}
@@ -447,8 +449,8 @@ def test_checkpoint_saved_on_one_mesh_resumes_on_another(tmp_path):
   mngr = checkpoint.manager(tmp_path / 'moved' / 'checkpoints', read_only=True, async_save=False)
   s, state, _, _ = checkpoint.restore_latest(
       mngr, steps.abstract_state(model, tx, exp.data.seq_len, state_sh))
-  _, stored, _, _ = checkpoint.load_params(work)  # params alone, onto one device
-  _, params_on_mesh, _, _ = checkpoint.load_params(work, mesh=sharding.make_mesh(moved_to))
+  stored = RunDir(work).load().params
+  params_on_mesh = RunDir(work).load(mesh=sharding.make_mesh(moved_to)).params
   assert s == 3
   for got, on_mesh, want, sh in zip(jax.tree.leaves(state['params']),
                                     jax.tree.leaves(params_on_mesh), jax.tree.leaves(stored),
@@ -662,9 +664,10 @@ def test_gradient_reductions_do_not_grow_with_the_passes_and_no_activation_is_ga
   def kinds(loops, collectives='once'):
     cfg = _small_cfg(MESHES['data2_expert4'], num_loops=loops, core_collectives=collectives,
                      tie_attention=True)
-    step, (state, batch), _, _ = dry_run.train_step_program(cfg)
-    hlo, _ = dry_run.partitioned_compile(step.lower(state, batch))
-    return dry_run.classify(hlo_lib.collectives(hlo), state['params']), state['params']
+    job = dry_run.job_of(cfg)
+    hlo, _ = dry_run.partitioned_compile(job.train_step().lower(*job.step_args()))
+    params = job.abstract_state['params']
+    return dry_run.classify(hlo_lib.collectives(hlo), params), params
   (one, _), (four, params), (xla, _) = kinds(1), kinds(4), kinds(4, 'per_pass')
   reductions = lambda k: (k['grad_reduce_ops'], k['grad_reduce'])
   assert reductions(one) == reductions(four) and one['grad_reduce'] > 0
@@ -707,8 +710,8 @@ def _replay_step(buffer_factor: float, overflow: str):
   state_sh, batch_sh = steps.shardings(mesh, model, tx, SEQ)
   state = steps.create_state(model, tx, 0, SEQ, state_sh)
   before = jax.device_get(state['params'])
-  step = steps.make_train_step(model, tx, optax.constant_schedule(1.0), 0.01, 0.001, state_sh,
-                               batch_sh)
+  step = steps.make_train_step(model, tx, optax.constant_schedule(1.0), state_sh, batch_sh,
+                               steps.StepSettings())
   tokens = np.full((BATCH, SEQ + 1), 7, np.int32)
   batch = steps.put_batch({'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]}, batch_sh)
   new, metrics = step(state, batch)
@@ -861,7 +864,7 @@ def test_truncated_backprop_on_a_mesh_equals_one_device():
   batch = {k: jnp.asarray(v[0]) for k, v in b.items()}
   params = nn.unbox(for_init(model).init(jax.random.key(0), batch['inputs'])['params'])
   grads = lambda: jax.jit(lambda p, x: steps.loss_and_grads(
-      p, model, x, 0.01, 0.001, num_loops=2, backprop_loops=1))
+      p, model, x, steps.StepSettings(num_loops=2, backprop_loops=1)))
   want_m, want = grads()(params, batch)
   with jax.set_mesh(sharding.make_mesh(MESHES['data2_expert4'])):
     fn = grads()

@@ -22,7 +22,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import tiny
-from loopmoe_jax import aot, hlo, sharding, targets
+from loopmoe_jax.train import compile_cache
+from loopmoe_jax import aot, attention_impls, hlo, sharding, targets
 from loopmoe_jax.config.mesh import MeshConfig
 
 HAS = {p: importlib.util.find_spec(targets.EXTRAS[p][0]) is not None for p in targets.EXTRAS}
@@ -182,7 +183,7 @@ def _compiled(platform, preset):
   target = targets.get(TINY[platform][0])
   cfg = _tiny_cfg(platform)
   lowered, _, _, _ = aot.lower_step(cfg, target)
-  with aot.no_persistent_cache():
+  with compile_cache.off():
     compiled = lowered.compile(aot.compiler_options(platform, preset))
   report = aot.target_report(cfg, target, preset, use_cache=False) if preset == 'pod' else None
   return compiled, lowered.as_text(), report
@@ -322,7 +323,7 @@ def _small_program(devices):
                      check_vma=False)
   a = jax.ShapeDtypeStruct((256, 128), jnp.float32, sharding=NamedSharding(mesh, P()))
   b = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P('x')))
-  with aot.no_persistent_cache():
+  with compile_cache.off():
     return jax.jit(fn).lower(a, b).compile()
 
 
@@ -422,9 +423,9 @@ def test_an_attention_the_target_cannot_run_is_refused_before_tracing(platform, 
   the platform and the target named) before the model is traced: nothing is lowered."""
   if not HAS[platform]:
     pytest.skip(f'the {platform} extra is not installed')
-  from loopmoe_jax import dry_run  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.train import step as steps  # pylint: disable=import-outside-toplevel
   traced = []
-  monkeypatch.setattr(dry_run.steps, 'shardings',  # the first use of the model (init traced)
+  monkeypatch.setattr(steps, 'shardings',  # the first use of the model (init traced)
                       lambda *a, **kw: traced.append(a))
   cfg = _tiny_cfg(platform)
   cfg.run.attention_impl = impl
@@ -436,4 +437,4 @@ def test_an_attention_the_target_cannot_run_is_refused_before_tracing(platform, 
   cfg.run.attention_impl = 'chunked'  # runs everywhere: the same check passes
   from loopmoe_jax.experiment import build  # pylint: disable=import-outside-toplevel
   from loopmoe_jax.runtime import Runtime  # pylint: disable=import-outside-toplevel
-  Runtime.for_platform(platform).check(build(cfg).model)
+  attention_impls.check(Runtime.for_platform(platform), build(cfg).model)

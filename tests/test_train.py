@@ -17,7 +17,9 @@ from loopmoe_jax.experiment import build
 from loopmoe_jax.train import checkpoint
 from loopmoe_jax.config.train import TrainConfig
 from loopmoe_jax.train.optimizer import wsd_schedule
-from loopmoe_jax.train.trainer import TrainingDiverged, train
+from loopmoe_jax.train.loop import TrainingDiverged
+from loopmoe_jax.train.run import RunDir
+from loopmoe_jax.train.trainer import train
 from helpers import logged, losses, tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,7 +55,6 @@ def test_resume_is_bitwise_identical(tmp_path):
   assert again == resumed
   # the per-step record of the final window (final_steps.jsonl) spans the resume too, and
   # equals the logged losses
-  from loopmoe_jax.train.run import RunDir
   rec_a, rec_b = RunDir(tmp_path / 'a').final_steps(), RunDir(tmp_path / 'b').final_steps()
   assert rec_a == rec_b == {s: a[s] for s in range(2, 7)}
 
@@ -116,8 +117,8 @@ def test_corrupt_latest_step_is_skipped(tmp_path, caplog):
   ckpt = tmp_path / 'r' / 'checkpoints'
   assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [3, 6]
   _garble(ckpt / '6' / 'state')
-  cfg, params, step, _ = checkpoint.load_params(str(tmp_path / 'r'))
-  assert step == 3
+  loaded = RunDir(str(tmp_path / 'r')).load()
+  assert loaded.step == 3
   assert 'step 6' in logged(caplog)
   summary = train(tiny(steps=6), str(tmp_path / 'r'))         # resumes from 3, redoes 4..6
   assert summary['steps'] == 6
@@ -148,7 +149,7 @@ def test_nan_loss_stops_and_keeps_the_good_checkpoint(tmp_path):
   after = {p: open(p, 'rb').read() for p in _files(os.path.join(work, 'checkpoints', '3'))}
   assert before == after
   for s in steps:   # whatever was saved restores to finite params
-    _, params, _, _ = checkpoint.load_params(work, s)
+    params = RunDir(work).load(s).params
     assert all(np.isfinite(np.asarray(x)).all() for x in __import__('jax').tree.leaves(params))
 
 
@@ -196,8 +197,7 @@ def test_sigterm_saves_a_restorable_checkpoint(tmp_path):
   out, _ = proc.communicate(timeout=120)
   assert proc.returncode == 0, out
   assert 'SIGTERM: saved step' in out
-  _, params, step, _ = checkpoint.load_params(work)
-  assert step >= 3
+  assert RunDir(work).load().step >= 3
   summary = json.load(open(os.path.join(work, 'summary.json')))
   assert summary['stopped_by'] == 'SIGTERM'
   # the summary's validation loss says which step it was measured at: the last evaluated one
@@ -239,7 +239,6 @@ def test_a_run_directory_from_before_the_run_section_loads_and_resumes(tmp_path,
   refused naming the new one."""
   import shutil as sh
   from loopmoe_jax import cli, experiment
-  from loopmoe_jax.train.run import RunDir
   monkeypatch.setattr(experiment, '_NOTED', set())  # the note is once per process
   caplog.set_level(logging.INFO, logger='loopmoe_jax')  # a note: INFO
   fixture = os.path.join(os.path.dirname(__file__), 'data', 'run_v1')
@@ -283,8 +282,9 @@ def test_unreadable_newest_step_is_set_aside_and_written_again(tmp_path, capsys)
   out = capsys.readouterr().out
   assert 'moved the unreadable checkpoint to' in out
   assert os.listdir(os.path.join(work, 'unreadable_checkpoints')) == ['6']
-  _, params, step, _ = checkpoint.load_params(work)
-  _, want, _, _ = checkpoint.load_params(straight)
+  loaded = RunDir(work).load()
+  params, step = loaded.params, loaded.step
+  want = RunDir(straight).load().params
   assert step == 6
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -299,7 +299,7 @@ def test_non_finite_update_is_never_saved(tmp_path):
     train(tiny(steps=4, lr=1e38, schedule='constant', warmup=0, clip=0.0, save_every=1), work)
   ckpt = os.path.join(work, 'checkpoints')
   for s in sorted(int(p) for p in os.listdir(ckpt) if p.isdigit()) if os.path.isdir(ckpt) else []:
-    _, params, _, _ = checkpoint.load_params(work, s)
+    params = RunDir(work).load(s).params
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params)), s
 
 
@@ -323,15 +323,18 @@ def test_evaluate_and_sample_from_a_workdir(tmp_path, monkeypatch):
   text = sample_text(work, 'def ', 6, 0.0, 0)
   assert text.startswith('def ') and text == sample_text(work, 'def ', 6, 0.0, 1)
   # the run layer: one read gives the built experiment, the params the checkpoint reader
-  # gives, and the run's own files; a loaded run answers for its own step only
+  # gives (against the trainer's restore of the whole state), and the run's own files; a
+  # loaded run answers for its own step only
   from loopmoe_jax.experiment import build
-  from loopmoe_jax.train import checkpoint
-  from loopmoe_jax.train.run import RunDir, as_loaded
+  from loopmoe_jax.job import Job
+  from loopmoe_jax.train.run import as_loaded
   run_dir = RunDir(work)
   run = run_dir.load()
-  _, params, step, config = checkpoint.load_params(work)
-  assert run.step == step == 3 and run.exp == build(tiny(steps=3)) and run.config == config
-  for got, want in zip(jax.tree.leaves(run.variables), jax.tree.leaves(params)):
+  mngr = checkpoint.manager(run_dir.checkpoints, read_only=True, async_save=False)
+  step, state, _, _ = checkpoint.restore_latest(mngr, Job.build(run.exp).abstract_state)
+  assert run.step == step == 3 and run.exp == build(tiny(steps=3))
+  assert run.config == checkpoint.stored_config(mngr)[1]
+  for got, want in zip(jax.tree.leaves(run.variables), jax.tree.leaves(state['params'])):
     np.testing.assert_array_equal(got, want)
   assert [r['step'] for r in run_dir.metrics()][-1] == 3
   assert run_dir.summary()['val_loss'] == summary['val_loss']
@@ -362,41 +365,6 @@ def test_foil_recipe_trains_in_bfloat16_and_keeps_its_continuation_step():
   exp = build(load_config('configs/foil.py:foil1'))
   assert (exp.model.dtype, exp.model.param_dtype) == ('bfloat16', 'float32')
   assert 45000 in exp.train.kept_steps and exp.train.steps == 50000
-
-
-def test_programs_are_built_once_per_configuration():
-  """Equal settings give the same optimizer objects and the same jitted steps (a second run in
-  one process neither traces nor compiles); another optimizer setting, another model or a
-  program built for another platform (the model's runtime) is another program."""
-  from loopmoe_jax import sharding  # pylint: disable=import-outside-toplevel
-  from loopmoe_jax.model import LoopedMoE  # pylint: disable=import-outside-toplevel
-  from loopmoe_jax.train import step as steps  # pylint: disable=import-outside-toplevel
-  from loopmoe_jax.train.optimizer import make_optimizer  # pylint: disable=import-outside-toplevel
-  from loopmoe_jax.runtime import Runtime  # pylint: disable=import-outside-toplevel
-  exp = build(tiny(steps=4))
-
-  def programs(train_cfg, model_cfg, runtime=Runtime()):
-    model, (tx, schedule) = LoopedMoE(model_cfg, runtime=runtime), make_optimizer(train_cfg)
-    mesh = sharding.make_mesh(exp.mesh)
-    state_sh, batch_sh = steps.shardings(mesh, model, tx, exp.data.seq_len)
-    return (tx, steps.make_train_step(model, tx, schedule, 0.01, 0.001, state_sh, batch_sh),
-            steps.make_eval_step(model, mesh=mesh))
-
-  first = programs(exp.train, exp.model)
-  again = programs(TrainConfig(**{**exp.train.__dict__, 'save_every': 3, 'log_every': 2}),
-                   exp.model)
-  assert all(a is b for a, b in zip(first, again))
-  other_lr = programs(TrainConfig(**{**exp.train.__dict__, 'lr': exp.train.lr * 2}), exp.model)
-  assert other_lr[0] is not first[0] and other_lr[1] is not first[1]
-  other_model = programs(exp.train, exp.model.replace(num_loops=exp.model.num_loops + 1))
-  assert other_model[0] is first[0] and other_model[1] is not first[1]
-  for_tpu = programs(exp.train, exp.model, Runtime.for_platform('tpu'))
-  assert for_tpu[1] is not first[1] and for_tpu[2] is not first[2]
-  from loopmoe_jax.train import optimizer  # pylint: disable=import-outside-toplevel
-  optimizer._optimizer.cache_clear()  # pylint: disable=protected-access
-  rebuilt = programs(exp.train, exp.model)  # another optimizer object, equal settings
-  assert rebuilt[0] is not first[0] and rebuilt[0] == first[0]
-  assert rebuilt[1] is first[1] and rebuilt[2] is first[2]  # keyed by settings, not identity
 
 
 def test_profile_steps_trace_exactly_those_steps(tmp_path):

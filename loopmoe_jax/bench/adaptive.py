@@ -53,22 +53,16 @@ def _smoke(quick: bool):
 def step_time_ratio(quick: bool, counts=(2, 8), repeats: int | None = None) -> dict[str, Any]:
   """Median train-step seconds at each of `counts` (one device), their ratio and the model
   FLOPs ratio."""
-  from loopmoe_jax import sharding  # pylint: disable=import-outside-toplevel
-  from loopmoe_jax.model import LoopedMoE  # pylint: disable=import-outside-toplevel
-  from loopmoe_jax.train import depth, step as steps  # pylint: disable=import-outside-toplevel
-  from loopmoe_jax.train.optimizer import make_optimizer  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.job import Job  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.train import depth  # pylint: disable=import-outside-toplevel
   _, exp = _smoke(quick)
-  tc, dc, mc = exp.train, exp.data, exp.model
-  mesh = sharding.make_mesh(devices=jax.devices()[:1])
-  tx, schedule = make_optimizer(tc)
-  model = LoopedMoE(mc, runtime=exp.runtime())
-  state_sh, batch_sh = steps.shardings(mesh, model, tx, dc.seq_len)
-  placed = jax.device_put(_batch(mc, dc.batch_size, dc.seq_len), batch_sh)
+  dc, mc = exp.data, exp.model
+  job = Job.build(exp, jax.devices()[:1])
+  placed = jax.device_put(_batch(mc, dc.batch_size, dc.seq_len), job.batch_sh)
   thunks = {}
   for n in counts:
-    step = steps.make_train_step(model, tx, schedule, tc.lb_coef, tc.z_coef, state_sh,
-                                 batch_sh, num_loops=n)
-    box = [steps.create_state(model, tx, tc.seed, dc.seq_len, state_sh)]
+    step = job.train_step(n)
+    box = [job.create_state()]
 
     def run_step(step=step, box=box):  # the state is donated: carry it on
       box[0], metrics = step(box[0], placed)

@@ -330,10 +330,11 @@ def _device(res, quick, platform):
   repeats = 5 if quick else 20
   res[f'{platform}_device'] = str(jax.devices()[0].device_kind)
   res[f'{platform}_jax'] = jax.__version__
-  res[f'{platform}_pallas_self_check'] = dispatch.pallas_self_check(platform)
-  if platform in dispatch.SELF_CHECK_ERRORS:
-    res[f'{platform}_pallas_self_check_error'] = dispatch.SELF_CHECK_ERRORS[platform]
-  res[f'{platform}_auto'] = dispatch.resolve_backend('auto')
+  error = dispatch.pallas_self_check()
+  res[f'{platform}_pallas_self_check'] = not error
+  if error:
+    res[f'{platform}_pallas_self_check_error'] = error
+  res[f'{platform}_auto'] = dispatch.resolve_backend('auto', HERE.replace(pallas_check=error))
   res[f'{platform}_gmm_shape'] = dict(rows=m, k=k, n=n)
   if platform == 'gpu':
     best = _tune(res, platform, m, k, n, repeats)

@@ -137,29 +137,24 @@ def bench_model(quick: bool = False) -> dict[str, Any]:
 def bias_step_seconds(quick: bool, repeats: int) -> dict[str, float]:
   """Median seconds of the trainer's train step (train/step.py) on configs/default.py
   ('smoke' when quick) with model.router_bias 'none' and 'shared', timed interleaved."""
-  from loopmoe_jax import sharding  # pylint: disable=import-outside-toplevel
   from loopmoe_jax.experiment import build, load_config  # pylint: disable=import-outside-toplevel
-  from loopmoe_jax.train import step as steps  # pylint: disable=import-outside-toplevel
-  from loopmoe_jax.train.optimizer import make_optimizer  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.job import Job  # pylint: disable=import-outside-toplevel
   exp = build(load_config('configs/default.py' + (':smoke' if quick else '')))
-  tc, dc, mc, rt = exp.train, exp.data, exp.model, exp.runtime()
   if quick:  # a smoke run: the main job's structure at the quick sizes, less its coda, with
     # the dispatch that traces fastest (its figures are not comparable anyway)
-    mc = mc.replace(d_model=32, num_heads=2, num_kv_heads=1, expert_width=32, coda_layers=0)
-    rt = rt.with_run(dispatch='xla')
-    dc = dataclasses.replace(dc, batch_size=2, seq_len=32)
-  mesh = sharding.make_mesh(devices=jax.devices()[:1])
-  tx, schedule = make_optimizer(tc)
-  batch = _batch(mc, dc.batch_size, dc.seq_len)
+    exp = exp._replace(
+        model=exp.model.replace(d_model=32, num_heads=2, num_kv_heads=1, expert_width=32,
+                                coda_layers=0),
+        run=dataclasses.replace(exp.run, dispatch='xla'),
+        data=dataclasses.replace(exp.data, batch_size=2, seq_len=32))
+  batch = _batch(exp.model, exp.data.batch_size, exp.data.seq_len)
   thunks = {}
   for layout in ('none', 'shared'):
-    model = LoopedMoE(mc.replace(router_bias=layout), runtime=rt)
-    state_sh, batch_sh = steps.shardings(mesh, model, tx, dc.seq_len)
-    state = steps.create_state(model, tx, tc.seed, dc.seq_len, state_sh)
-    step = steps.make_train_step(model, tx, schedule, tc.lb_coef, tc.z_coef, state_sh, batch_sh,
-                                 bias_rate=tc.bias_rate)
-    placed = jax.device_put(batch, batch_sh)
-    box = [state]
+    job = Job.build(exp._replace(model=exp.model.replace(router_bias=layout)),
+                    jax.devices()[:1])
+    step = job.train_step()
+    placed = jax.device_put(batch, job.batch_sh)
+    box = [job.create_state()]
 
     def run_step(step=step, box=box, placed=placed):  # the state is donated: carry it on
       box[0], metrics = step(box[0], placed)

@@ -34,9 +34,8 @@ import numpy as np
 from loopmoe_jax import DEFAULT_CONFIG, gcs_server, sharding, storage
 from loopmoe_jax.data import pipeline, sources
 from loopmoe_jax.experiment import build, load_config
-from loopmoe_jax.model import LoopedMoE
+from loopmoe_jax.job import Job
 from loopmoe_jax.train import preempt, step as steps
-from loopmoe_jax.train.optimizer import make_optimizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -44,15 +43,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def main_job_step(exp, host_batch):
   """(train step, its state, the batch on the device, the mesh) of `exp` on this machine's
   first device: the train step the data benchmarks time."""
-  mc, tc, dc = exp.model, exp.train, exp.data
-  model = LoopedMoE(mc, runtime=exp.runtime())
-  tx, schedule = make_optimizer(tc)
-  mesh = sharding.make_mesh(sharding.MeshConfig(data=1), jax.devices()[:1])
-  state_sh, batch_sh = steps.shardings(mesh, model, tx, dc.seq_len)
-  state = steps.create_state(model, tx, 0, dc.seq_len, state_sh)
-  train_step = steps.make_train_step(model, tx, schedule, tc.lb_coef, tc.z_coef, state_sh,
-                                     batch_sh)
-  return train_step, state, steps.put_batch(host_batch, batch_sh), mesh
+  job = Job.build(exp._replace(mesh=sharding.MeshConfig(data=1)), jax.devices()[:1])
+  return (job.train_step(), job.create_state(0), steps.put_batch(host_batch, job.batch_sh),
+          job.mesh)
 
 
 def preempt_overhead(n_steps: int, trials: int) -> dict:

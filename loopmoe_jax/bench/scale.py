@@ -39,12 +39,10 @@ from loopmoe_jax.config import ModelConfig
 from loopmoe_jax import hlo as hlo_lib
 from loopmoe_jax.hlo import collective_bytes
 from loopmoe_jax.experiment import build, load_config
-from loopmoe_jax.model import LoopedMoE
+from loopmoe_jax.job import Job
 from loopmoe_jax.runtime import HERE, Runtime
 from loopmoe_jax.sharding import MeshConfig
-from loopmoe_jax.train import step as steps
 from loopmoe_jax.config.train import TrainConfig
-from loopmoe_jax.train.optimizer import make_optimizer
 
 _TENSOR = re.compile(r'tensor<([\dx]+)x(f32|bf16|f16)>')
 
@@ -104,40 +102,38 @@ def _exchange_ratios(res, quick):
   res['a2a_padded_cf1_bytes_over_analytic'] = cf1['all-to-all'] / analytic
 
 
-def _model(quick):
-  """(the model, its batch size, its sequence length) of the README's main job at smoke
-  widths, with its run settings."""
-  cfg = load_config(DEFAULT_CONFIG + ':smoke')
-  exp = build(cfg)
-  return LoopedMoE(exp.model, runtime=exp.runtime()), cfg.data.batch_size, cfg.data.seq_len
+def _experiment():
+  """The README's main job at smoke widths with its run settings, trained at the default
+  train settings."""
+  return build(load_config(DEFAULT_CONFIG + ':smoke'))._replace(train=TrainConfig())
 
 
-def _fsdp_ratio(res, model, seq):
-  tx, _ = make_optimizer(TrainConfig())
-  shapes = steps.abstract_state(model, tx, seq)
+def _job(exp, mesh_cfg, devices=None) -> Job:
+  return Job.build(exp._replace(mesh=mesh_cfg), devices)
+
+
+def _fsdp_ratio(res, exp):
   got = {}
   for name, mesh_cfg, devices in (('one', MeshConfig(data=1), jax.devices()[:1]),
                                   ('fsdp8', MeshConfig(data=1, fsdp=8), None)):
-    state_sh, _ = steps.shardings(sharding.make_mesh(mesh_cfg, devices), model, tx, seq)
-    got[name] = sharding.bytes_per_device(shapes['params'], state_sh['params'])
+    job = _job(exp, mesh_cfg, devices)
+    got[name] = sharding.bytes_per_device(job.abstract_state['params'], job.state_sh['params'])
   res['fsdp8_param_bytes_over_replicated'] = got['fsdp8'] / got['one']
 
 
-def _step_times(res, model, batch, seq, quick):
-  mc = model.cfg
-  tx, schedule = make_optimizer(TrainConfig())
+def _step_times(res, exp, quick):
+  batch, seq = exp.data.batch_size, exp.data.seq_len
   rng = np.random.default_rng(0)
-  tokens = rng.integers(0, mc.vocab_size, (batch, seq + 1), dtype=np.int32)
+  tokens = rng.integers(0, exp.model.vocab_size, (batch, seq + 1), dtype=np.int32)
   data = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]}
   fns = {}
   for name, mesh_cfg, devices in (('1dev', MeshConfig(data=1), jax.devices()[:1]),
                                   ('data8', MeshConfig(data=8), None),
                                   ('data2_expert4', MeshConfig(data=2, expert=4), None)):
-    mesh = sharding.make_mesh(mesh_cfg, devices)
-    state_sh, batch_sh = steps.shardings(mesh, model, tx, seq)
-    holder = {'state': steps.create_state(model, tx, 0, seq, state_sh)}
-    step = steps.make_train_step(model, tx, schedule, 0.01, 0.001, state_sh, batch_sh)
-    b = jax.device_put(data, batch_sh)
+    job = _job(exp, mesh_cfg, devices)
+    holder = {'state': job.create_state(0)}
+    step = job.train_step()
+    b = jax.device_put(data, job.batch_sh)
 
     def run(step=step, holder=holder, b=b):
       holder['state'], m = step(holder['state'], b)
@@ -155,9 +151,9 @@ def _step_collectives(num_loops: int):
   cfg = load_config(DEFAULT_CONFIG + ':smoke')
   cfg.model.num_loops = num_loops
   cfg.mesh.data, cfg.mesh.expert = 2, 4
-  step, (state, batch), _, _ = dry_run.train_step_program(cfg)
-  hlo, _ = dry_run.partitioned_compile(step.lower(state, batch))
-  return dry_run.classify(hlo_lib.collectives(hlo), state['params'])
+  job = dry_run.job_of(cfg)
+  hlo, _ = dry_run.partitioned_compile(job.train_step().lower(*job.step_args()))
+  return dry_run.classify(hlo_lib.collectives(hlo), job.abstract_state['params'])
 
 
 REAL_TARGETS = {'tpu': 'v5p:2x2x2', 'cuda': 'h100x8'}
@@ -208,8 +204,8 @@ def scale(quick: bool):
   _exchange_ratios(res, quick)
   _step_traffic(res)
   _real_step_traffic(res)
-  model, batch, seq = _model(quick)
-  _fsdp_ratio(res, model, seq)
-  _step_times(res, model, batch, seq, quick)
+  exp = _experiment()
+  _fsdp_ratio(res, exp)
+  _step_times(res, exp, quick)
   res['gpu_train_step'] = None  # needs the accelerator machine (one-GPU MFU: issue of its own)
   return res

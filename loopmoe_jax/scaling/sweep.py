@@ -24,11 +24,13 @@ point compiles and allocates -- programs, arrays, the compiler's own heap -- goe
 and the sweep's memory is one point's however many points it has. SIGTERM to the sweep
 reaches the point (it saves and stops; re-running resumes); Ctrl-C reaches it through the
 terminal. A multi-process sweep runs its points in-process (every process joins each point's
-collectives), releasing each point's programs when it ends (`train.step.release_programs`).
+collectives); a point's programs belong to its Job (loopmoe_jax/job.py) and go when it ends.
 """
 from __future__ import annotations
 
 import copy
+import ctypes
+import gc
 import importlib.util
 import itertools
 import json
@@ -39,12 +41,13 @@ import signal
 import threading
 from typing import Any, Callable, Mapping, Sequence
 
+import jax
+
 from loopmoe_jax import storage
 from loopmoe_jax.accounting import count
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.experiment import RUN_SETTINGS, build, config_diff
 from loopmoe_jax.scaling.data import write_csv
-from loopmoe_jax.train.step import release_programs
 
 EXPERTS_ALIAS = 'model.num_experts'
 EXPERT_FIELDS = ('prelude_experts', 'core_experts', 'coda_experts')
@@ -139,6 +142,18 @@ def apply_point(cfg, point: Mapping[str, Any]):
 def grid(sweeps: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
   keys = list(sweeps)
   return [dict(zip(keys, vals)) for vals in itertools.product(*(sweeps[k] for k in keys))]
+
+
+def release_jax_caches():
+  """After an in-process point: jax's own caches (the eager operations of each shape a point
+  used; the point's programs went with its Job) and the heap pages glibc keeps, so the
+  sweep's memory stays that of one point."""
+  jax.clear_caches()
+  gc.collect()
+  try:
+    ctypes.CDLL('libc.so.6').malloc_trim(0)
+  except (OSError, AttributeError):
+    pass
 
 
 def point_name(point: Mapping[str, Any]) -> str:
@@ -305,9 +320,8 @@ def run_sweep(cfg, sweeps: Mapping[str, Sequence[Any]], root: str,
       if isolate:
         summary, peak = train_isolated(c, workdir)
       else:
-        summary, peak = run(c, workdir), None
-        # the point's programs go with it: the sweep's memory stays that of one point
-        release_programs()
+        summary, peak = run(c, workdir), None  # its Job, and so its programs, go with it
+        release_jax_caches()
       if summary.get('stopped_by') or summary.get('final_window_loss') is None:
         log(f'{name}: stopped before the end; re-run the sweep to resume')
         break

@@ -5,7 +5,7 @@ only once it is complete); a save that Orbax skips is an error. Restore takes th
 step that reads back; a corrupt or partial step is reported and skipped for the previous
 good one (the trainer then moves it aside, `set_aside`, so the run can write it again).
 Reading a run's checkpoint without the trainer (evaluation, generation, export) is
-`train/run.py`'s (`load_params` here forwards to it).
+`train/run.py`'s (`RunDir.load`).
 """
 from __future__ import annotations
 
@@ -197,12 +197,15 @@ def _one_checksum(x):
   return jnp.stack([plain, weighted])
 
 
-_checksums_jit = jax.jit(lambda tree: jax.tree.map(_one_checksum, tree))
+def checksum_program():
+  """The jitted checksums of a tree of arrays, made anew for each use: no module-level cache
+  keeps one per model a process has seen."""
+  return jax.jit(lambda tree: jax.tree.map(_one_checksum, tree))
 
 
 def checksums(tree) -> dict[str, list[int]]:
   """{array path: [sum, weighted sum]} of a tree of (global) arrays."""
-  sums = jax.device_get(_checksums_jit(tree))
+  sums = jax.device_get(checksum_program()(tree))
   return {jax.tree_util.keystr(path): [int(v) for v in np.asarray(leaf)]
           for path, leaf in jax.tree_util.tree_leaves_with_path(sums)}
 
@@ -395,16 +398,3 @@ def _verify(out, step: int, directory: str) -> str | None:
     return None
   return (f'{storage.join(directory, str(step), "state")} (the checksum of {bad} differs from '
           'the one saved with it: the file is damaged)')
-
-
-def load_params(directory: str, step: int | None = None, mesh=None):
-  """(ModelConfig, params, step, config dict): `train.run.read_params` (kept here for the
-  callers that read params alone; `train.run.RunDir.load` reads a run once)."""
-  from loopmoe_jax.train.run import read_params  # pylint: disable=import-outside-toplevel
-  return read_params(directory, step, mesh)
-
-
-def load_router_bias(directory: str, step: int):
-  """`train.run.read_router_bias`."""
-  from loopmoe_jax.train.run import read_router_bias  # pylint: disable=import-outside-toplevel
-  return read_router_bias(directory, step)

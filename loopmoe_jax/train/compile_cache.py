@@ -11,9 +11,11 @@ Every program is kept, however fast it compiled (sampled-depth runs compile many
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import jax
+from jax._src import compilation_cache  # off(): jax has no public reset of its cache
 
 SUBDIR = 'compile_cache'
 
@@ -80,3 +82,18 @@ class Timings:
   def text(self) -> str:
     parts = ', '.join(f'{k} {v:.2f} s' for k, v in self.seconds.items())
     return f'{parts}{f", {self.hits} from the compile cache" if self.hits else ""}'
+
+
+@contextlib.contextmanager
+def off():
+  """A compile that must run the compiler: a cache hit writes no XLA dump, and a program for
+  compile-only devices cannot be read back from jax's persistent cache. jax decides once per
+  process whether its persistent cache is in use; its reset makes it decide again."""
+  old = jax.config.jax_enable_compilation_cache
+  jax.config.update('jax_enable_compilation_cache', False)
+  compilation_cache.reset_cache()
+  try:
+    yield
+  finally:
+    jax.config.update('jax_enable_compilation_cache', old)
+    compilation_cache.reset_cache()

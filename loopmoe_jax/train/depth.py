@@ -6,8 +6,8 @@ and backpropagates through the last k iterations only, so one model learns to ru
 depths and the training cost follows the drawn count. Here `sample_loops` draws the count
 of each train step (train.loops_sampler: fixed, uniform or poisson_lognormal) from
 (train.seed, step) alone, so a resumed run draws what an uninterrupted one does;
-`TrainSteps` compiles one train step per count drawn (the count is static, so a step of 2
-passes runs a 2-pass program, not the largest one masked) and keeps them for the run; with
+`train_step_at` gives the train step of each count drawn (the count is static, so a step of 2
+passes runs a 2-pass program, not the largest one masked; the run's Job keeps them); with
 train.backprop_loops = k the gradient flows through the last min(k, r) of a step's r passes
 (core.Core): a short draw keeps every pass's gradient (Huginn's rule), so k may exceed
 train.loops_low.
@@ -17,7 +17,6 @@ from __future__ import annotations
 import numpy as np
 
 from loopmoe_jax import accounting
-from loopmoe_jax.train.step import make_train_step
 
 # Huginn's spread of the log-normal rate
 LOGNORMAL_SIGMA = 0.5
@@ -60,25 +59,12 @@ def backprop(tc, num_loops: int) -> int:
   return tc.backprop_loops if tc.backprop_loops < num_loops else 0
 
 
-class TrainSteps:
-  """A run's train-step programs: one per pass count drawn (`sample_loops`), made on first
-  use and kept for the run, so a step costs what its count costs, not the largest count's.
-  `at(step)` -> (count, program); `len()`: the programs this run has made."""
-
-  def __init__(self, model, tx, schedule, tc, state_sh, batch_sh):
-    self.tc, self.trained, self._programs = tc, model.cfg.num_loops, {}
-    self._make = lambda n: make_train_step(
-        model, tx, schedule, tc.lb_coef, tc.z_coef, state_sh, batch_sh, tc.microbatches,
-        tc.bias_rate, n if tc.sampled else None, backprop(tc, n))
-
-  def at(self, step: int):
-    n = sample_loops(self.tc, self.trained, step)
-    if n not in self._programs:
-      self._programs[n] = self._make(n)
-    return n, self._programs[n]
-
-  def __len__(self):
-    return len(self._programs)
+def train_step_at(job, step: int):
+  """(pass count, train program) of train step `step` of `job` (job.Job, which keeps one
+  program per count drawn)."""
+  tc = job.exp.train
+  n = sample_loops(tc, job.exp.model.num_loops, step)
+  return n, job.train_step(n if tc.sampled else None, backprop(tc, n))
 
 
 def describe(tc, trained: int) -> str:

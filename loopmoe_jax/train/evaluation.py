@@ -9,7 +9,8 @@ import numpy as np
 from loopmoe_jax import sharding
 from loopmoe_jax.data import pipeline
 from loopmoe_jax.decode import cache_bytes, generate
-from loopmoe_jax.model import LoopedMoE, check_loops
+from loopmoe_jax.job import Job
+from loopmoe_jax.model import check_loops
 from loopmoe_jax.train import step as steps
 from loopmoe_jax.train.run import as_loaded
 from loopmoe_jax.train.preflight import device_memory_bytes
@@ -29,12 +30,11 @@ def evaluate_checkpoint(workdir, num_loops=(None,), step: int | None = None,
   for n in num_loops:  # every count checked before any is evaluated
     check_loops(cfg, n)
   batches = validation_batches(run)
-  batch_sh = sharding.batch_sharding(sharding.make_mesh(sharding.MeshConfig(data=1),
-                                                       jax.local_devices()[:1]))
+  job = Job.build(run.exp._replace(model=cfg, mesh=sharding.MeshConfig(data=1)),
+                  jax.local_devices()[:1])
   out = {'step': s, 'scale_passes': cfg.scale_passes, 'val_loss': {}}
   for n in num_loops:
-    model = LoopedMoE(cfg, runtime=run.runtime)
-    loss = steps.evaluate(steps.make_eval_step(model, n), params, batches, batch_sh, bias)
+    loss = steps.evaluate(job.eval_step(n), params, batches, job.batch_sh, bias)
     out['val_loss'][str(n or cfg.num_loops)] = loss
   return out
 

@@ -18,6 +18,7 @@ take either a workdir or a `Loaded` that its caller already holds.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ import jax
 import ml_collections
 import orbax.checkpoint as ocp
 
-from loopmoe_jax import experiment, sharding, storage
+from loopmoe_jax import dispatch, experiment, sharding, storage
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.train import checkpoint
@@ -55,10 +56,11 @@ class Loaded:
   def model_cfg(self):
     return self.exp.model
 
-  @property
+  @functools.cached_property
   def runtime(self):
-    """The model's runtime on this machine with the run's stored run settings."""
-    return self.exp.runtime()
+    """The model's runtime on this machine with the run's stored run settings (its Pallas
+    self-check settled once)."""
+    return dispatch.settle(self.exp.runtime())
 
   @property
   def variables(self):
@@ -82,8 +84,8 @@ class RunDir:
     return self.file(CHECKPOINTS)
 
   def load(self, step: int | None = None, mesh=None) -> Loaded:
-    """The newest readable checkpoint (or `step`), read once (`read_params` skips a damaged
-    step for the previous good one)."""
+    """The newest readable checkpoint (or `step`), read once (a damaged step is skipped for
+    the previous good one)."""
     exp, params, s, config = _read(self.path, step, mesh)
     bias = read_router_bias(self.path, s) if exp.model.router_bias != 'none' else None
     return Loaded(self.path, exp, params, bias, s, config)
@@ -183,17 +185,11 @@ def _checkpoint_dir(directory: str) -> str:
   return sub if storage.isdir(sub) else directory
 
 
-def read_params(directory: str, step: int | None = None, mesh=None):
-  """(ModelConfig, params, step, config dict) from a checkpoint directory, without the trainer.
-
-  Only the parameters are read (not the optimizer state), whatever mesh wrote them: onto this
-  machine's first device, or with `mesh` sharded by the rules table (sharding.py)."""
-  exp, params, s, config = _read(directory, step, mesh)
-  return exp.model, params, s, config
-
-
 def _read(directory: str, step: int | None, mesh):
-  """(the built Experiment, params, step, config dict): `read_params`'s reading."""
+  """(the built Experiment, params, step, config dict) of checkpoint `step` (None: the
+  newest readable) of a run directory: the parameters alone (not the optimizer state),
+  whatever mesh wrote them, onto this machine's first device or with `mesh` sharded by the
+  rules table (sharding.py)."""
   ckpt_dir = _checkpoint_dir(directory)
   if not storage.isdir(ckpt_dir):
     raise FileNotFoundError(f'no checkpoint directory at {directory!r}')
@@ -234,7 +230,7 @@ def _read(directory: str, step: int | None, mesh):
 
 def read_router_bias(directory: str, step: int):
   """The router bias ({segment: array}, onto this machine's first device) of checkpoint
-  `step` in `directory` (as `read_params` found it), or None when the run had none."""
+  `step` in `directory` (as `RunDir.load` found it), or None when the run had none."""
   ckpt_dir = _checkpoint_dir(directory)
   mngr = _params_reader(storage.absolute(ckpt_dir))
   shapes = mngr.item_metadata(step)['state'].get('router_bias')

@@ -8,21 +8,16 @@ table: the batch is split over the mesh's batch axes, parameters and optimizer m
 `jax.set_mesh(mesh)` so the model's activation constraints and the expert-parallel
 `shard_map` see the mesh.
 
-Programs are built once per process: the state's shardings, its abstract shapes, the init and
-the train, eval and routing steps are kept (a small LRU) under the model, the optimizer objects
-(train/optimizer.py returns the same ones for equal settings), the mesh and the shapes, so a
-second run of the same configuration in one process (a resume, a sweep point, a test) neither
-traces nor compiles again.
+Each `make_*` call makes a new program: a Job (loopmoe_jax/job.py) builds them once and owns
+them, so dropping the Job frees them.
 
-A train step's core pass count (`num_loops`) and the passes it backpropagates through
-(`backprop_loops`, core.Core) are static: one program per pair (train/depth.py draws the
-count per step and keeps a run's programs).
+A train step's settings (StepSettings: the core's pass count, the passes it backpropagates
+through, the loss coefficients) are static: one program each (train/depth.py draws the count
+per step; the Job keeps a run's programs).
 """
 from __future__ import annotations
 
-import ctypes
-import functools
-import gc
+import dataclasses
 
 import flax.linen as nn
 import jax
@@ -81,87 +76,33 @@ def update_router_bias(collection, loads, rate: float):
   return {'bias': out}
 
 
-_KEPT = []  # every _programs cache, for release_programs
-
-
-def _programs(fn):
-  """Keeps `fn`'s results (an LRU of 32) under its arguments: the model (its architecture, run
-  settings and runtime: a program built for another platform, or with other kernel tiles, is
-  another program), the optimizer's settings, shapes and shardings."""
-  kept = functools.lru_cache(maxsize=32)(fn)
-  _KEPT.append(kept)
-  return kept
-
-
-def release_programs():
-  """Forgets every kept program (train and eval steps, shardings) and jax's own caches of
-  traced and compiled functions, then returns freed heap pages to the system: a process
-  that runs many configs one after another (a sweep) holds the current one's programs only.
-  A later run of a forgotten config compiles it again (or loads it from the compilation
-  cache)."""
-  for kept in _KEPT:
-    kept.cache_clear()
-  jax.clear_caches()
-  gc.collect()
-  try:  # glibc keeps freed pages of its arenas; without this RSS does not come down
-    ctypes.CDLL('libc.so.6').malloc_trim(0)
-  except (OSError, AttributeError):
-    pass
-
-
-def _key(tree):
-  """A pytree (of shardings) as a hashable key."""
-  leaves, treedef = jax.tree.flatten(tree)
-  return treedef, tuple(leaves)
-
-
-def _tree(key):
-  treedef, leaves = key
-  return jax.tree.unflatten(treedef, leaves)
-
-
 def shardings(mesh, model, tx, seq_len: int, zero_data: bool = False):
   """(state shardings, batch sharding) on `mesh`, from the params' logical axis names
   (`zero_data`: mesh.zero_data)."""
-  state_key, batch_sh = _shardings(mesh, model, tx, seq_len, zero_data)
-  return _tree(state_key), batch_sh
-
-
-@_programs
-def _shardings(mesh, model, tx, seq_len: int, zero_data: bool):
   boxed = boxed_params(model, seq_len)
   state_sh = sharding.state_shardings(mesh, boxed, tx, zero_data)
   segments = bias_shapes(model.cfg)
   if segments:  # small: replicated
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     state_sh[ROUTER_BIAS] = {'bias': {seg: rep for seg in segments}}
-  return _key(state_sh), sharding.batch_sharding(mesh)
+  return state_sh, sharding.batch_sharding(mesh)
 
 
 def abstract_state(model, tx, seq_len: int, state_sh=None):
   """ShapeDtypeStructs of the state (with `state_sh`, carrying those shardings)."""
-  shapes = _tree(_shapes(model, tx, seq_len))
+  shapes = jax.eval_shape(lambda: init_state(model, tx, init_key(0), seq_len))
   if state_sh is None:
     return shapes
   return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                       shapes, state_sh)
 
 
-@_programs
-def _shapes(model, tx, seq_len: int):
-  return _key(jax.eval_shape(lambda: init_state(model, tx, init_key(0), seq_len)))
-
-
 def create_state(model, tx, seed: int, seq_len: int, state_sh):
   """The initial state, created directly in its sharded layout (never whole on one device)."""
   mesh = jax.tree.leaves(state_sh)[0].mesh
   with jax.set_mesh(mesh):
-    return _init(model, tx, seq_len, _key(state_sh))(init_key(seed))
-
-
-@_programs
-def _init(model, tx, seq_len: int, state_key):
-  return jax.jit(lambda rng: init_state(model, tx, rng, seq_len), out_shardings=_tree(state_key))
+    init = jax.jit(lambda rng: init_state(model, tx, rng, seq_len), out_shardings=state_sh)
+    return init(init_key(seed))
 
 
 class OnMesh:
@@ -186,7 +127,6 @@ def global_norm(tree):
   return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
-@jax.jit
 def all_finite(tree) -> jax.Array:
   """True when every element of every (float) leaf is finite."""
   leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
@@ -199,7 +139,7 @@ def split_microbatches(batch, microbatches: int, runtime: Runtime = HERE):
   rows (B/m of every device's rows per microbatch, on the runtime's mesh), so no data moves."""
   def one(x):
     x = x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:])
-    return sharding.constrain(jnp.swapaxes(x, 0, 1), (None, 'batch', 'length'), runtime)
+    return runtime.constrain(jnp.swapaxes(x, 0, 1), (None, 'batch', 'length'))
   return jax.tree.map(one, batch)
 
 
@@ -245,20 +185,36 @@ def with_replay(value_and_grad, model):
   return fn
 
 
-def loss_and_grads(params, model, batch, lb_coef, z_coef, microbatches: int = 1,
-                   router_bias=None, num_loops: int | None = None, backprop_loops: int = 0):
-  """(metrics, grads) of the objective; with `microbatches` > 1 the mean over equal
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+  """What a train step computes besides the model: the loss coefficients, the microbatches,
+  the router bias's rate, and the core's passes (`num_loops`, None: the trained count) and
+  those with gradient (`backprop_loops`, 0: all). Each value is static: one program each."""
+  lb_coef: float = 0.01
+  z_coef: float = 0.001
+  microbatches: int = 1
+  bias_rate: float = 0.0
+  num_loops: int | None = None
+  backprop_loops: int = 0
+
+  @classmethod
+  def of(cls, tc, num_loops: int | None = None, backprop_loops: int = 0) -> 'StepSettings':
+    """A TrainConfig's settings for a step of `num_loops` passes."""
+    return cls(tc.lb_coef, tc.z_coef, tc.microbatches, tc.bias_rate, num_loops, backprop_loops)
+
+
+def loss_and_grads(params, model, batch, settings: StepSettings, router_bias=None):
+  """(metrics, grads) of the objective; with settings.microbatches > 1 the mean over equal
   microbatches (gradient accumulation in float32). The LM loss and z-loss are token means,
   so equal microbatches give the whole batch's values; the load-balance loss is a product of
   batch means, computed per microbatch as a device holding that batch would. The expert
-  loads ('load', with `router_bias`) are the whole batch's (summed). `num_loops`: the core's
-  passes (None: the trained count); `backprop_loops` > 0: gradient through the last that
-  many only (truncated backprop, core.Core)."""
+  loads ('load', with `router_bias`) are the whole batch's (summed)."""
+  s = settings
   value_and_grad = jax.value_and_grad(
-      lambda p, m, b: loss_fn(p, m, b, lb_coef, z_coef, num_loops, router_bias,
-                              backprop_loops), has_aux=True)
+      lambda p, m, b: loss_fn(p, m, b, s.lb_coef, s.z_coef, s.num_loops, router_bias,
+                              s.backprop_loops), has_aux=True)
   grad_fn = with_replay(value_and_grad, model)
-  if microbatches == 1:
+  if s.microbatches == 1:
     (_, metrics), grads = grad_fn(params, model, batch)
     return metrics, grads
 
@@ -267,44 +223,33 @@ def loss_and_grads(params, model, batch, lb_coef, z_coef, microbatches: int = 1,
     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
     return jax.tree.map(jnp.add, acc, (metrics, grads)), None
 
-  mbs = split_microbatches(batch, microbatches, model.runtime)
+  mbs = split_microbatches(batch, s.microbatches, model.runtime)
   zeros = jax.eval_shape(lambda: grad_fn(params, model, jax.tree.map(lambda x: x[0], mbs)))
-  acc0 = (jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), zeros[0][1]),
+  acc0 = (jax.tree.map(lambda z: jnp.zeros(z.shape, jnp.float32), zeros[0][1]),
           jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
   (metrics, grads), _ = jax.lax.scan(body, acc0, mbs)
-  grads = jax.tree.map(lambda g, p: (g / microbatches).astype(p.dtype), grads, params)
-  metrics = {k: v if k in ('dropped', 'load', 'replayed') else v / microbatches
+  grads = jax.tree.map(lambda g, p: (g / s.microbatches).astype(p.dtype), grads, params)
+  metrics = {k: v if k in ('dropped', 'load', 'replayed') else v / s.microbatches
              for k, v in metrics.items()}
   return metrics, grads  # dropped, load and replayed: the step's totals
 
 
-def make_train_step(model, tx, schedule, lb_coef: float, z_coef: float, state_sh, batch_sh,
-                    microbatches: int = 1, bias_rate: float = 0.0,
-                    num_loops: int | None = None, backprop_loops: int = 0):
-  """With a router bias in the state: the bias routes the step, then moves by `bias_rate`
-  against the step's loads; the metrics gain 'max_vio_<segment>' (mean over the segment's
-  visits of the per-visit MaxVio). `num_loops` (None: the trained count) and
-  `backprop_loops` (0: all passes) are static: one program per pair."""
-  return _train_step(model, tx, schedule, lb_coef, z_coef, _key(state_sh), batch_sh,
-                     microbatches, bias_rate, num_loops, backprop_loops)
-
-
-@_programs
-def _train_step(model, tx, schedule, lb_coef, z_coef, state_key, batch_sh, microbatches,
-                bias_rate, num_loops, backprop_loops):
-  state_sh = _tree(state_key)
-
+def make_train_step(model, tx, schedule, state_sh, batch_sh, settings: StepSettings):
+  """The jitted train step (state, batch) -> (state, metrics) on the batch sharding's mesh.
+  With a router bias in the state: the bias routes the step, then moves by
+  settings.bias_rate against the step's loads; the metrics gain 'max_vio_<segment>' (mean
+  over the segment's visits of the per-visit MaxVio). A new program each call: its owner
+  (job.Job) keeps it."""
   def step(state, batch):
     bias = state.get(ROUTER_BIAS)
-    metrics, grads = loss_and_grads(state['params'], model, batch, lb_coef, z_coef,
-                                    microbatches, bias, num_loops, backprop_loops)
+    metrics, grads = loss_and_grads(state['params'], model, batch, settings, bias)
     updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
     params = optax.apply_updates(state['params'], updates)
     metrics = dict(metrics, grad_norm=global_norm(grads), lr=schedule(state['step']))
     new = {'params': params, 'opt_state': opt_state, 'step': state['step'] + 1}
     if bias is not None:
       load = metrics.pop('load')
-      new[ROUTER_BIAS] = update_router_bias(bias, load, bias_rate)
+      new[ROUTER_BIAS] = update_router_bias(bias, load, settings.bias_rate)
       metrics.update({f'max_vio_{s}': jnp.mean(max_vio(v)) for s, v in load.items()})
     return new, metrics
 
@@ -312,7 +257,6 @@ def _train_step(model, tx, schedule, lb_coef, z_coef, state_key, batch_sh, micro
                         donate_argnums=0), batch_sh.mesh)
 
 
-@_programs
 def make_eval_step(model, num_loops=None, mesh=None):
   """Sum of token NLL and token count of a batch (so batches of any mask average exactly).
   With model.exchange_overflow='replay' the forward uses the dropless exchange buffers (a
@@ -326,7 +270,6 @@ def make_eval_step(model, num_loops=None, mesh=None):
   return OnMesh(jax.jit(step), mesh) if mesh is not None else jax.jit(step)
 
 
-@_programs
 def make_routing_step(model, mesh=None):
   """Per segment, pass and layer: load-balance loss, z-loss, MaxVio and dropped assignments
   of a batch."""

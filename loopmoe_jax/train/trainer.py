@@ -1,4 +1,5 @@
-"""The training loop: owns the data iterator, the Orbax manager and the metric writers.
+"""A run from its config and work directory: the Job, the restored or initial state, the
+loop (train/loop.py), the summary and a sample.
 
     summary = train(config_dict, workdir)
 
@@ -10,48 +11,32 @@ every train.save_every_minutes. With
 train.loops_sampler each step runs the core's pass count drawn for it from (seed, step), in
 the program compiled for that count (train/depth.py; one per count drawn, each printed as it
 is made, their number in the summary as 'compiled_programs'). A non-finite loss or gradient
-norm, or non-finite parameters about to be saved, stop the run with TrainingDiverged: no
-checkpoint of them is written. A save that cannot be written (a full disk)
+norm, or non-finite parameters about to be saved, stop the run with loop.TrainingDiverged:
+no checkpoint of them is written. A save that cannot be written (a full disk)
 stops the run with checkpoint.CheckpointSaveError, one line. A second trainer on the same
 workdir is refused (lock.WorkdirLocked, naming the holder).
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import math
 import os
-import time
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
-from loopmoe_jax import accounting, attention_impls, sharding, storage, targets
-from loopmoe_jax.dispatch import resolve_backend
-from loopmoe_jax.expert_parallel import exchange_kind
+from loopmoe_jax import accounting, attention_impls, storage
 from loopmoe_jax.data import pipeline
+from loopmoe_jax.decode import generate
+from loopmoe_jax.dispatch import resolve_backend
 from loopmoe_jax.experiment import RUN_SETTINGS, build, config_diff
-from loopmoe_jax.model import LoopedMoE
-from loopmoe_jax.train import checkpoint, compile_cache, depth, preempt, preflight, step as steps
+from loopmoe_jax.expert_parallel import exchange_kind
+from loopmoe_jax.job import Job
+from loopmoe_jax.train import checkpoint, compile_cache, depth, preempt, preflight
 from loopmoe_jax.train.goodput import Goodput
 from loopmoe_jax.train.lock import WorkdirLock
-from loopmoe_jax.train import metrics as metrics_lib
-from loopmoe_jax.train.metrics import Writer
+from loopmoe_jax.train.loop import Loop
 from loopmoe_jax.train.run import METRICS, ROUTING, SUMMARY, RunDir
-from loopmoe_jax.train.optimizer import make_optimizer
-from loopmoe_jax.train.profile import StepProfiler
-
-
-
-class TrainingDiverged(RuntimeError):
-  pass
-
-
-def peak_flops(cfg_peak: float) -> float:
-  """Peak FLOP/s of one device: train.peak_flops, else the chip's row in targets.CHIPS."""
-  if cfg_peak:
-    return cfg_peak
-  return targets.peak_flops(jax.devices()[0].device_kind, targets.devices_per_chip(jax.devices()))
 
 
 def train(cfg, workdir: str, force: bool = False, start_over: bool = False) -> dict:
@@ -87,196 +72,59 @@ def check_workdir(workdir: str):
 
 def _train(cfg, exp, workdir: str, caught: preempt.StopSignals, force: bool = False,
            start_over: bool = False) -> dict:
-  mc, tc, dc, run = exp.model, exp.train, exp.data, exp.run
-  model = LoopedMoE(mc, runtime=exp.runtime())
-  tx, schedule = make_optimizer(tc)
-  n_dev, proc, n_proc = jax.device_count(), jax.process_index(), jax.process_count()
-  mesh = sharding.make_mesh(exp.mesh)
-  sharding.check_batch(dc.batch_size, tc.microbatches, mesh)
-  state_sh, batch_sh = steps.shardings(mesh, model, tx, dc.seq_len, exp.mesh.zero_data)
-  target = steps.abstract_state(model, tx, dc.seq_len, state_sh)
+  job = Job.build(exp)
   if not force:  # before anything is compiled
-    preflight.check_memory(exp, mesh, target)
-  run_dir = RunDir(workdir)
+    preflight.check_memory(exp, job.mesh, job.abstract_state)
   clock = Goodput()  # wall time from here: restore, compiles, data, saves, evaluation, steps
-  cache_dir = compile_cache.use(tc.compile_cache, workdir)
-  mngr = checkpoint.manager(run_dir.checkpoints, tc.keep, tc.async_save,
+  cache_dir = compile_cache.use(exp.train.compile_cache, workdir)
+  tc = exp.train
+  mngr = checkpoint.manager(RunDir(workdir).checkpoints, tc.keep, tc.async_save,
                             keep_every=tc.keep_every, keep_steps=tc.kept_steps)
   with clock.spent('restore'):
-    state, data_state, start = _initial_state(mngr, target, model, tx, exp, state_sh, workdir,
-                                              start_over)
-  summary_path = run_dir.file(SUMMARY)
+    state, data_state, start = _initial_state(mngr, job, workdir, start_over)
+  summary_path = RunDir(workdir).file(SUMMARY)
   if start >= tc.steps and storage.exists(summary_path):
     print(f'{workdir} already finished at step {start}', flush=True)
     return json.loads(storage.read_text(summary_path))
-  data_state = data_state or {}
-  # The last W per-step losses travel with the checkpoint so the summary is exact on resume.
-  losses = list(data_state.get('recent_losses', []))
-
-  rows = sharding.process_rows(batch_sh, dc.batch_size)  # what this process's devices hold
-  it = pipeline.train_iterator(dc, mc.vocab_size, max(tc.steps, tc.total_steps) + 1, rows,
-                               data_state.get('iterator'))
-  val = pipeline.validation_batches(dc, mc.vocab_size, rows)
-  programs = depth.TrainSteps(model, tx, schedule, tc, state_sh, batch_sh)
-  step_flops = {}  # pass count -> train FLOPs per token (MFU follows the counts run)
-  eval_step = steps.make_eval_step(model, mesh=mesh)
-  routing_step = steps.make_routing_step(model, mesh=mesh)
-  acct = accounting.count(mc, dc.seq_len)
-  config_json = cfg.to_json()
-  writer = Writer(workdir, tc.steps, enabled=proc == 0, resume_step=start,
-                  wandb_project=tc.wandb, config=json.loads(config_json) if tc.wandb else None)
-  peak = peak_flops(tc.peak_flops) * n_dev
-  if proc == 0:
-    print(f"model: {acct['params_total']:,} params ({acct['params_active']:,} active/token), "
-          f"{mc.executed_layers} executed layers; data: {dc.source}, batch {dc.batch_size} x "
-          f"{dc.seq_len}; steps {start} -> {tc.steps} on {n_dev} device(s)"
-          f"{_mesh_text(mesh)}; dispatch {run.dispatch} -> {resolve_backend(run.dispatch)}"
-          f"{_exchange_text(run, mesh)}; attention {run.attention_impl} -> "
-          f"{attention_impls.resolve(run.attention_impl, mc.dtype, None, mc.resolved_head_dim)}"
-          f"{depth.describe(tc, mc.num_loops)}", flush=True)
-
-  pending, val_loss, val_step = None, None, None
-  t_log, tok_log, flops_log, t0 = time.time(), 0, 0.0, time.time()
-  last_saved = start if mngr.latest_step() is not None else None
-
-  def kept():
-    return ('no checkpoint has been written yet' if last_saved is None else
-            f'the last good checkpoint (step {last_saved}) is kept')
-
-  replayed = 0.0  # steps replayed with dropless buffers since this process started the run
-
-  def finish(pending):
-    """Fetches a step's metrics (one step late) and stops on a non-finite loss."""
-    nonlocal replayed
-    s, m = pending
-    m = {k: float(v) for k, v in jax.device_get(m).items()}
-    if 'replayed' in m:  # model.exchange_overflow='replay': logged as the count so far
-      replayed += m['replayed']
-      m['replayed'] = replayed
-    watched = {k: m[k] for k in ('loss', 'objective', 'grad_norm') if k in m}
-    if not all(map(math.isfinite, watched.values())):
-      raise TrainingDiverged(
-          f'non-finite values at step {s} ({watched}); stopped without saving: {kept()}. '
-          'Lower train.lr or check the data.')
-    losses.append(m['loss'])
-    return s, m
-
-  def handle(pending):
-    nonlocal t_log, tok_log, flops_log, val_loss, val_step
-    s, m = finish(pending)
-    n = int(m.pop('loops'))
-    if n not in step_flops:
-      step_flops[n] = depth.step_flops_per_token(mc, dc.seq_len, n, depth.backprop(tc, n))
-    tok_log += dc.batch_size * dc.seq_len  # this step's tokens, counted once it is finished
-    flops_log += dc.batch_size * dc.seq_len * step_flops[n]
-    if tc.sampled:  # this step's pass count, and the programs made so far
-      m.update(loops=n, programs=len(programs))
-    if s > tc.steps - tc.final_window:  # every step of the final window (the paired record)
-      writer.record_step(s, m['loss'])
-    if s % tc.log_every and s != tc.steps:
-      return
-    elapsed = max(time.time() - t_log, 1e-9)
-    m['tokens_per_s'] = tok_log / elapsed
-    if peak:
-      m['mfu'] = flops_log / elapsed / peak
-    if val and (s % tc.eval_every == 0 or s == tc.steps):
-      with clock.spent('eval'):
-        m['val_loss'] = val_loss = steps.evaluate(eval_step, state['params'], val, batch_sh,
-                                                  state.get('router_bias'), dc.batch_size)
-      val_step = s
-    m.update(clock.row())
-    writer.write(s, m)
-    writer.progress(s, m)
-    t_log, tok_log, flops_log = time.time(), 0, 0.0
-
-  profiler = StepProfiler(tc.profile_range, storage.join(workdir, 'profile'), quiet=proc != 0)
-  vote = preempt.Vote(mesh, tc.save_every_minutes)
-  decision = preempt.Decision()
-  caught.arm()  # from here a signal saves and stops (before: the default handlers)
-  try:
-    for step in range(start, tc.steps):
-      with clock.spent('data'):
-        batch = steps.put_batch(next(it), batch_sh, dc.batch_size)
-      made = len(programs)
-      n, train_step = programs.at(step)
-      new = len(programs) > made
-      if new and tc.sampled and proc == 0:
-        print(f'step {step + 1}: {n} passes, compiling train program {len(programs)}',
-              flush=True)
-      t_step = time.perf_counter()
-      timing = compile_cache.Timings()  # the first call traces and compiles (or loads)
-      with (profiler.step(step + 1), clock.spent('compile') if new else contextlib.nullcontext(),
-            timing if new else contextlib.nullcontext()):
-        state, metrics = train_step(state, batch)
-      if new and proc == 0:
-        where = f'; cache {cache_dir}' if cache_dir and len(programs) == 1 else ''
-        print(f'train program {len(programs)} ready in {time.perf_counter() - t_step:.2f} s '
-              f'({timing.text()}{where})', flush=True)
-      profiler.after(step + 1, metrics)
-      checkpoint.check_background(mngr)  # an asynchronous save that failed stops the run
-      if pending:
-        handle(pending)
-      if not new:
-        clock.step(time.perf_counter() - t_step)  # dispatch to the previous step's end
-      pending = (step + 1, dict(metrics, loops=n))
-      if (step + 1) % tc.routing_every == 0:
-        _write_routing(workdir, step + 1,
-                       routing_step(state['params'], batch, state.get('router_bias')), proc)
-      decision = vote(caught.signum)  # what every process does after this step
-      if ((step + 1) % tc.save_every == 0 or decision.stop or decision.timed_save or
-          step + 1 == tc.steps):
-        handle(pending)
-        pending = None
-        if not bool(steps.all_finite(state['params'])):
-          raise TrainingDiverged(
-              f'non-finite parameters after step {step + 1}; stopped without saving: '
-              f'{kept()}. Lower train.lr.')
-        with clock.spent('save'):
-          checkpoint.save(mngr, step + 1, state, {'iterator': it.get_state(),
-                                                  'recent_losses': losses[-tc.final_window:]},
-                          config_json)
-        last_saved = step + 1
-        vote.saved()
-        if proc == 0:
-          print(f'checkpoint step {step + 1} -> {mngr.directory}/{step + 1}'
-                f'{" (writing in the background)" if tc.async_save else ""}', flush=True)
-      if decision.stop:
-        by = '' if caught.signum else ' (caught by another process)'
-        print(f'{decision.stop}{by}: saved step {step + 1} and stopped', flush=True)
-        break
-    final = int(jax.device_get(state['step']))
-    checkpoint.check_background(mngr, wait=True)
-  finally:
-    profiler.close()
-    try:
-      mngr.wait_until_finished()
-    except Exception:  # pylint: disable=broad-except  (reported by check_background)
-      pass
-    writer.close()
-
-  wall = time.time() - t0
-  window = losses[-tc.final_window:]
-  summary = {'steps': final, 'final_window_loss': float(np.mean(window)) if window else None,
-             'final_window': len(window), 'final_loss': losses[-1] if losses else None,
-             'val_loss': val_loss, 'val_step': val_step,  # the step val_loss was measured at
-             'tokens_per_s': (final - start) * dc.batch_size * dc.seq_len /
-             wall, 'wall_s': wall, 'params_total': acct['params_total'],
-             'params_active': acct['params_active'], 'stopped_by': decision.stop,
-             'replayed': replayed, 'compiled_programs': len(programs),
-             **{k: v for k, v in clock.row().items() if not k.startswith('step_time')}}
-  if proc == 0:
+  loop = Loop(job, workdir, mngr, clock, cache_dir, start=start, state=state,
+              data_state=data_state or {}, config_json=cfg.to_json())
+  if jax.process_index() == 0:
+    print(_banner(job, start), flush=True)
+  final = loop.run(caught)
+  summary = loop.summary(final)
+  if jax.process_index() == 0:
     storage.write_text(summary_path, json.dumps(summary, indent=1))
     print('summary: ' + json.dumps({k: summary[k] for k in
                                     ('steps', 'final_window_loss', 'val_loss', 'val_step',
                                      'tokens_per_s', 'compiled_programs')}))
-  if tc.sample_tokens and not decision.stop:
-    params, bias = state['params'], state.get('router_bias')
-    if n_proc > 1:  # every process joins the gather; process 0 samples from the whole copy
-      from jax.experimental import multihost_utils
-      params, bias = multihost_utils.process_allgather((params, bias), tiled=True)
-    if proc == 0:
-      _print_sample(mc, params, dc, tc, bias, model.runtime)
+  if tc.sample_tokens and not loop.decision.stop:
+    _sample(job, loop.state)
   return summary
+
+
+def _banner(job, start: int) -> str:
+  """The run's first line: the model, data, steps, devices and what the run settings resolve
+  to on this platform."""
+  mc, tc, dc, run = job.exp.model, job.exp.train, job.exp.data, job.exp.run
+  acct = accounting.count(mc, dc.seq_len)
+  attention = attention_impls.resolve(run.attention_impl, mc.dtype, None, mc.resolved_head_dim)
+  return (f"model: {acct['params_total']:,} params ({acct['params_active']:,} active/token), "
+          f"{mc.executed_layers} executed layers; data: {dc.source}, batch {dc.batch_size} x "
+          f"{dc.seq_len}; steps {start} -> {tc.steps} on {jax.device_count()} device(s)"
+          f"{_mesh_text(job.mesh)}; dispatch {run.dispatch} -> "
+          f"{resolve_backend(run.dispatch, job.runtime)}"
+          f"{_exchange_text(run, job.mesh)}; attention {run.attention_impl} -> {attention}"
+          f"{depth.describe(tc, mc.num_loops)}")
+
+
+def _sample(job, state):
+  """Prints a text sample of the trained model (process 0; every process joins the gather of
+  a multi-process run's parameters)."""
+  params, bias = state['params'], state.get('router_bias')
+  if jax.process_count() > 1:
+    params, bias = multihost_utils.process_allgather((params, bias), tiled=True)
+  if jax.process_index() == 0:
+    _print_sample(job.exp.model, params, job.exp.data, job.exp.train, bias, job.runtime)
 
 
 # data fields that leave the training stream as it was: they may change on resume
@@ -307,8 +155,9 @@ def _check_same_run(stored: dict, exp, where: str, mismatch: str | None = ''):
     print('resuming with changed settings: ' + '; '.join(notes), flush=True)
 
 
-def _initial_state(mngr, target, model, tx, exp, state_sh, workdir, start_over=False):
-  tc, dc = exp.train, exp.data
+def _initial_state(mngr, job, workdir, start_over=False):
+  exp, target = job.exp, job.abstract_state
+  tc = exp.train
   stored = checkpoint.stored_config(mngr)
   where = f'checkpoint step {stored[0]} in {mngr.directory}' if stored else ''
   if stored is not None:
@@ -353,28 +202,12 @@ def _initial_state(mngr, target, model, tx, exp, state_sh, workdir, start_over=F
     s, state, data_state, _ = restored
     print(f'resuming from step {s}', flush=True)
     return state, data_state, s
-  return steps.create_state(model, tx, tc.seed, dc.seq_len, state_sh), None, 0
+  return job.create_state(), None, 0
 
 
 def _mesh_text(mesh) -> str:
   axes = [f'{a}={n}' for a, n in mesh.shape.items() if n > 1]
   return f" (mesh {' x '.join(axes)})" if axes else ''
-
-
-def _write_routing(workdir, step, stats, proc):
-  if proc:
-    return
-  stats = jax.device_get(stats)
-  lines = []
-  for seg, s in stats.items():
-    lb = np.asarray(s['load_balance'])
-    grid = lb.reshape(-1, lb.shape[-1]) if lb.ndim == 2 else lb.reshape(1, -1)
-    for p in range(grid.shape[0]):
-      for layer in range(grid.shape[1]):
-        idx = (p, layer) if lb.ndim == 2 else (layer,)
-        lines.append(json.dumps({'step': step, 'segment': seg, 'pass': p, 'layer': layer,
-                                 **{k: float(np.asarray(v)[idx]) for k, v in s.items()}}))
-  metrics_lib.append_lines(RunDir(workdir).file(ROUTING), lines)  # one step: one write
 
 
 def _exchange_text(run, mesh) -> str:
@@ -384,7 +217,6 @@ def _exchange_text(run, mesh) -> str:
 
 
 def _print_sample(mc, params, dc, tc, router_bias, runtime):
-  from loopmoe_jax.decode import generate
   tok = pipeline.data_tokenizer(dc)
   if tok is None:
     print(f'no sample: the tokenizer {pipeline.tokenizer_spec(dc)!r} of the training data '
