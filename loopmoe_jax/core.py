@@ -18,6 +18,7 @@ from loopmoe_jax import exit as early_exit_lib
 from loopmoe_jax.attention import Attention, AttentionWeights
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax import core_once as core_once_lib
+from loopmoe_jax.core_plan import CoreInputs, CoreOutputs, CorePlan, CoreRequest, Path
 from loopmoe_jax.layers import DTYPES, DenseMLP, RMSNorm, fan_in_init, param
 from loopmoe_jax.moe import MoE
 from loopmoe_jax.runtime import HERE, Runtime
@@ -136,7 +137,7 @@ class Stack(nn.Module):
 
 class Core(nn.Module):
   """C shared layers (model.core_layers) applied `num_loops` times (default: the trained
-  count). How the passes run is the runtime's decision (`Runtime.core_mode`: one scan, the
+  count). How the passes run is the runtime's decision (`Runtime.core_path`: one scan, the
   scan inside core_once's shard_map with its collectives once per step, or a Python loop);
   early exit and gate training have scans of their own.
 
@@ -156,13 +157,12 @@ class Core(nn.Module):
   probe: bool = False
 
   @nn.compact
-  def __call__(self, x_BTD, positions_BT, num_loops: int, bias=None, backprop_loops: int = 0,
-               readout=None, pass_states: bool = False):
+  def __call__(self, x_BTD, positions_BT, num_loops: int, bias=None,
+               request: CoreRequest = CoreRequest()) -> CoreOutputs:
     """`bias`: the core's router bias, [C, E] ('shared') or [trained L, C, E] ('per_pass';
     a forward with more passes than trained reuses the last pass's bias), or None.
-    `readout` (exit.Readout): per-token early exit (exit.py); the statistics are then
-    {'exit_passes': passes_BT} only. `pass_states` (gate training): the statistics also hold every
-    pass's output state under 'pass_states' ([L, B, T, D])."""
+    `request` (core_plan.CoreRequest): truncated backprop, early exit or gate training's
+    per-pass states."""
     c = self.cfg
     per_pass = bias is not None and bias.ndim == 3
     if per_pass:
@@ -172,95 +172,95 @@ class Core(nn.Module):
       stacked = [AttentionWeights(c, stack=c.num_loops, name=f'pass_attn_{i}')()
                  for i in range(c.core_layers)]
       pass_attn = jax.tree.map(lambda w: w[:num_loops], stacked)
-    # the first pass with gradient (0: all of them)
-    split = num_loops - backprop_loops if 0 < backprop_loops < num_loops else 0
     rt = self.runtime.resolved()  # inside core_once's shard_map: each device's share
-    mode = self._mode(rt, split, backprop_loops, readout, x_BTD.shape[0], pass_states)
+    plan = self.plan(rt, num_loops, per_pass, request, x_BTD.shape[0])
     stack = remat(Stack, rt.run.remat)(
         cfg=c, num_layers=c.core_layers, num_experts=c.core_experts,
         scale=residual_scale(c, num_loops), injection=c.injection, decode=self.decode,
-        record=self.record, runtime=rt.local_view() if mode == 'once' else rt, probe=self.probe,
-        name='body')
-    args = (x_BTD, pass_attn, x_BTD if c.injection != 'none' else None, positions_BT, bias)
+        record=self.record, runtime=rt.local_view() if plan.path == Path.ONCE else rt,
+        probe=self.probe, name='body')
+    inputs = CoreInputs(x_BTD, pass_attn, x_BTD if c.injection != 'none' else None,
+                        positions_BT, bias)
     passes = lambda fn, length=num_loops: scan_passes(fn, length, per_pass)
-    if mode == 'early_exit':
-      return early_exit_lib.scan_core(passes, stack, args, readout)
-    if mode == 'pass_states':
-      return _with_pass_states(passes, stack, args)
-    if mode == 'unroll':
-      return _unrolled(stack, args, num_loops, split, per_pass)
-    return _scanned(passes, stack, args, num_loops, split, per_pass, mode == 'once')
+    if plan.path == Path.EARLY_EXIT:
+      return early_exit_lib.scan_core(passes, stack, inputs, request.readout)
+    if plan.path == Path.PASS_STATES:
+      return _with_pass_states(passes, stack, inputs)
+    if plan.path == Path.UNROLL:
+      return _unrolled(stack, inputs, plan)
+    return _scanned(passes, stack, inputs, plan)
 
-  def _mode(self, rt: Runtime, split: int, backprop_loops: int, readout, batch: int,
-            pass_states: bool) -> str:
-    """The core's path: 'early_exit' (a readout given: per-token exit, exit.scan_core),
-    'pass_states' (gate training: the scan also emits every pass's state), else the runtime's
-    `core_mode` ('once', 'scan' or 'unroll'; runtime.py), each refusal naming the setting.
-    A `split` (truncated backprop) runs in 'scan' and 'once' as two scans (`_scanned`), in
-    'unroll' as one loop."""
+  def plan(self, rt: Runtime, num_loops: int, per_pass: bool, request: CoreRequest,
+           batch: int) -> CorePlan:
+    """The forward's plan: early exit when a readout is given, gate training's scan when
+    pass states are asked, else the runtime's `core_path` (once, scan or unroll); truncated
+    backprop splits the passes (two scans, or one loop unrolled). Each refusal names the
+    setting."""
+    k = request.backprop_loops
+    split = num_loops - k if 0 < k < num_loops else 0  # the first pass with gradient
     if split and (self.decode or self.probe):
-      raise ValueError(f'backprop_loops={backprop_loops} is a training setting: decoding and '
-                       'probes run every pass with gradient (backprop_loops=0)')
-    if readout is not None:  # early exit: always the scan (an inference setting)
+      raise ValueError(f'backprop_loops={k} is a training setting: decoding and probes run '
+                       'every pass with gradient (backprop_loops=0)')
+    if request.readout is not None:  # early exit: always the scan (an inference setting)
       if split:
-        raise ValueError(f'backprop_loops={backprop_loops}: early exit (model.exit) is an '
-                         'inference setting; use backprop_loops=0')
-      return 'early_exit'
-    if pass_states:  # gate training: always the scan
+        raise ValueError(f'backprop_loops={k}: early exit (model.exit) is an inference '
+                         'setting; use backprop_loops=0')
+      path = Path.EARLY_EXIT
+    elif request.pass_states:  # gate training: always the scan
       if split or self.decode:
-        raise ValueError(f'backprop_loops={backprop_loops}: gate training (model.exit=\'gate\') '
+        raise ValueError(f'backprop_loops={k}: gate training (model.exit=\'gate\') '
                          'backpropagates through every pass (backprop_loops=0) and does not decode')
-      return 'pass_states'
-    return rt.core_mode(batch, decode=self.decode, record=self.record, probe=self.probe,
-                        initializing=self.is_initializing())
+      path = Path.PASS_STATES
+    else:
+      path = rt.core_path(batch, decode=self.decode, record=self.record, probe=self.probe,
+                          initializing=self.is_initializing())
+    return CorePlan(path, num_loops, split, per_pass)
 
 
-def _scanned(passes, stack, args, num_loops: int, split: int, per_pass: bool, once: bool):
-  """The passes as scans of the one bound `stack` (shared weights), through core_once when
-  `once`: one scan of `num_loops`, or with a `split` (truncated backprop, Core's docstring)
-  a scan of passes [0, split) whose carry and statistics pass through stop_gradient, then a
-  scan of the rest, each pass with its own slice of the per-pass inputs; the statistics of
-  both parts joined by pass."""
+def _scanned(passes, stack, inputs: CoreInputs, plan: CorePlan) -> CoreOutputs:
+  """The passes as scans of the one bound `stack` (shared weights), through core_once on the
+  ONCE path: one scan, or with a split (truncated backprop, Core's docstring) a scan of the
+  passes without gradient, whose carry and statistics pass through stop_gradient, then a
+  scan of the rest, each with its slices of the per-pass inputs; the statistics of both parts
+  joined by pass."""
   run = lambda mdl, *a: mdl(*a)
-  x_BTD, pass_attn, e_BTD, positions_BT, bias = args
-  layouts = core_once_lib.layouts(stack, args, per_pass) if once else None  # both parts'
-  stats = []
-  for part in ((slice(0, split), slice(split, num_loops)) if split else (slice(0, num_loops),)):
-    cut = lambda t: t if (t is None or not split) else jax.tree.map(lambda a: a[part], t)
-    part_args = (x_BTD, cut(pass_attn), e_BTD, positions_BT, cut(bias) if per_pass else bias)
+  once = plan.path == Path.ONCE
+  layouts = core_once_lib.layouts(stack, inputs, plan.per_pass) if once else None  # both parts'
+  x_BTD, stats = inputs.x_BTD, []
+  for part in plan.parts:
+    part_inputs = inputs._replace(x_BTD=x_BTD)
+    if plan.split:
+      part_inputs = part_inputs.passes(part, plan.per_pass)
     scan = passes(run, length=part.stop - part.start)
-    x_BTD, s = (core_once_lib.core_once(scan, stack, part_args, BROADCAST, layouts) if once
-                else scan(stack, *part_args))
-    if split and part.start == 0:  # no gradient to the carry, the statistics or the weights
+    x_BTD, s = (core_once_lib.core_once(scan, stack, part_inputs, BROADCAST, layouts) if once
+                else scan(stack, *part_inputs))
+    if plan.split and part.start == 0:  # no gradient to the carry, the statistics or weights
       x_BTD, s = jax.lax.stop_gradient((x_BTD, s))
     stats.append(s)
   if len(stats) == 1:
-    return x_BTD, stats[0]
-  return x_BTD, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *stats)
+    return CoreOutputs(x_BTD, stats[0])
+  return CoreOutputs(x_BTD, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *stats))
 
 
-def _with_pass_states(passes, stack, args):
-  """Gate training's scan: every pass also emits its output state, returned under the
-  statistics' 'pass_states' ([L, B, T, D])."""
+def _with_pass_states(passes, stack, inputs: CoreInputs) -> CoreOutputs:
+  """Gate training's scan: every pass also emits its output state ([L, B, T, D])."""
   def with_state(mdl, x, *a):
     y, s = mdl(x, *a)
     return y, (s, y)
-  x_BTD, (stats, states_LBTD) = passes(with_state)(stack, *args)
-  return x_BTD, dict(stats, pass_states=states_LBTD)
+  x_BTD, (stats, states_LBTD) = passes(with_state)(stack, *inputs)
+  return CoreOutputs(x_BTD, stats, pass_states_LBTD=states_LBTD)
 
 
-def _unrolled(stack, args, num_loops: int, split: int, per_pass: bool):
+def _unrolled(stack, inputs: CoreInputs, plan: CorePlan) -> CoreOutputs:
   """model.loop_impl='unroll': a Python loop over the passes on the one `stack` (shared
-  weights); passes before `split` without gradient."""
-  x_BTD, pass_attn, e_BTD, positions_BT, bias = args
-  stats = []
-  for l in range(num_loops):
-    if split and l == split:
+  weights); passes before the plan's split without gradient."""
+  x_BTD, stats = inputs.x_BTD, []
+  for l in range(plan.num_loops):
+    if plan.split and l == plan.split:
       x_BTD, stats = jax.lax.stop_gradient((x_BTD, stats))
-    attn_l = None if pass_attn is None else jax.tree.map(lambda w: w[l], pass_attn)
-    x_BTD, s = stack(x_BTD, attn_l, e_BTD, positions_BT, bias[l] if per_pass else bias)
+    x_BTD, s = stack(*inputs.one_pass(l, plan.per_pass)._replace(x_BTD=x_BTD))
     stats.append(s)
-  return x_BTD, jax.tree.map(lambda *a: jnp.stack(a), *stats)
+  return CoreOutputs(x_BTD, jax.tree.map(lambda *a: jnp.stack(a), *stats))
 
 
 def residual_scale(c: ModelConfig, num_loops: int) -> float:

@@ -5,7 +5,9 @@ over the whole mesh each device runs every pass on its own rows. The core's weig
 their sharded layout and are all-gathered once, before the loop; the transpose of that gather
 is one reduce-scatter per weight after the backward loop, so the shared weights' gradients
 accumulate locally across the passes and are reduced once per step, whatever the pass count
-(XLA's partitioning of a plain scan reduces them inside the loop, once per pass). The MoE
+(XLA's partitioning of a plain scan reduces them inside the loop, once per pass); the memory
+price is the core's weights, and their gradient accumulator, whole over the batch axes for
+the step. The MoE
 layers see a manual mesh and route and exchange locally (moe.py, expert_parallel.py); their
 routing sums are added over the shards here so the aux losses are the global batch's.
 
@@ -26,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from loopmoe_jax import sharding
 from loopmoe_jax.attention import AttentionWeights
+from loopmoe_jax.core_plan import CoreInputs
 from loopmoe_jax.moe import SUM_KEYS, losses_from_sums
 from loopmoe_jax.runtime import split_inside
 
@@ -43,26 +46,25 @@ def _gather_specs(boxed, mesh):
   return specs, gathers
 
 
-def layouts(stack: nn.Module, args, per_pass: bool):
+def layouts(stack: nn.Module, inputs: CoreInputs, per_pass: bool):
   """The layouts `core_once` takes: (specs, gathers) of the stack's params and of the untied
   attention's per-pass weights on the stack's mesh, read from their declarations (an abstract
   init of the stack, whole over the mesh, on one pass's inputs: the same boxes the train
-  state's shardings are made from). `args` as core_once's (any of the passes), bias per pass
-  when `per_pass`."""
+  state's shardings are made from). `inputs` as core_once's (any of the passes), bias per
+  pass when `per_pass`."""
   mesh = stack.runtime.mesh
-  x_BTD, pass_attn, e_BTD, positions_BT, bias = args
-  first = lambda t: None if t is None else jax.tree.map(lambda a: a[0], t)
-  one_pass = (x_BTD, first(pass_attn), e_BTD, positions_BT, first(bias) if per_pass else bias)
   whole = stack.clone(parent=None, runtime=dataclasses.replace(stack.runtime, local=False))
-  shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), one_pass)
+  shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                        tuple(inputs.one_pass(0, per_pass)))
   params = _gather_specs(jax.eval_shape(
       lambda *a: whole.init(jax.random.key(0), *a), *shapes)['params'], mesh)
-  if pass_attn is None:
+  if inputs.pass_attn is None:
     return params, None
   layer = jax.eval_shape(lambda: AttentionWeights(stack.cfg, stack=stack.cfg.num_loops)
                          .init(jax.random.key(0)))['params']
   attn_spec, attn_gather = _gather_specs(layer, mesh)
-  return params, ([attn_spec] * len(pass_attn), [attn_gather] * len(pass_attn))
+  n = len(inputs.pass_attn)
+  return params, ([attn_spec] * n, [attn_gather] * n)
 
 
 def _gather(w, dims):
@@ -77,13 +79,13 @@ def _gather_tree(tree, gathers):
 
 
 def _shard_mapped(body_fn, scope, *args, collections, mesh, layouts, has_experts: bool):
-  """The lifted shard_map (flax.core.lift.pack): `body_fn(scope, *args)` inside
-  `jax.shard_map` over `mesh`, the scope's `collections` entering in their stored layout and
-  gathered to each device's view before the body runs (nothing written back: the stack's
-  variables are read-only here)."""
+  """The lifted shard_map (flax.core.lift.pack): `body_fn(scope, *args)` (`args`: the
+  CoreInputs' fields) inside `jax.shard_map` over `mesh`, the scope's `collections` entering
+  in their stored layout and gathered to each device's view before the body runs (nothing
+  written back: the stack's variables are read-only here)."""
   (param_specs, param_gathers), attn = layouts
   rows = P(sharding.batch_axes(mesh))
-  x_BTD, pass_attn, e_BTD, positions_BT, bias = args
+  inputs = CoreInputs(*args)
 
   def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args):
     del repack_fn
@@ -92,13 +94,15 @@ def _shard_mapped(body_fn, scope, *args, collections, mesh, layouts, has_experts
     specs = {col: param_specs if col == 'params' else jax.tree.map(lambda _: P(), tree)
              for col, tree in variables.items()}
 
-    def local(variables, x_BTD, pass_attn, e_BTD, positions_BT, bias):
+    def local(variables, *args):
+      local_inputs = CoreInputs(*args)
       with jax.named_scope('gather_core_weights'):
         variables = dict(variables, params=_gather_tree(variables['params'], param_gathers))
-        if pass_attn is not None:
-          pass_attn = _gather_tree(pass_attn, attn[1])
+        if local_inputs.pass_attn is not None:
+          local_inputs = local_inputs._replace(
+              pass_attn=_gather_tree(local_inputs.pass_attn, attn[1]))
       inner_scope = scope_fn(((variables,),), rng_groups)
-      x_BTD, stats = body_fn(inner_scope, x_BTD, pass_attn, e_BTD, positions_BT, bias)
+      x_BTD, stats = body_fn(inner_scope, *local_inputs)
       if not stats:
         return x_BTD, {}
       return x_BTD, {'sums': jax.tree.map(lambda v: v[None], stats['sums']),
@@ -107,33 +111,23 @@ def _shard_mapped(body_fn, scope, *args, collections, mesh, layouts, has_experts
     out_stats = {'sums': {k: rows for k in SUM_KEYS}, 'dropped': P()} if has_experts else {}
     opt = lambda a, spec: None if a is None else spec
     y = jax.shard_map(
-        local, in_specs=(specs, rows, None if attn is None else attn[0], opt(e_BTD, rows), rows,
-                         opt(bias, P())),
+        local, in_specs=(specs, rows, None if attn is None else attn[0],
+                         opt(inputs.e_BTD, rows), rows, opt(inputs.bias, P())),
         out_specs=(rows, out_stats), check_vma=False)(variables, *args)
     return y, ()
 
-  return lift.pack(inner, (collections,), (), (), name='core_once')(
-      scope, x_BTD, pass_attn, e_BTD, positions_BT, bias)
+  return lift.pack(inner, (collections,), (), (), name='core_once')(scope, *inputs)
 
 
-def core_once(fn, stack: nn.Module, args, collections, layouts):
-  """`fn(stack, *args)` (the core's scan of its passes over the bound layer stack `stack`,
-  whose runtime is the local view) inside `jax.shard_map` over the whole mesh: each device
-  runs every pass on its rows. The stack's weights enter in their sharded layout and are
-  all-gathered once inside, before the loop (expert weights keep their `expert` split); the
-  transpose of that gather is one reduce-scatter of each weight's gradient after the backward
-  loop, so the shared weights' gradients accumulate locally across passes and are reduced
-  once (the memory price: the core's weights, and their gradient accumulator, whole over the
-  batch axes for the step). The MoE layers route and exchange locally (moe.py) and return
-  their routing sums, added here over the shards to give the global batch's aux losses;
-  outputs as the plain scan's. `args`: (x_BTD, pass_attn, e_BTD, positions_BT, bias);
-  `collections`: the variable collections the stack reads (its weights first, 'params';
-  read-only); `layouts`: the weights' (`layouts(stack, args, per_pass)`, made once for every
-  scan of the same stack)."""
+def core_once(fn, stack: nn.Module, inputs: CoreInputs, collections, layouts):
+  """`fn(stack, *inputs)`, the core's scan over its bound layer stack, inside a shard_map
+  over the whole mesh (module docstring): the stack's `collections` (weights first,
+  read-only) gathered once by `layouts`, the MoE routing sums added over the shards.
+  Returns what the plain scan returns."""
   mesh = stack.runtime.mesh
   x_BTD, stats = nn.transforms.lift_direct_transform(
-      _shard_mapped, (fn,), stack, *args, collections=collections, mesh=mesh, layouts=layouts,
-      has_experts=bool(stack.num_experts))
+      _shard_mapped, (fn,), stack, *inputs, collections=collections, mesh=mesh,
+      layouts=layouts, has_experts=bool(stack.num_experts))
   if not stats:
     return x_BTD, {}
   sums = jax.tree.map(lambda v: jnp.sum(v, axis=0), stats['sums'])

@@ -44,6 +44,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from loopmoe_jax.core_plan import CoreInputs, CoreOutputs
 from loopmoe_jax.layers import rms_norm
 
 GATE_PARAMS = ('exit_gate_w', 'exit_gate_b')
@@ -138,12 +139,12 @@ def update(r: Readout, aux: dict, y_BTD) -> dict:
   return out
 
 
-def scan_core(scan_passes, stack: nn.Module, args, readout: Readout):
-  """The core's passes with early exit: (x_BTD, {'exit_passes': passes_BT}). `stack` is the
-  core's Stack named 'body', run through `scan_passes` (core.Core's, a function of the step)
-  as the plain forward runs it (same params and per-pass cache); `args` are the scan's
-  (x_BTD, pass_attn, e_BTD, positions_BT, bias)."""
-  x_BTD, *rest = args
+def scan_core(scan_passes, stack: nn.Module, inputs: CoreInputs,
+              readout: Readout) -> CoreOutputs:
+  """The core's passes with early exit: the state and the passes each token ran. `stack` is
+  the core's Stack named 'body', run through `scan_passes` (core.Core's, a function of the
+  step) as the plain forward runs it (same params and per-pass cache)."""
+  x_BTD, *rest = inputs
 
   def step(mdl, carry, attn_l, e, positions, bias_l):
     x, aux = carry
@@ -153,7 +154,7 @@ def scan_core(scan_passes, stack: nn.Module, args, readout: Readout):
     return (y, update(readout, aux, y)), None
 
   (x_BTD, aux), _ = scan_passes(step)(stack, (x_BTD, init_aux(readout, x_BTD)), *rest)
-  return x_BTD, {'exit_passes': aux['passes']}
+  return CoreOutputs(x_BTD, {}, exit_passes_BT=aux['passes'])
 
 
 def extras(passes_BT) -> dict:

@@ -10,7 +10,7 @@ and with early exit the passes each token ran under 'exit'.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax
 import flax.linen as nn
@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from loopmoe_jax import exit as early_exit_lib
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.core import ACTIVATION, Core, Stack, remat
+from loopmoe_jax.core_plan import CoreRequest
 from loopmoe_jax.layers import DTYPES, RMSNorm, fan_in_init, param
 from loopmoe_jax.runtime import HERE, Runtime
 
@@ -32,6 +33,18 @@ class PassOutputs:
   probability after each pass."""
   hidden_LBTD: jax.Array
   lambda_LBT: jax.Array
+
+
+class Want(NamedTuple):
+  """What an entry point wants of the one forward (`LoopedMoE._forward`) besides logits: the
+  final states (`hidden`), gate training's per-pass outputs (`pass_outputs`), the routing
+  records, per-token early exit (None: when decoding) and truncated backprop through the
+  core's last `backprop_loops` passes (0: all)."""
+  hidden: bool = False
+  pass_outputs: bool = False
+  routing: bool = False
+  early_exit: bool | None = None
+  backprop_loops: int = 0
 
 
 class LoopedMoE(nn.Module):
@@ -62,43 +75,38 @@ class LoopedMoE(nn.Module):
   def __call__(self, tokens_BT, *, num_loops: int | None = None,
                early_exit: bool | None = None, return_routing: bool = False):
     """See the class docstring."""
-    return self._forward(tokens_BT, None, num_loops, early_exit=early_exit,
-                         return_routing=return_routing)
+    return self._forward(tokens_BT, None, num_loops,
+                         Want(routing=return_routing, early_exit=early_exit))
 
   def hidden(self, tokens_BT, *, num_loops: int | None = None, backprop_loops: int = 0,
              early_exit: bool | None = None):
     """See the class docstring."""
-    return self._forward(tokens_BT, None, num_loops, return_hidden=True,
-                         backprop_loops=backprop_loops, early_exit=early_exit)
+    return self._forward(tokens_BT, None, num_loops,
+                         Want(hidden=True, backprop_loops=backprop_loops, early_exit=early_exit))
 
   def gate_outputs(self, tokens_BT, *, num_loops: int | None = None, backprop_loops: int = 0):
     """See the class docstring (`backprop_loops` > 0 is refused: gate training backpropagates
     through every pass)."""
-    _, extras = self._forward(tokens_BT, None, num_loops, return_hidden=True,
-                              backprop_loops=backprop_loops, pass_outputs=True)
-    return PassOutputs(extras.pop('pass_outputs'), extras.pop('pass_lambda')), extras
+    return self._forward(tokens_BT, None, num_loops,
+                         Want(hidden=True, pass_outputs=True, backprop_loops=backprop_loops))
 
   def from_embeddings(self, x_BTD, *, num_loops: int | None = None):
     """See the class docstring."""
-    return self._forward(None, x_BTD, num_loops)
+    return self._forward(None, x_BTD, num_loops, Want())
 
   @nn.compact
-  def _forward(self, tokens_BT, x_BTD, num_loops, *, return_routing: bool = False,
-               return_hidden: bool = False, backprop_loops: int = 0,
-               early_exit: bool | None = None, pass_outputs: bool = False):
-    """The forward every entry point runs (one path: the flags only add outputs)."""
+  def _forward(self, tokens_BT, x_BTD, num_loops, want: Want):
+    """The forward every entry point runs (one path: `want` only adds outputs)."""
     c = self.cfg
     num_loops = self._check_loops(num_loops)
-    pass_outputs, exiting, gate = self._exit_plan(num_loops, return_hidden, backprop_loops,
-                                                  early_exit, pass_outputs)
+    pass_outputs, exiting, gate = self._exit_plan(num_loops, want)
     embed_VD, x_BTD = self._embed(tokens_BT, x_BTD)
     positions_BT = self._positions(x_BTD.shape[0], x_BTD.shape[1])
     bias = self._router_bias()
     readout = early_exit_lib.readout(self, embed_VD, gate, head_matrix) if exiting else None
-    x_BTD, per_visit, coda = self._segments(x_BTD, positions_BT, num_loops, bias, return_routing,
-                                            (backprop_loops, readout, pass_outputs))
-    passes_BT = per_visit.get('core', {}).pop('exit_passes', None)
-    states_LBTD = per_visit.get('core', {}).pop('pass_states', None)
+    request = CoreRequest(want.backprop_loops, readout, pass_outputs)
+    x_BTD, per_visit, coda, core = self._segments(x_BTD, positions_BT, num_loops, bias,
+                                                  want.routing, request)
     final_norm = RMSNorm(c.norm_gain, c.norm_eps, c.param_dtype, name='final_norm')
     x_BTD = final_norm(x_BTD)
     head_DV = None if c.tie_embeddings else param(
@@ -106,23 +114,25 @@ class LoopedMoE(nn.Module):
         DTYPES[c.param_dtype])
     if c.exit == 'gate' and gate is None:  # made last: the other params' init is unchanged
       early_exit_lib.gate_params(self, c.d_model, DTYPES[c.param_dtype])
-    extras = _extras(per_visit, return_routing)
-    if passes_BT is not None:
-      extras['exit'] = early_exit_lib.extras(passes_BT)
-    if states_LBTD is not None:
-      extras.update(self._pass_outputs(states_LBTD, x_BTD, coda, final_norm, positions_BT,
-                                      bias.get('coda'), embed_VD, gate))
-    if return_hidden:
+    extras = _extras(per_visit, want.routing)
+    if core is not None and core.exit_passes_BT is not None:
+      extras['exit'] = early_exit_lib.extras(core.exit_passes_BT)
+    if core is not None and core.pass_states_LBTD is not None:
+      return self._pass_outputs(core.pass_states_LBTD, x_BTD, coda, final_norm, positions_BT,
+                                bias.get('coda'), embed_VD, gate), extras
+    if want.hidden:
       return x_BTD, extras
     logits_BTV = x_BTD @ head_matrix(c, {'embed': embed_VD, 'head': head_DV})
     return logits_BTV.astype(jnp.float32), extras
 
-  def _segments(self, x_BTD, positions_BT, num_loops, bias, return_routing, core_args):
-    """(states after the coda, {segment: statistics}, the coda module or None): prelude,
-    core x num_loops (`core_args`: backprop_loops, readout, pass_outputs) and coda."""
+  def _segments(self, x_BTD, positions_BT, num_loops, bias, routing: bool,
+                request: CoreRequest):
+    """(states after the coda, {segment: statistics}, the coda module or None, the core's
+    CoreOutputs or None): prelude, core x num_loops (`request`) and coda."""
     c = self.cfg
     per_visit: dict[str, Any] = {}
-    seg_kw = dict(decode=self.decode, record=return_routing, probe=self.probe,
+    core = None
+    seg_kw = dict(decode=self.decode, record=routing, probe=self.probe,
                   runtime=self.runtime.resolved())
     # prelude and coda, rematerialised like the core's passes
     stack = remat(Stack, self.runtime.run.remat)
@@ -131,30 +141,31 @@ class LoopedMoE(nn.Module):
                                           name='prelude')(x_BTD, None, None, positions_BT,
                                                           bias.get('prelude'))
     if c.core_layers:
-      x_BTD, per_visit['core'] = Core(c, **seg_kw, name='core')(
-          x_BTD, positions_BT, num_loops, bias.get('core'), *core_args)
+      core = Core(c, **seg_kw, name='core')(x_BTD, positions_BT, num_loops, bias.get('core'),
+                                            request)
+      x_BTD, per_visit['core'] = core.x_BTD, core.stats
     coda = stack(c, c.coda_layers, c.coda_experts, **seg_kw, name='coda') if (
         c.coda_layers) else None
     if coda is not None:
       x_BTD, per_visit['coda'] = coda(x_BTD, None, None, positions_BT, bias.get('coda'))
-    return x_BTD, per_visit, coda
+    return x_BTD, per_visit, coda, core
 
-  def _exit_plan(self, num_loops, return_hidden, backprop_loops, early_exit, pass_outputs):
+  def _exit_plan(self, num_loops, want: Want):
     """(pass_outputs, exiting, the exit gate's params or None) of one forward, with its
     refusals: gate training's settings, and a backprop_loops the passes cannot take."""
     c = self.cfg
-    pass_outputs = pass_outputs and not self.is_initializing()
-    if pass_outputs and (c.exit != 'gate' or not c.core_layers or not return_hidden or
-                         early_exit or self.decode):
+    pass_outputs = want.pass_outputs and not self.is_initializing()
+    if pass_outputs and (c.exit != 'gate' or not c.core_layers or not want.hidden or
+                         want.early_exit or self.decode):
       raise ValueError("gate_outputs is gate training: it needs model.exit='gate' and "
                        'model.core_layers >= 1, and does not decode')
     exiting = (c.exit != 'none' and c.core_layers > 0 and not self.is_initializing() and
-               (self.decode if early_exit is None else early_exit))
+               (self.decode if want.early_exit is None else want.early_exit))
     gate = early_exit_lib.gate_params(self, c.d_model, DTYPES[c.param_dtype]) if (
         (exiting or pass_outputs) and c.exit == 'gate') else None  # a missing gate fails here
-    if not 0 <= backprop_loops <= num_loops:
-      raise ValueError(f'backprop_loops={backprop_loops}: must lie in [0, {num_loops}], the '
-                       'passes this forward runs (0: all of them)')
+    if not 0 <= want.backprop_loops <= num_loops:
+      raise ValueError(f'backprop_loops={want.backprop_loops}: must lie in [0, {num_loops}], '
+                       'the passes this forward runs (0: all of them)')
     return pass_outputs, exiting, gate
 
   def _embed(self, tokens_BT, x_BTD):
@@ -182,15 +193,16 @@ class LoopedMoE(nn.Module):
         seg: jnp.zeros(shape, jnp.float32) for seg, shape in bias_shapes(c).items()}).value
 
   def _pass_outputs(self, states_LBTD, x_BTD, coda, final_norm, positions_BT, coda_bias,
-                    embed_VD, gate) -> dict:
-    """Gate training's extras: 'pass_outputs' [L, B, T, D] (the final normed states a token
-    exiting after each pass outputs; the last is `x_BTD`) and 'pass_lambda' [L, B, T]."""
+                    embed_VD, gate) -> PassOutputs:
+    """Gate training's outputs from every pass's core state (PassOutputs; the last pass's
+    hidden state is `x_BTD`, the plain forward's)."""
     n = states_LBTD.shape[0]
     coda_fn = None if coda is None else (lambda h: coda(
         h, None, None, jnp.repeat(positions_BT, n - 1, axis=0), coda_bias)[0])
-    return {'pass_outputs': early_exit_lib.pass_outputs(states_LBTD, x_BTD, coda_fn, final_norm),
-            'pass_lambda': early_exit_lib.pass_lambda(
-                early_exit_lib.readout(self, embed_VD, gate, head_matrix), states_LBTD)}
+    return PassOutputs(early_exit_lib.pass_outputs(states_LBTD, x_BTD, coda_fn, final_norm),
+                       early_exit_lib.pass_lambda(
+                           early_exit_lib.readout(self, embed_VD, gate, head_matrix),
+                           states_LBTD))
 
   def _check_loops(self, num_loops):
     return check_loops(self.cfg, num_loops)

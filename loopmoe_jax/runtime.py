@@ -17,7 +17,7 @@ on the model that carries it (train/step.py). `Runtime()` is this machine: the p
 `jax.set_mesh` when the program is traced: `resolved()` is the one place that reads it, and
 every module that splits work over the mesh (the MoE layer, attention's fused kernels, the
 core's collectives) takes its decision from the resolved runtime: how the looped core runs its
-passes is `core_mode`, and the shape a weight has inside the core's shard_map `local_shape`.
+passes is `core_path`, and the shape a weight has inside the core's shard_map `local_shape`.
 
 Building for another platform (`for_platform('tpu')` on this CPU) gives the programs that
 platform runs: its dispatch backend, attention implementation, exchange, and Pallas kernels
@@ -33,6 +33,7 @@ from typing import Any, Mapping
 import jax
 
 from loopmoe_jax.config.model import RunConfig
+from loopmoe_jax.core_plan import Path
 from loopmoe_jax.sharding import batch_size_of, spec
 from pallas_kernels.ops import platform_of
 
@@ -162,8 +163,8 @@ class Runtime:
     return tuple(n // math.prod(self.axis(a) for a in split_inside(name, entry)[0])
                  for n, name, entry in zip(shape, names, spec(names, self.mesh.axis_names)))
 
-  def core_mode(self, batch: int, *, decode: bool = False, record: bool = False,
-                probe: bool = False, initializing: bool = False) -> str:
+  def core_path(self, batch: int, *, decode: bool = False, record: bool = False,
+                probe: bool = False, initializing: bool = False) -> Path:
     """How the looped core runs its passes on a batch of `batch` rows, decided here alone (a
     resolved runtime): 'unroll' with run.loop_impl='unroll' (a Python loop
     over the passes; decoding always scans); 'once' when run.core_collectives='once' applies
@@ -172,11 +173,11 @@ class Runtime:
     decoding, routing records, probes or init, which make or read what the whole pass holds);
     else 'scan' (one nn.scan of the passes under XLA's partitioning)."""
     if self.run.loop_impl == 'unroll' and not decode:
-      return 'unroll'
+      return Path.UNROLL
     once = (self.run.core_collectives == 'once' and self.sharded and self.axis('tensor') == 1
             and batch % batch_size_of(self.mesh) == 0
             and not (decode or record or probe or initializing))
-    return 'once' if once else 'scan'
+    return Path.ONCE if once else Path.SCAN
 
   @property
   def sharded(self) -> bool:

@@ -23,6 +23,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from loopmoe_jax.core_plan import Path
 from loopmoe_jax.train.run import RunDir
 from loopmoe_jax import dispatch as dispatch_lib
 from loopmoe_jax import core, expert_parallel, sharding
@@ -799,7 +800,7 @@ def test_the_runtime_reads_the_mesh_in_one_place():
 
 
 def test_the_runtime_decides_the_cores_path_and_the_local_view():
-  """Runtime.core_mode is the one decision of how the core runs its passes: 'once' under a
+  """Runtime.core_path is the one decision of how the core runs its passes: 'once' under a
   multi-device mesh without `tensor` whose batch shards split the rows, training or
   evaluation; the plain scan when decoding, recording routes, probing, initializing, with
   per-pass collectives, a tensor axis or rows that do not split; 'unroll' by run.loop_impl
@@ -807,17 +808,17 @@ def test_the_runtime_decides_the_cores_path_and_the_local_view():
   router's expert dimension is whole (`local_shape`, the same rule core_once gathers by:
   what the sharded-training tests run)."""
   rt = Runtime(mesh=sharding.make_mesh(MESHES['data2_expert4']).abstract_mesh)
-  assert rt.core_mode(8) == 'once'
+  assert rt.core_path(8) == Path.ONCE
   for flags in (dict(decode=True), dict(record=True), dict(probe=True),
                 dict(initializing=True)):
-    assert rt.core_mode(8, **flags) == 'scan', flags
-  assert rt.core_mode(4) == 'scan'  # 4 rows over 8 batch shards
-  assert rt.with_run(core_collectives='per_pass').core_mode(8) == 'scan'
-  assert Runtime().core_mode(8) == 'scan'  # one device
+    assert rt.core_path(8, **flags) == Path.SCAN, flags
+  assert rt.core_path(4) == Path.SCAN  # 4 rows over 8 batch shards
+  assert rt.with_run(core_collectives='per_pass').core_path(8) == Path.SCAN
+  assert Runtime().core_path(8) == Path.SCAN  # one device
   tensor = Runtime(mesh=sharding.make_mesh(MESHES['fsdp4_tensor2']).abstract_mesh)
-  assert tensor.core_mode(8) == 'scan'
+  assert tensor.core_path(8) == Path.SCAN
   unroll = rt.with_run(loop_impl='unroll')
-  assert unroll.core_mode(8) == 'unroll' and unroll.core_mode(8, decode=True) == 'scan'
+  assert unroll.core_path(8) == Path.UNROLL and unroll.core_path(8, decode=True) == Path.SCAN
   local = rt.local_view()
   assert local.local_shape((4, 32, 16), ('experts', 'embed', 'mlp')) == (1, 32, 16)
   assert local.local_shape((32, 4), ('embed', 'experts')) == (32, 4)
@@ -842,7 +843,7 @@ def test_expert_masks_reach_the_core_run_once_per_step():
   unmasked = plain(params, toks)[0]
   mesh = sharding.make_mesh(MESHES['data2_expert4'])
   with jax.set_mesh(mesh):
-    assert Runtime(run=model.runtime.run).resolved().core_mode(BATCH) == 'once'
+    assert Runtime(run=model.runtime.run).resolved().core_path(BATCH) == Path.ONCE
     on_mesh = jax.jit(lambda p, m, t: model.apply(variables(p, routing_mask=m), t))
     text = on_mesh.lower(params, mask, toks).as_text(debug_info=True)
     got, got_x = on_mesh(params, mask, toks)
