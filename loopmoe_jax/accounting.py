@@ -29,6 +29,8 @@ from typing import Any
 import jax
 
 from loopmoe_jax.config import ModelConfig
+from loopmoe_jax.model import LoopedMoE, for_init
+from loopmoe_jax.runtime import HERE
 
 
 def _attn(c: ModelConfig) -> int:
@@ -112,8 +114,6 @@ def init_param_count(c: ModelConfig, runtime=None) -> int:
   """Counts the real model's parameters via jax.eval_shape of init (no memory used), under
   `runtime` (runtime.Runtime; default this machine's) whose run settings change no parameter."""
   import jax.numpy as jnp
-  from loopmoe_jax.model import LoopedMoE, for_init
-  from loopmoe_jax.runtime import HERE
   tokens = jax.ShapeDtypeStruct((1, 4), jnp.int32)
   model = for_init(LoopedMoE(c, runtime=runtime or HERE))
   shapes = jax.eval_shape(lambda t: model.init(jax.random.key(0), t), tokens)

@@ -143,6 +143,9 @@ def distributed_flags():
           'Cloud TPU VM, --coordinator_address), on (required), off (run alone).'),
       'timeout_s': flags.DEFINE_integer(
           'distributed_timeout', 300, 'Seconds to wait for every process of the run.'),
+      'heartbeat_timeout_s': flags.DEFINE_integer(
+          'heartbeat_timeout', 100, 'Seconds without heartbeats after which a process of the '
+          'run counts as lost: the others then stop with one line naming it.'),
   }
 
 
@@ -248,6 +251,9 @@ def run(main):
     except Exception as e:  # pylint: disable=broad-except
       if debug():
         raise
+      if type(e).__name__ == 'PeerLost':  # jax's shutdown barrier would wait for it, then abort
+        print(f'error: {e}', file=sys.stderr, flush=True)
+        os._exit(1)  # pylint: disable=protected-access
       plain = isinstance(e, (ValueError, RuntimeError, OSError)) and str(e)
       fail(str(e) if plain else f'{type(e).__name__}: {e}')
   def parse(argv):  # a flag value of the wrong type: one line, not absl's "FATAL ..." two

@@ -15,6 +15,15 @@ these started the process, and runs alone otherwise:
 jax.distributed.initialize then finds the coordinator, the process count and this process's
 index from the same environment. A process whose peers never come (a run started on some
 hosts only) stops after `timeout_s` with one line naming the coordinator and the counts.
+
+A process of the run that dies later (killed, its host lost): where a collective of the
+others fails on it (XLA:CPU's gloo: the peer closed its connection), the trainer raises
+`PeerLost`, one line naming the run's last saved checkpoint, and the CLI exits at once
+(status 1). Where the collective waits instead, the coordination service declares the process
+lost after `heartbeat_timeout_s` without heartbeats and jaxlib ends the others with its own
+fatal error (a C++ abort with every thread's stack): jax offers no hook for it (jaxlib's
+client takes a `missed_heartbeat_callback`, but calling a Python one aborts with std::bad_cast
+in jaxlib 0.10.2); --heartbeat_timeout shortens the wait.
 """
 from __future__ import annotations
 
@@ -23,6 +32,8 @@ import glob
 import os
 import sys
 import threading
+
+from loopmoe_jax import storage
 
 MODES = ('auto', 'on', 'off')
 _GOOGLE_PCI_VENDOR = '0x1ae0'
@@ -80,7 +91,8 @@ def detect(coordinator_address=None, num_processes=None, process_id=None,
 
 
 def initialize(mode: str = 'auto', coordinator_address=None, num_processes=None,
-               process_id=None, timeout_s: int = 300) -> Launch | None:
+               process_id=None, timeout_s: int = 300,
+               heartbeat_timeout_s: int = 100) -> Launch | None:
   """Joins the multi-process run this process belongs to (before any other JAX call); the
   Launch joined, or None when running alone."""
   if mode not in MODES:
@@ -115,13 +127,52 @@ def initialize(mode: str = 'auto', coordinator_address=None, num_processes=None,
   watchdog.daemon = True
   watchdog.start()
   try:
-    jax.distributed.initialize(**dict(launch.args), initialization_timeout=timeout_s + 60)
+    jax.distributed.initialize(**dict(launch.args), initialization_timeout=timeout_s + 60,
+                               heartbeat_timeout_seconds=heartbeat_timeout_s)
   except Exception as e:  # pylint: disable=broad-except
     text = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
     raise RuntimeError(f'{message} ({text})') from None
   finally:
     watchdog.cancel()
   return launch
+
+
+# What a collective says when a process of the run is gone (XLA:CPU's gloo, NCCL, the
+# coordination service)
+LOST_PEER = ('Connection closed by peer', 'Connection reset by peer', 'heartbeat timeout',
+             'remote process exited', 'stopped sending heartbeats')
+
+
+class PeerLost(RuntimeError):
+  """A process of the run is gone: the CLI prints this one line and exits at once (status 1)
+  without jax's shutdown barrier, which would wait for the lost process and abort."""
+
+
+def lost_peer(error: BaseException) -> bool:
+  """Whether `error` (raised by a step of a multi-process run) says a peer is gone."""
+  return any(mark in str(error) for mark in LOST_PEER)
+
+
+def lost_message(error: BaseException, workdir: str | None) -> str:
+  """One line: the run lost a process (the first line of the collective's error), the last
+  checkpoint saved in `workdir`, and how to go on."""
+  first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+  return (f'the run lost a process ({first}); {last_saved(workdir)}; start the same command '
+          'on every host to resume')
+
+
+def last_saved(workdir: str | None) -> str:
+  """'the last saved checkpoint is step N in DIR' (or that none is) for a run directory."""
+  if not workdir:
+    return 'no run directory'
+  directory = storage.join(workdir, 'checkpoints')
+  try:
+    steps = [int(n) for n in storage.listdir(directory) if n.isdigit()]
+  except (OSError, ValueError):
+    steps = []
+  if not steps:
+    return f'no checkpoint was saved in {directory}'
+  return f'the last saved checkpoint is step {max(steps)} in {directory}'
 
 
 def _give_up(message: str):

@@ -99,3 +99,37 @@ def test_a_run_started_on_some_hosts_only_stops_with_one_line():
                     f'127.0.0.1:{port} and not every process came; start the same command on '
                     'every host'], p.stderr[-2000:]
   assert 'Check failure' not in p.stderr
+
+
+def test_a_lost_peer_is_one_line_naming_the_last_saved_checkpoint(tmp_path):
+  """A collective that fails on a lost process (gloo's closed connection) is recognised, and
+  its message names the newest complete checkpoint step of the run directory (a step still
+  being written, Orbax's tmp directory, is not one); other errors are not a lost peer. Under
+  the CLI, PeerLost is one line and exit status 1 at once: no atexit handler runs (jax's
+  shutdown barrier would wait for the lost process, then abort)."""
+  gloo = RuntimeError('UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/'
+                      'pair.cc:547] Connection closed by peer [127.0.0.1]:56710\nmore')
+  assert distributed.lost_peer(gloo) and not distributed.lost_peer(ValueError('bad config'))
+  work = tmp_path / 'run'
+  assert 'no checkpoint was saved' in distributed.lost_message(gloo, str(work))
+  for name in ('20', '40', '60.orbax-checkpoint-tmp-3'):
+    (work / 'checkpoints' / name).mkdir(parents=True)
+  line = distributed.lost_message(gloo, str(work))
+  assert line == ('the run lost a process (UNKNOWN: Gloo all-reduce failed: [external/gloo/'
+                  'gloo/transport/tcp/pair.cc:547] Connection closed by peer [127.0.0.1]:56710);'
+                  f' the last saved checkpoint is step 40 in {work}/checkpoints; start the '
+                  'same command on every host to resume')
+  script = tmp_path / 'lost.py'
+  script.write_text(
+      'import atexit\n'
+      'from loopmoe_jax import cli, distributed\n'
+      'atexit.register(lambda: print("atexit ran", flush=True))\n'
+      'def main(argv):\n'
+      '  raise distributed.PeerLost("the run lost a process (x); no run directory")\n'
+      'cli.run(main)\n')
+  proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode == 1, proc.stderr
+  assert 'atexit ran' not in proc.stdout
+  errors = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
+  assert errors == ['error: the run lost a process (x); no run directory'], proc.stderr

@@ -26,9 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from loopmoe_jax.config import ModelConfig
-from loopmoe_jax.data import synthetic
+from loopmoe_jax.data import pipeline, synthetic
 from loopmoe_jax.model import LoopedMoE, check_loops, variables
+from loopmoe_jax.plotting import pyplot
 from loopmoe_jax.runtime import HERE, Runtime
+from loopmoe_jax.train.evaluation import evaluate_checkpoint
+from loopmoe_jax.train.run import as_loaded
 
 SEPARATOR = '\n'
 SHOTS = (0, 1, 2, 4, 8, 16, 32)
@@ -123,7 +126,6 @@ def model_predictor(cfg: ModelConfig, params, num_loops: int | None = None,
 
 
 def _check_bytes(config: dict, workdir: str):
-  from loopmoe_jax.data import pipeline
   spec = pipeline.tokenizer_spec(pipeline.DataConfig.from_dict(config['data']))
   if spec != 'byte':
     raise ValueError(f'{workdir}: the tasks are byte-level text, the run uses tokenizer '
@@ -135,7 +137,6 @@ def reasoning_evals(workdir, step: int | None = None, num_loops: int | None = No
                     context: int | None = None) -> dict:
   """Dyck-k accuracy by shots and zero-shot parity / addition / induction accuracy of a
   checkpoint; `context` defaults to the run's data.seq_len (longer prompts are refused)."""
-  from loopmoe_jax.train.run import as_loaded
   run = as_loaded(workdir, step)
   cfg, params, s, config = run.model_cfg, run.variables, run.step, run.config
   _check_bytes(config, run.workdir)
@@ -156,8 +157,6 @@ def recurrence(workdir, max_loops: int, step: int | None = None, examples: int =
                tasks: Sequence[str] = ('dyck',) + TASKS) -> dict:
   """Test-time recurrence: validation loss (train/evaluation.evaluate_checkpoint) and
   zero-shot task accuracy of one checkpoint at passes 1..max_loops."""
-  from loopmoe_jax.train.evaluation import evaluate_checkpoint
-  from loopmoe_jax.train.run import as_loaded
   loops = list(range(1, max_loops + 1))
   run = as_loaded(workdir, step)
   ev = evaluate_checkpoint(run, loops)
@@ -180,7 +179,6 @@ def recurrence(workdir, max_loops: int, step: int | None = None, examples: int =
 
 def plot_recurrence(result: dict, path: str) -> str:
   """Validation loss and task accuracy against passes (PNG)."""
-  from loopmoe_jax.plotting import pyplot  # pylint: disable=import-outside-toplevel
   plt = pyplot()
   passes = result['passes']
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))

@@ -27,20 +27,21 @@ import os
 
 import numpy as np
 
+from loopmoe_jax.plotting import pyplot
+from loopmoe_jax.train.run import RunDir
+
 # Loader performance settings: they do not change which tokens a step reads.
 NOT_DATA_ORDER = ('num_threads', 'prefetch')
 
 
 def load_losses(workdir: str, key: str = 'loss') -> dict[int, float]:
   """{step: value} from workdir/metrics.jsonl (train/run.RunDir.series)."""
-  from loopmoe_jax.train.run import RunDir
   return RunDir(workdir).series(key)
 
 
 def run_config(workdir: str) -> dict:
   """The resolved config of the newest checkpoint step that reads back (RunDir.stored_config);
   without one the data order cannot be checked."""
-  from loopmoe_jax.train.run import RunDir
   try:
     return RunDir(workdir).stored_config()
   except FileNotFoundError as e:
@@ -101,7 +102,6 @@ def compare_runs(dir_a: str, dir_b: str, window: float | None = None, key: str =
   if not shared:
     raise ValueError(f'runs {dir_a!r} (steps {_span(la)}) and {dir_b!r} (steps {_span(lb)}) '
                      f'share no logged step of {key!r}')
-  from loopmoe_jax.train.run import RunDir
   fa, fb = (RunDir(dir_a).final_steps(), RunDir(dir_b).final_steps()) \
       if window is None and key == 'loss' else ({}, {})
   per_step = sorted(set(fa) & set(fb))
@@ -138,7 +138,6 @@ def _span(losses: dict) -> str:
 
 def plot_comparison(result: dict, path: str, labels=('A', 'B')) -> str:
   """Both loss curves on shared steps (window shaded) and their difference (PNG)."""
-  from loopmoe_jax.plotting import pyplot  # pylint: disable=import-outside-toplevel
   plt = pyplot()
   cv = result['curves']
   steps, a, b = np.array(cv['steps']), np.array(cv['a']), np.array(cv['b'])

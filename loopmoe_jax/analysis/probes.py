@@ -30,8 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from loopmoe_jax.config import ModelConfig
+from loopmoe_jax.data import corpus, pipeline
 from loopmoe_jax.model import LoopedMoE, check_loops, variables
 from loopmoe_jax.runtime import HERE, Runtime
+from loopmoe_jax.train.run import as_loaded
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +191,6 @@ def ce_gain_by_domain(model_a, model_b, domains: Mapping[str, np.ndarray], seq_l
 
 def validation_inputs(config: dict, vocab: int, tokens: int):
   """Validation (inputs, targets) [N, T] of a run, at least `tokens` tokens when it has them."""
-  from loopmoe_jax.data import pipeline
   dc = pipeline.DataConfig.from_dict(config['data'])
   need = max(1, -(-tokens // (dc.batch_size * dc.seq_len)))
   batches = pipeline.validation_batches(dataclasses.replace(dc, val_batches=need), vocab)
@@ -204,7 +205,6 @@ def validation_inputs(config: dict, vocab: int, tokens: int):
 def probe_workdir(workdir, tokens: int = 8192, step: int | None = None,
                   num_loops: int | None = None) -> dict:
   """mechanistic_probes of a checkpoint over about `tokens` validation tokens."""
-  from loopmoe_jax.train.run import as_loaded
   run = as_loaded(workdir, step)
   inputs, _ = validation_inputs(run.config, run.model_cfg.vocab_size, tokens)
   return {'step': run.step, **mechanistic_probes(run.model_cfg, run.variables, inputs, num_loops,
@@ -215,7 +215,6 @@ def embedded_domains(config: dict, tokens_per_domain: int = 32768) -> dict[str, 
   """Domains of the embedded corpus's validation documents, by document name: 'code' (the
   standard library's .py sources) and 'docs' (pydoc help topics), byte tokens, each capped
   at tokens_per_domain. Other sources carry no domain labels: pass named token arrays."""
-  from loopmoe_jax.data import corpus
   data = config['data']
   if data['source'] != 'embedded' or data['tokenizer'] != 'byte':
     raise ValueError(f"data.source={data['source']!r}: domain labels exist only for the "
@@ -235,7 +234,6 @@ def ce_gain_workdirs(dir_a: str, dir_b: str, tokens: int = 8192, num_buckets: in
                      domains: Mapping[str, np.ndarray] | None = None) -> dict:
   """CE gain of run A's checkpoint over run B's: by window-position bucket on A's validation
   windows, and by domain (`domains`, else the embedded corpus's code/docs split)."""
-  from loopmoe_jax.train.run import as_loaded
   a, b = as_loaded(dir_a), as_loaded(dir_b)
   (cfg_a, pa, sa, config), (cfg_b, pb, sb) = ((a.model_cfg, a.variables, a.step, a.config),
                                               (b.model_cfg, b.variables, b.step))

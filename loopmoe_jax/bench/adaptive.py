@@ -36,12 +36,19 @@ from typing import Any
 import jax
 
 from loopmoe_jax.bench import _batch, register, time_interleaved
+from loopmoe_jax.config import ModelConfig
+from loopmoe_jax.decode import decode_step, init_cache, mean_passes
+from loopmoe_jax.experiment import build, load_config
+from loopmoe_jax.job import Job
+from loopmoe_jax.model import LoopedMoE, for_init
+from loopmoe_jax.runtime import Runtime
+from loopmoe_jax.train import depth
+from loopmoe_jax.train.trainer import train
 
 
 def _smoke(quick: bool):
   """The smoke experiment (configs/default.py:smoke); with `quick` at the quick sizes of
   bench/model.py's train-step figure (its figures are not comparable)."""
-  from loopmoe_jax.experiment import build, load_config  # pylint: disable=import-outside-toplevel
   cfg = load_config('configs/default.py:smoke')
   if quick:
     cfg.model.update(d_model=32, num_heads=2, num_kv_heads=1, expert_width=32)
@@ -53,8 +60,6 @@ def _smoke(quick: bool):
 def step_time_ratio(quick: bool, counts=(2, 8), repeats: int | None = None) -> dict[str, Any]:
   """Median train-step seconds at each of `counts` (one device), their ratio and the model
   FLOPs ratio."""
-  from loopmoe_jax.job import Job  # pylint: disable=import-outside-toplevel
-  from loopmoe_jax.train import depth  # pylint: disable=import-outside-toplevel
   _, exp = _smoke(quick)
   dc, mc = exp.data, exp.model
   job = Job.build(exp, jax.devices()[:1])
@@ -78,9 +83,6 @@ def step_time_ratio(quick: bool, counts=(2, 8), repeats: int | None = None) -> d
 
 def compiled_programs(quick: bool, steps: int | None = None) -> dict[str, Any]:
   """The programs a poisson_lognormal run compiled (its summary) over `steps` steps."""
-  from loopmoe_jax.experiment import build  # pylint: disable=import-outside-toplevel
-  from loopmoe_jax.train import depth  # pylint: disable=import-outside-toplevel
-  from loopmoe_jax.train.trainer import train  # pylint: disable=import-outside-toplevel
   steps = steps or (20 if quick else 200)
   cfg, _ = _smoke(quick)
   cfg.train.update(steps=steps, loops_sampler='poisson_lognormal', loops_mean=3.0,
@@ -102,10 +104,6 @@ def decode_exit_ratio(quick: bool, loops: int = 8, tokens: int | None = None,
                       repeats: int | None = None) -> dict[str, Any]:
   """Per-token decode time at batch 1, early exit ('kl', ~loops/2 passes) over every pass."""
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from loopmoe_jax.config import ModelConfig  # pylint: disable=import-outside-toplevel
-  from loopmoe_jax.decode import decode_step, init_cache, mean_passes  # pylint: disable=import-outside-toplevel
-  from loopmoe_jax.model import LoopedMoE, for_init  # pylint: disable=import-outside-toplevel
-  from loopmoe_jax.runtime import Runtime  # pylint: disable=import-outside-toplevel
   tokens = tokens or (16 if quick else 64)
   width = 64 if quick else 256
   cfg = ModelConfig(vocab_size=256, d_model=width, num_heads=4, expert_width=width,

@@ -54,7 +54,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from loopmoe_jax import dry_run
+from loopmoe_jax import aot, dry_run, targets
 from loopmoe_jax.attention import attend
 from loopmoe_jax.attention_impls import chunked_attend
 from loopmoe_jax.bench import (FAST_COMPILE, _batch, register, step_seconds,
@@ -135,7 +135,6 @@ REAL_SHAPES = {  # platform -> (target, quick target, mesh, global batch)
 def real_compiler_rows(quick: bool) -> dict[str, Any]:
   """The `{tpu,cuda}_remat_*` keys (module docstring) for each platform whose extra is here."""
   import importlib.util  # pylint: disable=import-outside-toplevel
-  from loopmoe_jax import aot, targets  # pylint: disable=import-outside-toplevel
   res: dict[str, Any] = {'real_compilers': {}}
   for platform, (name, quick_name, mesh, batch) in REAL_SHAPES.items():
     if importlib.util.find_spec(targets.EXTRAS[platform][0]) is None:

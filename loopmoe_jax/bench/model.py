@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from loopmoe_jax.bench import (FAST_COMPILE, _batch, _block, compile_seconds, init_params,
                                register, step_seconds, time_interleaved)
 from loopmoe_jax.config import ModelConfig
+from loopmoe_jax.experiment import build, load_config
+from loopmoe_jax.job import Job
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.moe import MoE
 from loopmoe_jax.runtime import HERE, Runtime
@@ -137,8 +139,6 @@ def bench_model(quick: bool = False) -> dict[str, Any]:
 def bias_step_seconds(quick: bool, repeats: int) -> dict[str, float]:
   """Median seconds of the trainer's train step (train/step.py) on configs/default.py
   ('smoke' when quick) with model.router_bias 'none' and 'shared', timed interleaved."""
-  from loopmoe_jax.experiment import build, load_config  # pylint: disable=import-outside-toplevel
-  from loopmoe_jax.job import Job  # pylint: disable=import-outside-toplevel
   exp = build(load_config('configs/default.py' + (':smoke' if quick else '')))
   if quick:  # a smoke run: the main job's structure at the quick sizes, less its coda, with
     # the dispatch that traces fastest (its figures are not comparable anyway)

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loopmoe_jax import expert_parallel, sharding
+from loopmoe_jax import aot, dry_run, expert_parallel, sharding, targets
 from loopmoe_jax.bench import register, time_interleaved
 from loopmoe_jax import DEFAULT_CONFIG
 from loopmoe_jax.config import ModelConfig
@@ -147,7 +147,6 @@ def _step_times(res, exp, quick):
 
 
 def _step_collectives(num_loops: int):
-  from loopmoe_jax import dry_run  # pylint: disable=import-outside-toplevel
   cfg = load_config(DEFAULT_CONFIG + ':smoke')
   cfg.model.num_loops = num_loops
   cfg.mesh.data, cfg.mesh.expert = 2, 4
@@ -160,7 +159,6 @@ REAL_TARGETS = {'tpu': 'v5p:2x2x2', 'cuda': 'h100x8'}
 
 
 def _real_step_collectives(target, num_loops: int):
-  from loopmoe_jax import aot, dry_run  # pylint: disable=import-outside-toplevel
   cfg = load_config(DEFAULT_CONFIG + ':smoke')
   cfg.model.num_loops = num_loops
   cfg.model.dtype = 'bfloat16'
@@ -171,7 +169,6 @@ def _real_step_collectives(target, num_loops: int):
 
 def _real_step_traffic(res):
   import importlib.util  # pylint: disable=import-outside-toplevel
-  from loopmoe_jax import targets  # pylint: disable=import-outside-toplevel
   res['real_compilers'] = {}
   for platform, name in REAL_TARGETS.items():
     if importlib.util.find_spec(targets.EXTRAS[platform][0]) is None:

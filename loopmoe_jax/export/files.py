@@ -12,8 +12,11 @@ import tempfile
 import numpy as np
 
 from loopmoe_jax import storage
+from loopmoe_jax.analysis.probes import validation_inputs
 from loopmoe_jax.export import mixtral, safetensors_io
+from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.train.metrics import FINAL_STEPS, METRICS, ROUTING, SUMMARY
+from loopmoe_jax.train.run import RunDir, as_loaded
 
 FORMATS = ('safetensors', 'hf-mixtral')
 SHARD_BYTES = 2 << 30  # hub-style shards with an index past this size
@@ -163,7 +166,6 @@ def export_workdir(workdir: str, out: str, fmt: str, step: int | None = None,
   check of the written export against the same loaded checkpoint). `write` False: the
   checkpoint is read (a collective restore) and nothing written, {} returned (the processes
   other than 0 of a multi-process run)."""
-  from loopmoe_jax.train.run import RunDir
   if fmt not in FORMATS:
     raise ValueError(f'--format={fmt!r}: one of {FORMATS}')
   if verify and storage.is_url(out):
@@ -231,9 +233,6 @@ def verify_export(workdir, out: str, fmt: str, step: int | None = None,
   run.Loaded its caller holds already."""
   import jax
   import jax.numpy as jnp
-  from loopmoe_jax.analysis.probes import validation_inputs
-  from loopmoe_jax.model import LoopedMoE
-  from loopmoe_jax.train.run import as_loaded
   run = as_loaded(workdir, step)
   cfg, params, s, config = run.model_cfg, run.params, run.step, run.config
   inputs = np.concatenate(validation_inputs(config, cfg.vocab_size, tokens)[0])

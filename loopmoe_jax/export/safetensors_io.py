@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from loopmoe_jax.config import ModelConfig
+from loopmoe_jax.model import LoopedMoE, for_init
 
 DTYPES = {'F64': np.float64, 'F32': np.float32, 'F16': np.float16, 'BF16': ml_dtypes.bfloat16,
           'I64': np.int64, 'I32': np.int32, 'I16': np.int16, 'I8': np.int8, 'U8': np.uint8,
@@ -90,7 +91,6 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, jax.ShapeDtypeStruct]:
   """Dotted name -> shape/dtype of the params the config's model builds (no init run)."""
   import flax.linen as nn
   import jax.numpy as jnp
-  from loopmoe_jax.model import LoopedMoE, for_init
   shapes = jax.eval_shape(lambda: for_init(LoopedMoE(cfg)).init(jax.random.key(0),
                                                       jnp.zeros((1, 4), jnp.int32)))
   leaves = jax.tree_util.tree_leaves_with_path(nn.unbox(shapes['params']))

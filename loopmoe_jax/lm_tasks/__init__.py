@@ -41,6 +41,8 @@ import sys
 
 import numpy as np
 
+from loopmoe_jax.data import corpus
+
 PACK_DIR = os.path.dirname(os.path.abspath(__file__))
 VAL_FRACTION = 0.02  # data.val_fraction's default: the documents the main job holds out
 
@@ -76,7 +78,6 @@ def _examples(kind: str, examples: int = 400, choices: int = 4, context_lines: i
               fraction: float = VAL_FRACTION) -> list[dict]:
   """The rows of task `kind` ('next_line' or 'line_end'): {'context', 'choices', 'label',
   'source'} (see next_line_examples, line_end_examples)."""
-  from loopmoe_jax.data import corpus
   docs = corpus.split(fraction)['validation']
   rng = np.random.default_rng(seed)
   pool: dict[str, list[tuple[int, str]]] = {}  # indentation -> (doc index, line)

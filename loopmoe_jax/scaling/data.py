@@ -6,11 +6,12 @@ import io
 
 import numpy as np
 
+from loopmoe_jax import storage
+
 
 def read_csv(path: str) -> dict[str, np.ndarray]:
   """A CSV (a local path or a URL such as gs://) as columns: numeric columns as float64
   arrays, others as arrays of str."""
-  from loopmoe_jax import storage  # pylint: disable=import-outside-toplevel
   rows = list(csv.DictReader(io.StringIO(storage.read_text(path), newline='')))
   if not rows:
     raise ValueError(f'{path}: no rows')
@@ -30,7 +31,6 @@ def write_csv(path: str, rows: list[dict]):
   w = csv.DictWriter(text, fieldnames=keys)
   w.writeheader()
   w.writerows(rows)
-  from loopmoe_jax import storage  # pylint: disable=import-outside-toplevel
   storage.write_text(path, text.getvalue())
 
 

@@ -43,11 +43,13 @@ from typing import Any, Callable, Mapping, Sequence
 
 import jax
 
-from loopmoe_jax import storage
+from loopmoe_jax import cli, storage
 from loopmoe_jax.accounting import count
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.experiment import RUN_SETTINGS, build, config_diff
 from loopmoe_jax.scaling.data import write_csv
+from loopmoe_jax.train.run import RunDir
+from loopmoe_jax.train.trainer import train
 
 EXPERTS_ALIAS = 'model.num_experts'
 EXPERT_FIELDS = ('prelude_experts', 'core_experts', 'coda_experts')
@@ -191,7 +193,6 @@ def point_row(cfg, summary: Mapping[str, Any]) -> dict[str, Any]:
 
 def finished(workdir: str, steps: int) -> dict | None:
   """The summary of a run that reached `steps` with a loss, else None."""
-  from loopmoe_jax.train.run import RunDir
   s = RunDir(workdir).summary()
   ok = s is not None and s.get('steps', 0) >= steps and s.get('final_window_loss') is not None
   return s if ok else None
@@ -223,12 +224,10 @@ def _train_point(c, workdir: str, jax_config: Mapping[str, Any], conn,
   ran from a script, cli.run)."""
   try:
     if log_to_stderr:
-      from loopmoe_jax import cli  # pylint: disable=import-outside-toplevel
       cli.log_to_stderr()
     import jax  # pylint: disable=import-outside-toplevel
     for name, value in jax_config.items():
       jax.config.update(name, value)
-    from loopmoe_jax.train.trainer import train  # pylint: disable=import-outside-toplevel
     conn.send(('summary', train(c, workdir), peak_resident_bytes()))
   except BaseException as e:  # pylint: disable=broad-except
     plain = isinstance(e, (ValueError, RuntimeError, OSError)) and str(e)
@@ -242,7 +241,6 @@ def train_isolated(c, workdir: str) -> tuple[dict, int]:
   A child that dies without a word (killed, out of memory) is a RuntimeError naming its exit
   status; its checkpoints stay, so re-running the sweep resumes it."""
   import jax  # pylint: disable=import-outside-toplevel
-  from loopmoe_jax import cli  # pylint: disable=import-outside-toplevel
   jax_config = {name: getattr(jax.config, name) for name in INHERITED_JAX_CONFIG}
   ctx = multiprocessing.get_context('spawn')
   receive, send = ctx.Pipe(duplex=False)
@@ -291,7 +289,7 @@ def run_sweep(cfg, sweeps: Mapping[str, Sequence[Any]], root: str,
     raise ValueError('isolate: points run in child processes with the trainer, in a '
                      'one-process sweep only')
   if run is None:
-    from loopmoe_jax.train.trainer import train as run
+    run = train
   points = grid(sweeps)
   cfgs = [apply_point(cfg, p) for p in points]
   for point, c in zip(points, cfgs):  # fail on a bad point before any training

@@ -10,6 +10,7 @@ from loopmoe_jax import exit as early_exit
 from loopmoe_jax.decode import decode_nll
 from loopmoe_jax.model import LoopedMoE, check_loops, variables
 from loopmoe_jax.objective import token_nll_of_logits
+from loopmoe_jax.plotting import pyplot
 from loopmoe_jax.train.evaluation import validation_batches
 from loopmoe_jax.train.run import as_loaded
 
@@ -75,7 +76,6 @@ def tradeoff_table(result: dict) -> str:
 def plot_tradeoff(result: dict, path: str) -> str:
   """Loss against average passes per threshold (one series per pass count), the no-exit
   model as a square (PNG)."""
-  from loopmoe_jax.plotting import pyplot  # pylint: disable=import-outside-toplevel
   plt = pyplot()
   fig, ax = plt.subplots(figsize=(5.5, 4))
   for n, rows in result['passes'].items():

@@ -20,7 +20,7 @@ import time
 import jax
 import numpy as np
 
-from loopmoe_jax import accounting, storage, targets
+from loopmoe_jax import accounting, distributed, storage, targets
 from loopmoe_jax.data import pipeline
 from loopmoe_jax.train import checkpoint, compile_cache, depth, preempt, step as steps
 from loopmoe_jax.train import metrics as metrics_lib
@@ -84,7 +84,7 @@ class Loop:
     self.window, self.t0 = Window(), time.time()
     self.replayed, self.val_loss, self.val_step = 0.0, None, None
     self.last_saved = start if mngr.latest_step() is not None else None
-    self.pending, self.decision = None, preempt.Decision()
+    self.pending, self.decision, self.lost = None, preempt.Decision(), False
 
   def kept(self) -> str:
     return ('no checkpoint has been written yet' if self.last_saved is None else
@@ -103,6 +103,11 @@ class Loop:
           break
       final = int(jax.device_get(self.state['step']))
       checkpoint.check_background(self.mngr, wait=True)
+    except Exception as e:  # pylint: disable=broad-except
+      if jax.process_count() > 1 and distributed.lost_peer(e):  # nothing more to wait for
+        self.lost = True
+        raise distributed.PeerLost(distributed.lost_message(e, self.workdir)) from None
+      raise
     finally:
       self.close()
     return final
@@ -217,9 +222,12 @@ class Loop:
             f'{" (writing in the background)" if self.tc.async_save else ""}', flush=True)
 
   def close(self):
+    """Ends the profile, waits for a save in flight (not when a peer is lost: it would wait
+    for the lost process) and closes the writers."""
     self.profiler.close()
     try:
-      self.mngr.wait_until_finished()
+      if not self.lost:
+        self.mngr.wait_until_finished()
     except Exception:  # pylint: disable=broad-except  (reported by check_background)
       pass
     self.writer.close()
