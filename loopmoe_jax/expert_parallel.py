@@ -34,7 +34,9 @@ output is zero, the residual carries the token) and counted.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -108,51 +110,82 @@ def _kept_counts(counts_sE, n: int, slot: int):
   return jnp.clip(slot - before, 0, by_dest).reshape(counts_sE.shape)
 
 
-def _local_moe(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, factor, kind,
-               backend, tile, batch_axes, tensor, buffer_factor=0.0, block_rows=0,
-               runtime: Runtime = HERE):
+@dataclasses.dataclass(frozen=True)
+class Body:
+  """The per-device body's settings: `num_experts` of the layer over `n` devices of the
+  `expert` axis, the capacity `factor` and exchange `buffer_factor` (0: none), the transport
+  `kind` ('padded' or 'ragged'), the mesh's batch axes and `tensor` size, the token chunks'
+  `block_rows`, and the runtime (its dispatch backend and tile)."""
+  num_experts: int
+  n: int
+  factor: float
+  buffer_factor: float
+  kind: str
+  batch_axes: tuple
+  tensor: int
+  block_rows: int
+  runtime: Runtime
+
+  @classmethod
+  def of(cls, cfg, mesh, num_experts: int, runtime: Runtime) -> 'Body':
+    """The architecture's capacity and exchange buffers (`cfg`; dropless worst-case buffers
+    when the runtime is `exchange_dropless`) with the runtime's run settings on `mesh`."""
+    run = runtime.run
+    buffer_factor = 0.0 if runtime.exchange_dropless else cfg.exchange_buffer_factor
+    return cls(num_experts, mesh.shape['expert'], cfg.capacity_factor, buffer_factor,
+               exchange_kind(run.expert_exchange, runtime), sharding.batch_axes(mesh),
+               mesh.shape['tensor'], run.ffn_block_rows, runtime)
+
+  def slot(self, t: int, k: int) -> int:
+    """`slot_rows` of `t` tokens routed to `k` experts each."""
+    return slot_rows(t, k, self.num_experts, self.n, self.factor, self.buffer_factor)
+
+
+def _local_moe(x_TD, experts_Tk, weights_Tk, params, body: Body):
   """The per-device body (see the module docstring): returns (y_TD float32, dropped).
 
-  `block_rows` r > 0 on a dropless exchange (no capacity or buffer factor): the device's
+  `body.block_rows` r > 0 on a dropless exchange (no capacity or buffer factor): the device's
   tokens run in `dispatch.token_chunks` consecutive chunks, each chunk's whole body (permute,
   exchange, grouped matmul, exchange back, combine) recomputed in its backward
   (`dispatch.in_token_chunks`), so no buffer sized by the worst-case received rows outlives
-  its chunk: each holds at most r rows, for the chunk's forward (exchanges included) rerun in
-  its backward. A token's rows go to the same experts whatever the chunk, so the outputs are
-  the unchunked ones. With a capacity or buffer factor (which rank rows across the whole
-  shard) the exchange runs whole: its buffers, about cf or b times the balanced share, are not
-  bounded by r."""
+  its chunk. A token's rows go to the same experts whatever the chunk, so the outputs are the
+  unchunked ones. With a capacity or buffer factor (which rank rows across the whole shard)
+  the exchange runs whole."""
   t, k = experts_Tk.shape
-  chunks = (1 if factor or buffer_factor else
-            dispatch_lib.token_chunks(t, k, num_experts, n, block_rows))
-  kw = dict(num_experts=num_experts, n=n, factor=factor, kind=kind, backend=backend,
-            tile=tile, batch_axes=batch_axes, tensor=tensor, buffer_factor=buffer_factor,
-            runtime=runtime)
+  chunks = (1 if body.factor or body.buffer_factor else
+            dispatch_lib.token_chunks(t, k, body.num_experts, body.n, body.block_rows))
   if chunks == 1:
-    return _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, **kw)
-  body = lambda p, x, e, w: _local_moe_whole(x, e, w, p, name_exchange=False, **kw)
-  y_ctD, dropped_c = dispatch_lib.in_token_chunks(body, chunks, params, x_TD, experts_Tk,
+    return _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, body)
+  run = lambda p, x, e, w: _local_moe_whole(x, e, w, p, body, name_exchange=False)
+  y_ctD, dropped_c = dispatch_lib.in_token_chunks(run, chunks, params, x_TD, experts_Tk,
                                                   weights_Tk)
   return y_ctD.reshape(-1, y_ctD.shape[-1])[:t], jnp.sum(dropped_c)
 
 
-def _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, factor, kind,
-                     backend, tile, batch_axes, tensor, buffer_factor=0.0,
-                     name_exchange=True, runtime: Runtime = HERE):
-  """`_local_moe` over all of the device's tokens at once. `name_exchange`: the exchanged rows
-  carry the checkpoint name 'exchange' (core.REMAT's policies keep them); off inside token
-  chunks, whose backward reruns their exchange: kept there, the chunks' receive buffers would
-  stack over chunks and passes, the worst-case buffers the chunks are there to avoid."""
-  t, k = experts_Tk.shape
-  named = (lambda v: checkpoint_name(v, 'exchange')) if name_exchange else (lambda v: v)
-  m, d = t * k, x_TD.shape[1]
-  e_loc = params['gate'].shape[0]
-  me = jax.lax.axis_index('expert')
-  slot = slot_rows(t, k, num_experts, n, factor, buffer_factor)
+class _Sent(NamedTuple):
+  """What the permute step decides: the sorted rows and their order, the counts kept per
+  (source, expert), the rows this device sends and receives, and the rows dropped."""
+  x_send: jax.Array
+  key: jax.Array
+  order: jax.Array
+  inverse: jax.Array
+  send_off: jax.Array
+  raw_counts: jax.Array
+  dest_counts: jax.Array
+  recv_nE: jax.Array
+  c_nn: jax.Array
+  dropped: jax.Array
 
+
+def _permute(x_TD, experts_Tk, weights_Tk, body: Body, slot: int, e_loc: int):
+  """Sorts the device's assignments by expert (dropped ones last) and counts what each
+  device sends and keeps: (capacity-masked weights, _Sent)."""
+  k, me = experts_Tk.shape[1], jax.lax.axis_index('expert')
+  n, num_experts = body.n, body.num_experts
   with jax.named_scope('permute'):
     flat = experts_Tk.reshape(-1)
-    weights_Tk, keep_Tk, dropped = apply_capacity(experts_Tk, weights_Tk, num_experts, factor)
+    weights_Tk, keep_Tk, dropped = apply_capacity(experts_Tk, weights_Tk, num_experts,
+                                                  body.factor)
     key = jnp.where(keep_Tk.reshape(-1), flat, num_experts)  # dropped rows sort last
     order = jnp.argsort(key, stable=True)
     inverse = dispatch_lib.inverse_permutation(order)
@@ -166,23 +199,70 @@ def _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, fa
     dropped = dropped + jnp.sum(counts_E) - jnp.sum(kept_E)  # rows past a slot
     recv_nE = jax.lax.dynamic_slice_in_dim(all_counts, me * e_loc, e_loc, axis=1)
     c_nn = all_counts.reshape(n, n, e_loc).sum(-1)                        # [src, dest]
+  return weights_Tk, _Sent(x_send, key, order, inverse, send_off, raw_counts, dest_counts,
+                           recv_nE, c_nn, dropped)
+
+
+def _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, body: Body,
+                     name_exchange: bool = True):
+  """`_local_moe` over all of the device's tokens at once. `name_exchange`: the exchanged rows
+  carry the checkpoint name 'exchange' (core.REMAT's policies keep them); off inside token
+  chunks, whose backward reruns their exchange: kept there, the chunks' receive buffers would
+  stack over chunks and passes, the worst-case buffers the chunks are there to avoid."""
+  t, k = experts_Tk.shape
+  named = (lambda v: checkpoint_name(v, 'exchange')) if name_exchange else (lambda v: v)
+  m, d = t * k, x_TD.shape[1]
+  e_loc, n = params['gate'].shape[0], body.n
+  me = jax.lax.axis_index('expert')
+  slot = body.slot(t, k)
+  weights_Tk, sent = _permute(x_TD, experts_Tk, weights_Tk, body, slot, e_loc)
+  c_in = sent.c_nn[:, me]  # the rows each source sends this device
 
   with jax.named_scope('exchange'):
-    sorted_key = key[order]
-    dest = jnp.where(sorted_key < num_experts, sorted_key // e_loc, n)
-    pos = jnp.arange(m) - send_off[jnp.minimum(dest, n - 1)]
-    if kind == 'padded':  # rows past a slot fall off the buffer (mode='drop')
-      buf = jnp.zeros((n, slot, d), x_TD.dtype).at[dest, pos].set(x_send, mode='drop')
+    sorted_key = sent.key[sent.order]
+    dest = jnp.where(sorted_key < body.num_experts, sorted_key // e_loc, n)
+    pos = jnp.arange(m) - sent.send_off[jnp.minimum(dest, n - 1)]
+    if body.kind == 'padded':  # rows past a slot fall off the buffer (mode='drop')
+      buf = jnp.zeros((n, slot, d), x_TD.dtype).at[dest, pos].set(sent.x_send, mode='drop')
       recv = jax.lax.all_to_all(buf, 'expert', 0, 0, tiled=True).reshape(n * slot, d)
       recv = named(recv)
       block_start = jnp.arange(n, dtype=jnp.int32) * slot
     else:  # each source's first dest_counts rows per destination
-      out_off = _exclusive_cumsum(c_nn, 0)[me]
-      recv = jax.lax.ragged_all_to_all(x_send, jnp.zeros((n * slot, d), x_TD.dtype), send_off,
-                                       dest_counts, out_off, c_nn[:, me], axis_name='expert')
+      out_off = _exclusive_cumsum(sent.c_nn, 0)[me]
+      recv = jax.lax.ragged_all_to_all(sent.x_send, jnp.zeros((n * slot, d), x_TD.dtype),
+                                       sent.send_off, sent.dest_counts, out_off, c_in,
+                                       axis_name='expert')
       recv = named(recv)
-      block_start = _exclusive_cumsum(c_nn[:, me])
+      block_start = _exclusive_cumsum(c_in)
 
+  out_recv = _local_experts(recv, block_start, sent.recv_nE, params, body)
+
+  with jax.named_scope('exchange_back'):
+    if body.kind == 'padded':
+      back = named(jax.lax.all_to_all(out_recv.reshape(n, slot, d), 'expert', 0, 0,
+                                      tiled=True))
+      out_sorted = back.at[dest, pos].get(mode='fill', fill_value=0)
+    else:  # rows a slot dropped are never written: they stay zero
+      # where each source's rows for this device begin in its send buffer (offsets of the
+      # whole sorted rows, dropped ones included)
+      src_off = _exclusive_cumsum(sent.raw_counts.reshape(n, n, e_loc).sum(-1), 1)[:, me]
+      out_sorted = jax.lax.ragged_all_to_all(out_recv, jnp.zeros((m, d), out_recv.dtype),
+                                             block_start, c_in, src_off, sent.dest_counts,
+                                             axis_name='expert')
+      out_sorted = named(out_sorted)
+
+  with jax.named_scope('unpermute'):
+    out_TkD = dispatch_lib.permute_rows(out_sorted, sent.inverse, sent.order).reshape(t, k, d)
+  y_TD = dispatch_lib.combine(out_TkD, weights_Tk)
+  if body.tensor > 1:
+    y_TD = jax.lax.psum(y_TD, 'tensor')
+  return y_TD, jax.lax.psum(sent.dropped, body.batch_axes)
+
+
+def _local_experts(recv, block_start, recv_nE, params, body: Body):
+  """The received rows through this device's experts: regrouped by local expert, the grouped
+  SwiGLU (the runtime's dispatch backend), and back in received order."""
+  e_loc = recv_nE.shape[1]
   with jax.named_scope('regroup'):
     seg_start = (block_start[:, None] + _exclusive_cumsum(recv_nE, 1)).reshape(-1)
     seg_count = recv_nE.reshape(-1)
@@ -192,43 +272,10 @@ def _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, *, num_experts, n, fa
     order2 = jnp.argsort(local, stable=True)
     inverse2 = dispatch_lib.inverse_permutation(order2)
     sizes = recv_nE.sum(0)
-
+  run = body.runtime.run
   out_g = dispatch_lib.grouped_ffn(dispatch_lib.permute_rows(recv, order2, inverse2), sizes,
-                                   params, backend, tile, runtime)
-  out_recv = dispatch_lib.permute_rows(out_g, inverse2, order2)
-
-  with jax.named_scope('exchange_back'):
-    if kind == 'padded':
-      back = named(jax.lax.all_to_all(out_recv.reshape(n, slot, d), 'expert', 0, 0,
-                                      tiled=True))
-      out_sorted = back.at[dest, pos].get(mode='fill', fill_value=0)
-    else:  # rows a slot dropped are never written: they stay zero
-      # where each source's rows for this device begin in its send buffer (offsets of the
-      # whole sorted rows, dropped ones included)
-      src_off = _exclusive_cumsum(raw_counts.reshape(n, n, e_loc).sum(-1), 1)[:, me]
-      out_sorted = jax.lax.ragged_all_to_all(out_recv, jnp.zeros((m, d), out_recv.dtype),
-                                             block_start, c_nn[:, me], src_off, dest_counts,
-                                             axis_name='expert')
-      out_sorted = named(out_sorted)
-
-  with jax.named_scope('unpermute'):
-    out_TkD = dispatch_lib.permute_rows(out_sorted, inverse, order).reshape(t, k, d)
-  y_TD = dispatch_lib.combine(out_TkD, weights_Tk)
-  if tensor > 1:
-    y_TD = jax.lax.psum(y_TD, 'tensor')
-  return y_TD, jax.lax.psum(dropped, batch_axes)
-
-
-def _body_kw(cfg, mesh, num_experts, runtime):
-  """The body's settings: the architecture's capacity and exchange buffers (`cfg`; dropless
-  worst-case buffers when the runtime is `exchange_dropless`), the runtime's run settings."""
-  run = runtime.run
-  buffer_factor = 0.0 if runtime.exchange_dropless else cfg.exchange_buffer_factor
-  return dict(num_experts=num_experts, n=mesh.shape['expert'], factor=cfg.capacity_factor,
-              kind=exchange_kind(run.expert_exchange, runtime), backend=run.dispatch,
-              tile=run.dispatch_tile, batch_axes=sharding.batch_axes(mesh),
-              tensor=mesh.shape['tensor'], buffer_factor=buffer_factor,
-              block_rows=run.ffn_block_rows, runtime=runtime)
+                                   params, run.dispatch, run.dispatch_tile, body.runtime)
+  return dispatch_lib.permute_rows(out_g, inverse2, order2)
 
 
 def local_dispatch(x_TD, experts_Tk, weights_Tk, params, cfg, mesh, num_experts: int,
@@ -236,7 +283,7 @@ def local_dispatch(x_TD, experts_Tk, weights_Tk, params, cfg, mesh, num_experts:
   """The per-device body called where every mesh axis is already manual (core.Core's
   shard_map): this device's rows and its E/n experts (`params`); (y_TD, dropped)."""
   y_TD, dropped = _local_moe(x_TD, experts_Tk, weights_Tk, params,
-                             **_body_kw(cfg, mesh, num_experts, runtime))
+                             Body.of(cfg, mesh, num_experts, runtime))
   return y_TD.astype(x_TD.dtype), dropped
 
 
@@ -251,8 +298,8 @@ def moe_dispatch(x_TD, experts_Tk, weights_Tk, params, cfg, mesh, runtime: Runti
   rows = P(sharding.batch_axes(mesh))
   w_in = sharding.spec(('experts', None, 'mlp'), mesh.axis_names)
   w_out = sharding.spec(('experts', 'mlp', None), mesh.axis_names)
-  body = lambda x, e, w, p: _local_moe(x, e, w, p, **_body_kw(cfg, mesh, num_experts, runtime))
+  settings = Body.of(cfg, mesh, num_experts, runtime)
   y_TD, dropped = jax.shard_map(
-      body, in_specs=(rows, rows, rows, {'gate': w_in, 'up': w_in, 'down': w_out}),
+      lambda x, e, w, p: _local_moe(x, e, w, p, settings), in_specs=(rows, rows, rows, {'gate': w_in, 'up': w_in, 'down': w_out}),
       out_specs=(rows, P()), check_vma=False)(x_TD, experts_Tk, weights_Tk, params)
   return y_TD.astype(x_TD.dtype), dropped

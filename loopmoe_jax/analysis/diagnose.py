@@ -10,6 +10,7 @@ printed line say which (count, split, how chosen).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -17,6 +18,9 @@ import time
 import numpy as np
 
 from loopmoe_jax.analysis import diagnostics, heatmaps, masking, probe_set
+# under other names: `evals` and `probes` are diagnose's options
+from loopmoe_jax.analysis import evals as ev
+from loopmoe_jax.analysis import probes as mech
 from loopmoe_jax.train.run import RunDir
 
 
@@ -73,6 +77,26 @@ def not_applicable(cfg) -> dict:
   return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _Options:
+  """diagnose's counts, checked once (`check`), so that each step takes the few it reads."""
+  tokens: int  # probe tokens, the scale's default already resolved
+  mask_top: int
+  mask_draws: int
+  seed: int
+  probes: int
+  evals: int
+  recurrence: int
+
+  def check(self):
+    """Raises ValueError naming the first count out of range (tokens must be > 0, the rest
+    >= 0), as the command-line flag that sets it."""
+    for name in ('tokens', 'mask_top', 'mask_draws', 'probes', 'evals', 'recurrence'):
+      value = getattr(self, name)
+      if value < 0 or (name == 'tokens' and value == 0):
+        raise ValueError(f'--{name}={value}: must be {"> 0" if name == "tokens" else ">= 0"}')
+
+
 def diagnose(workdir: str, out_dir: str, tokens: int | None = None, step: int | None = None,
              mask_top: int = 1, mask_draws: int = 4, seed: int = 0, log=print,
              probes: int = 0, evals: int = 0, recurrence: int = 0, scale: str = 'cpu') -> dict:
@@ -83,96 +107,146 @@ def diagnose(workdir: str, out_dir: str, tokens: int | None = None, step: int | 
   by shots and parity/addition/induction on that many examples each ('evals'); `recurrence`
   loss and task accuracy at passes 1..recurrence ('recurrence', and recurrence.png)."""
   tokens, chosen = probe_set.setting(tokens, scale)
-  for name, value in dict(tokens=tokens, mask_top=mask_top, mask_draws=mask_draws, probes=probes,
-                          evals=evals, recurrence=recurrence).items():
-    if value < 0 or (name == 'tokens' and value == 0):
-      raise ValueError(f'--{name}={value}: must be {"> 0" if name == "tokens" else ">= 0"}')
+  opts = _Options(tokens, mask_top, mask_draws, seed, probes, evals, recurrence)
+  opts.check()
   t0 = time.perf_counter()
-  run = RunDir(workdir).load(step)  # read once: the evals and recurrence below reuse it
-  cfg, params, s, config = run.model_cfg, run.variables, run.step, run.config
+  run = _load(workdir, step, mask_top)  # read once: the evals and recurrence below reuse it
+  params = run.variables
+  batches, info = probe_set.probe_batches(run.config['data'], run.model_cfg, tokens)
+  info['setting'] = chosen
+  log(f'probe set: {probe_set.describe(info)}')
+  t1 = time.perf_counter()
+  res = probe_set.run(run.model_cfg, params, batches,
+                      record=bool(probe_set.segment_experts(run.model_cfg)),
+                      tokens=info['tokens'], runtime=run.runtime)
+  t2 = time.perf_counter()
+  report = _routing_report(workdir, run, info, res)
+  os.makedirs(out_dir, exist_ok=True)
+  figures = _heatmaps(report, out_dir)
+  report['masking'] = _masking(report, run, params, batches, opts)
+  t3 = time.perf_counter()
+  report['timing_s'] = _timing((t0, t1, t2, t3), info['tokens'], res['timing'])
+  ran, more = _analyses(report, run, params, batches, out_dir, opts)
+  report['timing_s']['analyses_after_masking'] = time.perf_counter() - t3
+  report['timing_s']['after_masking'] = ran  # only the analyses that ran
+  report['figures'] = figures + more
+  report = _plain(report)
+  with open(os.path.join(out_dir, 'diagnostics.json'), 'w') as f:
+    json.dump(report, f, indent=1)
+  return report
+
+
+def _load(workdir: str, step: int | None, mask_top: int):
+  """The checkpoint (the latest when `step` is None), refused when `mask_top` leaves a token
+  fewer than top_k unmasked core experts."""
+  run = RunDir(workdir).load(step)
+  cfg = run.model_cfg
   if cfg.core_experts and mask_top > cfg.core_experts - cfg.top_k:
     raise ValueError(f'--mask_top={mask_top}: must be <= model.core_experts - model.top_k = '
                      f'{cfg.core_experts - cfg.top_k} (a token needs top_k unmasked experts)')
-  batches, info = probe_set.probe_batches(config['data'], cfg, tokens)
-  info['setting'] = chosen
+  return run
+
+
+def _routing_report(workdir: str, run, info: dict, res: dict) -> dict:
+  """The report's head: the checkpoint, the probe set, its loss, what does not apply, and
+  per segment with routing records its diagnostics (segment_report)."""
+  cfg = run.model_cfg
   experts = probe_set.segment_experts(cfg)
-  log(f'probe set: {probe_set.describe(info)}')
-  t1 = time.perf_counter()
-  res = probe_set.run(cfg, params, batches, record=bool(experts), tokens=info['tokens'],
-                      runtime=run.runtime)
-  t2 = time.perf_counter()
-  report = {'workdir': workdir, 'step': s, 'probe_set': info, 'loss': res['loss'],
+  report = {'workdir': workdir, 'step': run.step, 'probe_set': info, 'loss': res['loss'],
             'not_applicable': not_applicable(cfg), 'segments': {}}
   routing = res.get('routing', {})
   for seg in probe_set.SEGMENTS:
     if seg in routing:
       report['segments'][seg] = segment_report(seg, routing[seg], experts[seg][1],
                                                info['batch_tokens'])
-  os.makedirs(out_dir, exist_ok=True)
+  return report
+
+
+def _heatmaps(report: dict, out_dir: str) -> list[str]:
+  """Writes the expert-load heatmap (every routed segment) and the core's MMR heatmap into
+  out_dir; returns their paths."""
+  s, info, segments = report['step'], report['probe_set'], report['segments']
   figures = []
-  if report['segments']:
+  if segments:
     shares = {seg: (r['load_share_per_pass'] if seg == 'core' else
                     np.asarray(r['load_share_pooled'])[:, None, :])
-              for seg, r in report['segments'].items()}
+              for seg, r in segments.items()}
     path = os.path.join(out_dir, 'expert_load.png')
     heatmaps.load_heatmap(path, shares, f'expert load share by layer and pass (step {s}, '
                           f'{info["tokens"]} tokens)')
     figures.append(path)
-  if 'core' in report['segments']:
+  if 'core' in segments:
     path = os.path.join(out_dir, 'mmr.png')
-    heatmaps.mmr_heatmap(path, report['segments']['core']['MMR_per_layer_pass'],
+    heatmaps.mmr_heatmap(path, segments['core']['MMR_per_layer_pass'],
                          f'core MMR by layer and pass (step {s})')
     figures.append(path)
+  return figures
+
+
+def _masking(report: dict, run, params, batches: list, opts: _Options) -> list[dict]:
+  """Per core layer, the traffic-matched masking test of its `opts.mask_top` most loaded
+  experts (masking.py); none, and a note in not_applicable, without an MoE core."""
   masks = []
-  if 'core' in report['segments'] and mask_top > 0:
+  if 'core' in report['segments'] and opts.mask_top > 0:
+    cfg = run.model_cfg
     q = np.asarray(report['segments']['core']['load_share_pooled'])
     for d in range(cfg.core_layers):
-      top = tuple(int(i) for i in np.argsort(-q[d], kind='stable')[:mask_top])
+      top = tuple(int(i) for i in np.argsort(-q[d], kind='stable')[:opts.mask_top])
       masks.append(masking.traffic_matched(cfg, params, batches, 'core', d, top, q[d],
-                                           mask_draws, seed + d, res['loss'], run.runtime))
-  elif mask_top > 0 and 'core' not in report['segments']:
+                                           opts.mask_draws, opts.seed + d, report['loss'],
+                                           run.runtime))
+  elif opts.mask_top > 0 and 'core' not in report['segments']:
     report['not_applicable'].setdefault('masking', 'no MoE core layer to mask')
-  report['masking'] = masks
-  t3 = time.perf_counter()
-  report['timing_s'] = {'load': t1 - t0, 'records': t2 - t1, 'masking': t3 - t2,
-                        'total': t3 - t0,
-                        'records_per_1k_tokens': 1000 * (t2 - t1) / info['tokens'],
-                        'total_per_1k_tokens': 1000 * (t3 - t0) / info['tokens'],
-                        'records_first_batch': res['timing']['first_batch_s'],
-                        'records_per_1k_tokens_after_first_batch':
-                            1000 * res['timing']['rest_s'] / res['timing']['rest_tokens']
-                            if res['timing']['rest_tokens'] else None}
-  ran = {}  # seconds of each analysis after masking that ran
-  if probes:
+  return masks
+
+
+def _timing(marks: tuple, tokens: int, records: dict) -> dict:
+  """Seconds of loading, recording and masking from the times `marks` = (start, loaded,
+  recorded, masked), per 1,000 probe tokens too, and of the records' first batch (with
+  compilation) apart from the rest (`records`: probe_set.run's timing)."""
+  t0, t1, t2, t3 = marks
+  return {'load': t1 - t0, 'records': t2 - t1, 'masking': t3 - t2, 'total': t3 - t0,
+          'records_per_1k_tokens': 1000 * (t2 - t1) / tokens,
+          'total_per_1k_tokens': 1000 * (t3 - t0) / tokens,
+          'records_first_batch': records['first_batch_s'],
+          'records_per_1k_tokens_after_first_batch':
+              1000 * records['rest_s'] / records['rest_tokens']
+              if records['rest_tokens'] else None}
+
+
+def _analyses(report: dict, run, params, batches: list, out_dir: str,
+              opts: _Options) -> tuple[dict, list[str]]:
+  """The optional analyses of the same checkpoint that `opts` asks for, each into its key of
+  `report`: probes, evals, recurrence (with out_dir/recurrence.png). Returns the seconds of
+  each that ran and the figures they wrote."""
+  ran, figures = {}, []
+  if opts.probes:
     t = time.perf_counter()
-    from loopmoe_jax.analysis import probes as mech  # pylint: disable=import-outside-toplevel
-    inputs, have = [], 0  # the probe set's own windows, up to `probes` tokens
-    for b in batches:
-      if have >= probes:
-        break
-      inputs.append(b['inputs'])
-      have += b['inputs'].size
-    report['probes'] = mech.mechanistic_probes(cfg, params, inputs)
+    report['probes'] = mech.mechanistic_probes(run.model_cfg, params,
+                                               _probe_inputs(batches, opts.probes))
     ran['probes'] = time.perf_counter() - t
-  if evals:
+  if opts.evals:
     t = time.perf_counter()
-    from loopmoe_jax.analysis import evals as ev  # pylint: disable=import-outside-toplevel
-    report['evals'] = ev.reasoning_evals(run, examples=evals)
+    report['evals'] = ev.reasoning_evals(run, examples=opts.evals)
     ran['evals'] = time.perf_counter() - t
-  if recurrence:
+  if opts.recurrence:
     t = time.perf_counter()
-    from loopmoe_jax.analysis import evals as ev  # pylint: disable=import-outside-toplevel
-    report['recurrence'] = ev.recurrence(run, recurrence)
+    report['recurrence'] = ev.recurrence(run, opts.recurrence)
     figures.append(ev.plot_recurrence(report['recurrence'],
                                       os.path.join(out_dir, 'recurrence.png')))
     ran['recurrence'] = time.perf_counter() - t
-  report['timing_s']['analyses_after_masking'] = time.perf_counter() - t3
-  report['timing_s']['after_masking'] = ran  # only the analyses that ran
-  report['figures'] = figures
-  report = _plain(report)
-  with open(os.path.join(out_dir, 'diagnostics.json'), 'w') as f:
-    json.dump(report, f, indent=1)
-  return report
+  return ran, figures
+
+
+def _probe_inputs(batches: list, tokens: int) -> list:
+  """The probe set's own windows, whole batches until at least `tokens` tokens."""
+  inputs, have = [], 0
+  for b in batches:
+    if have >= tokens:
+      break
+    inputs.append(b['inputs'])
+    have += b['inputs'].size
+  return inputs
 
 
 def summary_lines(r: dict) -> list[str]:
@@ -198,7 +272,7 @@ def summary_lines(r: dict) -> list[str]:
     p = r['probes']
     for n, sim in p.get('qkv_cosine', {}).items():
       lines.append(f'probes: {n} cosine between visits [layer][pass][pass]: {_fmt(sim)}')
-    lines.append(f'probes: sink mass per segment/visit: '
+    lines.append('probes: sink mass per segment/visit: '
                  + '  '.join(f'{k} {_fmt(v)}' for k, v in p['sink_mass'].items()))
   if 'evals' in r:
     e = r['evals']

@@ -17,6 +17,10 @@ import os
 
 import numpy as np
 
+from loopmoe_jax.accounting import count
+from loopmoe_jax.analysis import paired, probe_set
+from loopmoe_jax.analysis.diagnose import diagnose
+from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.experiment import load_config
 from loopmoe_jax.replicate import common
 from loopmoe_jax.replicate.common import _mean, _table
@@ -83,7 +87,6 @@ def window_steps(workdir: str, steps: int, window: int) -> list[int]:
 
 def pair(dir_a: str, dir_b: str, window: list[int]) -> dict:
   """A - B paired over every step of the final window (paired.compare_runs' default)."""
-  from loopmoe_jax.analysis import paired
   c = paired.compare_runs(dir_a, dir_b)
   if c['window_steps'] != [window[0], window[-1]] or c['n'] != len(window):
     raise ValueError(f'{dir_a} vs {dir_b}: paired over steps {c["window_steps"]} ({c["n"]}, '
@@ -92,7 +95,6 @@ def pair(dir_a: str, dir_b: str, window: list[int]) -> dict:
 
 
 def routing_diagnostics(workdir: str, out_dir: str, scale: str, log=print) -> dict:
-  from loopmoe_jax.analysis.diagnose import diagnose
   return diagnose(workdir, out_dir, tokens=PROBE_TOKENS[scale], mask_draws=MASK_DRAWS, log=log,
                   scale=scale)
 
@@ -107,9 +109,6 @@ def reading(a: str, b: str, m: float, se_eff: float) -> str:
 
 
 def run(out: str, scale: str, log=print) -> tuple[dict, str]:
-  from loopmoe_jax.accounting import count
-  from loopmoe_jax.analysis import probe_set
-  from loopmoe_jax.config import ModelConfig
   steps, fw = STEPS[scale], FINAL_WINDOW[scale]
   results, dirs, windows, probe = {}, {}, {}, None
   for v in VARIANTS:
@@ -157,28 +156,18 @@ def run(out: str, scale: str, log=print) -> tuple[dict, str]:
 
 
 def report(results: dict, scale: str, cfg, probe_text: str) -> str:
+  """report.md's text: the shortcuts and each variant's losses and paired difference against
+  Base, the untied models against Base-tied, and the routing diagnostics, each beside the
+  paper's figures."""
+  return '\n\n'.join((_report_losses(results, scale, cfg, probe_text),
+                      _report_tied(results), _report_routing(results)))
+
+
+def _shortcuts(results: dict, scale: str, cfg, probe_text: str) -> str:
+  """Every way this run departs from the paper's protocol, one bullet each."""
   steps, win = results['paired_window']['train_steps'], results['paired_window']
-  rows = [{'variant': v, **{k: results[v][k] for k in ('shape', 'params', 'val_loss',
-                                                       'final_window_loss')},
-           'attention': 'tied' if results[v]['tie_attention'] else 'per pass',
-           'paper params': f"{PAPER['params_M'][v]}M",
-           'paired_diff': results[v].get('paired_diff_vs_base', {}).get('mean_diff', 0.0),
-           'se_eff': results[v].get('paired_diff_vs_base', {}).get('se_eff', 0.0),
-           'paper paired_diff': PAPER_GAP_TEXT[v],
-           'max_vio_pass0': results[v]['max_vio_by_pass'].get(0, float('nan'))}
-          for v in VARIANTS]
-  tied_rows = [{'A - B': f'{v} - {TIED}', 'paired_diff': p['mean_diff'], 'se_eff': p['se_eff'],
-                'n': p['n'], 'reading': reading(v, TIED, p['mean_diff'], p['se_eff'])}
-               for v in UNTIED for p in [results[v]['paired_diff_vs_base_tied']]]
-  diag_rows = [{'variant': v, 'U': d['U_mean'], 'paper U (20B)': PAPER['U_mean_20B'].get(v, '-'),
-                'U_norm': d['U_normalized'], 'B2_pooled': _mean(d['B2_pooled']),
-                'B2_per_pass': _mean(d['B2_per_pass']), 'MaxVio': _mean(d['MaxVio_global']),
-                'MMR': d['MMR_overall']}
-               for v in VARIANTS for d in [results[v]['diagnostics']]]
-  gap = results['mmr_gap_untied_vs_tied']['relative']
-  gap_text = f'{gap:+.1%}' if gap is not None else 'n/a'
   d, m = cfg.data, cfg.model
-  shortcuts = '\n'.join('- ' + x for x in (
+  return '\n'.join('- ' + x for x in (
       f"scale: {'smoke' if scale == 'cpu' else 'full'} widths (d_model {m.d_model}, expert width "
       f"{m.expert_width}), {results['base']['params']:,} parameters in Base against 553.7M;",
       f'training: {steps} steps of {d.batch_size} x {d.seq_len} tokens '
@@ -192,13 +181,27 @@ def report(results: dict, scale: str, cfg, probe_text: str) -> str:
       f"probe set: {probe_text}, against the paper's 255,500 probe tokens; masking test with "
       f'{MASK_DRAWS} random traffic-matched draws per layer;',
       'tied controls: Base-tied alone; proto-Foil-3/2/1 are not trained.'))
+
+
+def _report_losses(results: dict, scale: str, cfg, probe_text: str) -> str:
+  """The title, the shortcuts, and per variant its losses, parameters and paired difference
+  against Base beside the paper's (Figure 3, Table 3)."""
+  rows = [{'variant': v, **{k: results[v][k] for k in ('shape', 'params', 'val_loss',
+                                                       'final_window_loss')},
+           'attention': 'tied' if results[v]['tie_attention'] else 'per pass',
+           'paper params': f"{PAPER['params_M'][v]}M",
+           'paired_diff': results[v].get('paired_diff_vs_base', {}).get('mean_diff', 0.0),
+           'se_eff': results[v].get('paired_diff_vs_base', {}).get('se_eff', 0.0),
+           'paper paired_diff': PAPER_GAP_TEXT[v],
+           'max_vio_pass0': results[v]['max_vio_by_pass'].get(0, float('nan'))}
+          for v in VARIANTS]
   return f"""# Foil, mini-replication ({scale} scale)
 
 The looped-block shapes (E, D, L) of `configs/foil.py` with per-pass attention, and Base's
 tied-attention control Base-tied, trained on one data order with one seed. **Different scale
 from the paper**: read the pipeline, not the constants. Shortcuts against the paper:
 
-{shortcuts}
+{_shortcuts(results, scale, cfg, probe_text)}
 
 {_table(rows, ['variant', 'shape', 'attention', 'params', 'paper params', 'val_loss',
                'final_window_loss', 'paired_diff', 'se_eff', 'paper paired_diff',
@@ -209,9 +212,16 @@ the same batch (negative: better than Base), `se_eff` its standard error with th
 lag-1-autocorrelation effective sample size (analysis/paired.py). `paper paired_diff`: Foil's
 Figure 3: Foil-1 ends 0.007 nat below Base at 20B tokens and 0.012 at 100B; at 20B
 all three Foils are below Base, Foil-2 slightly below Foil-1 (no figure quoted for Foil-2/3).
-MaxVio of the core's first pass at the last routing record.
+MaxVio of the core's first pass at the last routing record."""
 
-## Tied attention (Base-tied)
+
+def _report_tied(results: dict) -> str:
+  """Each untied model against Base-tied, read with the paper's on-par threshold, and what
+  the one tied pair trained here can and cannot test."""
+  tied_rows = [{'A - B': f'{v} - {TIED}', 'paired_diff': p['mean_diff'], 'se_eff': p['se_eff'],
+                'n': p['n'], 'reading': reading(v, TIED, p['mean_diff'], p['se_eff'])}
+               for v in UNTIED for p in [results[v]['paired_diff_vs_base_tied']]]
+  return f"""## Tied attention (Base-tied)
 
 Each untied model against Base-tied, paired over the same window (Base-tied against Base is
 in the table above; `reading`: the paper reads |diff| < 0.002 nat as on par):
@@ -222,9 +232,20 @@ The paper (Table 3) compares tied and untied attention at each of its four shape
 (Base-tied and proto-Foil-3/2/1 against Base and Foil-3/2/1). This run has one of those pairs,
 at Base's shape: it tests whether per-pass attention changes the loss at Base's shape and
 whether the Foils beat Base-tied, at this scale and seed. It does not test whether flattening
-helps with tied attention (the proto-Foils), so it says nothing on that.
+helps with tied attention (the proto-Foils), so it says nothing on that."""
 
-## Routing diagnostics
+
+def _report_routing(results: dict) -> str:
+  """The routing diagnostics per variant beside the paper's U (Table 10), and the MMR gap
+  between untied and tied attention at Base's shape."""
+  diag_rows = [{'variant': v, 'U': d['U_mean'], 'paper U (20B)': PAPER['U_mean_20B'].get(v, '-'),
+                'U_norm': d['U_normalized'], 'B2_pooled': _mean(d['B2_pooled']),
+                'B2_per_pass': _mean(d['B2_per_pass']), 'MaxVio': _mean(d['MaxVio_global']),
+                'MMR': d['MMR_overall']}
+               for v in VARIANTS for d in [results[v]['diagnostics']]]
+  gap = results['mmr_gap_untied_vs_tied']['relative']
+  gap_text = f'{gap:+.1%}' if gap is not None else 'n/a'
+  return f"""## Routing diagnostics
 
 Final checkpoints over the probe set (analysis/diagnose.py; core layers, means over layers
 and passes; per-run JSON and heatmaps under `diagnostics/`). `paper U (20B)`: Foil's Table 10

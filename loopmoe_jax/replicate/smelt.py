@@ -7,11 +7,14 @@ import os
 
 import numpy as np
 
+from loopmoe_jax.analysis import evals, probes
 from loopmoe_jax.experiment import load_config
 from loopmoe_jax.replicate import common
 from loopmoe_jax.replicate.common import SMELT_RESAMPLES, _columns, _table
+from loopmoe_jax.scaling import smelt_analysis
 
-# The paper's figures: SMELT (arXiv 2609.01343v1), as quoted in the article "SMELT: looping wins even after you pay for the FLOPs".
+# The paper's figures: SMELT (arXiv 2609.01343v1), as quoted in the article "SMELT: looping
+# wins even after you pay for the FLOPs".
 # That source numbers no section for the scaling or probe results, so each comment names the
 # part of the paper and, in quotes, the article's heading it is quoted under.
 PAPER = {
@@ -47,7 +50,6 @@ ARCHS = (('baseline', 'baseline'), ('looped', 'smelt'))  # (ours, smelt_analysis
 
 
 def run(out: str, scale: str, log=print) -> tuple[dict, str]:
-  from loopmoe_jax.scaling import smelt_analysis
   size = 'smoke' if scale == 'cpu' else '200m'
   steps = (50, 100, 200) if scale == 'cpu' else (2000, 4000, 8000)
   resamples = SMELT_RESAMPLES[scale]
@@ -117,13 +119,43 @@ def _pct(x) -> str:
 
 
 def _report(scale, size, steps, resamples, res, probe, probe_text) -> str:
-  fits, summary, eff_range = res['fits'], res['frontier'], res['compute_efficiency_range']
-  s_b, s_n = res['efficiency_sparsity']
-  ours_eff = {p['at']: p for p in eff_range}
-  lo, hi = ours_eff['min compute'], ours_eff['max compute']
-  dyck = probe['dyck']
-  v1, v2 = probe['sink'] or (None, None)
-  paper_rows = [
+  """report.md's text: ours beside the paper's figures, the shortcuts taken, the runs, the
+  fitted laws, the frontier and the saving, then the probes' section (`probe_text`)."""
+  return '\n\n'.join((_report_intro(scale, size, steps, res), _report_paper(res, probe),
+                      _report_shortcuts(size, steps, resamples, res), _report_runs(res),
+                      _report_frontier(resamples, res), probe_text))
+
+
+def _report_intro(scale, size, steps, res) -> str:
+  """The title and what was trained, marked as a different scale from the paper's."""
+  lengths, window = list(steps), res['compute_window']
+  return f"""# SMELT, mini-replication ({scale} scale)
+
+Each architecture of `configs/smelt.py:{size},baseline|looped` (the twin loops the middle half
+twice with 1/r scaling) in four cells (1x and 1.5x the width by 1x and 2x the experts; the
+first is the compute-matched pair) at training lengths {lengths}, one data order. **Different scale
+from the paper** ({PAPER['sizes']} models over 1.3e19-2.2e21 training FLOPs; ours
+{window[0]:.3g}-{window[1]:.3g}): read the pipeline, not the
+constants."""
+
+
+def _report_paper(res, probe) -> str:
+  """The table of our figures beside the paper's, with where each side comes from."""
+  rows = _paper_fit_rows(res) + _paper_probe_rows(res, probe)
+  return f"""## Ours beside the paper's figures
+
+{_table(rows, ['figure', 'ours', 'paper'])}
+
+The paper's figures are quoted from SMELT (arXiv 2609.01343) as `PAPER` in
+`loopmoe_jax/replicate/smelt.py`; ours come from the runs below. This table compares numbers;
+the run tests none of the paper's claims at the paper's scale."""
+
+
+def _paper_fit_rows(res) -> list[dict]:
+  """Rows of the paper table from the fitted laws: a, c, gamma and tokens per parameter per
+  architecture."""
+  fits, summary = res['fits'], res['frontier']
+  return [
       {'figure': f'{k} ({v})', 'ours': f'{fits[v][k]:.4g}', 'paper': f'{PAPER[k][v]:.4g}'}
       for k in ('a', 'c') for v in ('baseline', 'looped')] + [
       {'figure': f'gamma ({v})', 'ours': f"{summary[v]['gamma']:.3g} "
@@ -132,7 +164,17 @@ def _report(scale, size, steps, resamples, res, probe, probe_text) -> str:
       {'figure': f'tokens per parameter ({v})', 'ours': f"{summary[v]['tokens_per_param']:.3g} "
        f"{_ci(summary[v]['tokens_per_param_ci'])} at C={res['compute']:.3g}",
        'paper': '56-91 by sparsity, SMELT within 6% of baseline'} for v in ('baseline', 'looped')
-  ] + [
+  ]
+
+
+def _paper_probe_rows(res, probe) -> list[dict]:
+  """Rows of the paper table from the saving across compute and from the probes: Q/K/V
+  cosine and sink mass between visits, and Dyck accuracy per architecture."""
+  ours_eff = {p['at']: p for p in res['compute_efficiency_range']}
+  lo, hi = ours_eff['min compute'], ours_eff['max compute']
+  dyck = probe['dyck']
+  v1, v2 = probe['sink'] or (None, None)
+  return [
       {'figure': 'compute saving at matched loss, min -> max compute',
        'ours': f"{lo['value']:.1%} {_pct(lo['ci'])} -> {hi['value']:.1%} {_pct(hi['ci'])}, "
                f"C {res['compute_window'][0]:.3g}-{res['compute_window'][1]:.3g}",
@@ -146,35 +188,14 @@ def _report(scale, size, steps, resamples, res, probe, probe_text) -> str:
        'paper': '0.60 -> 0.02 (Dyck case study)'}] + [
       {'figure': f'Dyck accuracy ({v})', 'ours': dyck[v],
        'paper': f"{PAPER['dyck'][v]:.1%} at 32 shots"} for v in ('baseline', 'looped')]
-  frontier_rows = [{'arch': v, **{k: summary[v][k] for k in ('S', 'gamma', 'F', 'D',
-                                                             'tokens_per_param', 'loss')},
-                    'gamma 95%': _ci(summary[v]['gamma_ci'])} for v in summary]
-  eff_rows = [{'at': p['at'], 'C': p['compute'], 'matched loss': p['loss'],
-               'saving': f"{p['value']:.1%}", '95%': _pct(p['ci'])}
-              for p in eff_range]
-  pair = res['matched_pair']
-  pair_rows = [{'steps': s, 'baseline': pair['baseline'][s], 'looped': pair['looped'][s]}
-               for s in sorted(pair['baseline'])]
+
+
+def _report_shortcuts(size, steps, resamples, res) -> str:
+  """Every way this run departs from the paper's protocol."""
+  s_b, s_n = res['efficiency_sparsity']
   levels = {v: sorted({round(p['S'], 3) for p in res['points'] if p['arch'] == v})
             for v in ('baseline', 'looped')}
-  return f"""# SMELT, mini-replication ({scale} scale)
-
-Each architecture of `configs/smelt.py:{size},baseline|looped` (the twin loops the middle half
-twice with 1/r scaling) in four cells (1x and 1.5x the width by 1x and 2x the experts; the
-first is the compute-matched pair) at training lengths {list(steps)}, one data order. **Different scale
-from the paper** ({PAPER['sizes']} models over 1.3e19-2.2e21 training FLOPs; ours
-{res['compute_window'][0]:.3g}-{res['compute_window'][1]:.3g}): read the pipeline, not the
-constants.
-
-## Ours beside the paper's figures
-
-{_table(paper_rows, ['figure', 'ours', 'paper'])}
-
-The paper's figures are quoted from SMELT (arXiv 2609.01343) as `PAPER` in
-`loopmoe_jax/replicate/smelt.py`; ours come from the runs below. This table compares numbers;
-the run tests none of the paper's claims at the paper's scale.
-
-## Shortcuts this run took
+  return f"""## Shortcuts this run took
 
 - Scale: `{size}` models trained {min(steps)}-{max(steps)} steps, one data order per point;
   the paper: 4 sizes ({PAPER['sizes']}) over 1.3e19-2.2e21 training FLOPs.
@@ -189,9 +210,16 @@ the run tests none of the paper's claims at the paper's scale.
 - Tokens per parameter at our largest compute and median sparsity, not per sparsity level.
 - Probes: only the compute-matched pair's longest run; Q/K/V cosine and sink mass (attention
   on position 0, mean over the shared layers) on validation tokens, not on a Dyck case study;
-  Dyck-2 on 32 queries, teacher-forced argmax, at the shot counts the context admits.
+  Dyck-2 on 32 queries, teacher-forced argmax, at the shot counts the context admits."""
 
-## Points
+
+def _report_runs(res) -> str:
+  """The trained points, the compute-matched pair's losses and the law fitted per
+  architecture."""
+  fits, pair = res['fits'], res['matched_pair']
+  pair_rows = [{'steps': s, 'baseline': pair['baseline'][s], 'looped': pair['looped'][s]}
+               for s in sorted(pair['baseline'])]
+  return f"""## Points
 
 {_table(res['points'], ['arch', 'width', 'experts', 'steps', 'F', 'S', 'C', 'loss'])}
 
@@ -201,15 +229,27 @@ the run tests none of the paper's claims at the paper's scale.
 
 ## SMELT law per architecture, L = E + A (1-S)^b / F^a + K / D^c
 
-{_table([{'arch': v, **fits[v]} for v in fits], ['arch', 'E', 'A', 'b', 'a', 'K', 'c'])}
+{_table([{'arch': v, **fits[v]} for v in fits], ['arch', 'E', 'A', 'b', 'a', 'K', 'c'])}"""
 
-## Compute-optimal frontier at C = {res['compute']:.3g} FLOPs (cell bootstrap, {resamples} resamples)
+
+def _report_frontier(resamples, res) -> str:
+  """The compute-optimal frontier per architecture, the saving at its matched loss and the
+  saving across the grid's compute range."""
+  summary, compute, ci = res['frontier'], res['compute'], res['compute_efficiency_ci']
+  frontier_rows = [{'arch': v, **{k: summary[v][k] for k in ('S', 'gamma', 'F', 'D',
+                                                             'tokens_per_param', 'loss')},
+                    'gamma 95%': _ci(summary[v]['gamma_ci'])} for v in summary]
+  eff_rows = [{'at': p['at'], 'C': p['compute'], 'matched loss': p['loss'],
+               'saving': f"{p['value']:.1%}", '95%': _pct(p['ci'])}
+              for p in res['compute_efficiency_range']]
+  heading = f'Compute-optimal frontier at C = {compute:.3g} FLOPs'
+  return f"""## {heading} (cell bootstrap, {resamples} resamples)
 
 {_table(frontier_rows, ['arch', 'S', 'gamma', 'gamma 95%', 'F', 'D', 'tokens_per_param', 'loss'])}
 
 At the baseline frontier's loss at this compute ({res['matched_loss']:.4f}) the looped frontier
 needs **{res['compute_efficiency']:.1%}** less training compute (95% interval
-{res['compute_efficiency_ci'][0]:.1%} to {res['compute_efficiency_ci'][1]:.1%}; negative: it
+{ci[0]:.1%} to {ci[1]:.1%}; negative: it
 costs more).
 
 ## Compute saving across the grid's compute range (cell-paired bootstrap)
@@ -218,16 +258,14 @@ costs more).
 
 Each resample draws the {res['efficiency_cells']} paired sparse cells with replacement, refits
 both laws on both architectures' rows of the drawn cells and reads 1 - C_looped / C at the
-baseline frontier's loss at C. Paper: 6.8% to 18.0% over 1.3e19-2.2e21 FLOPs.
+baseline frontier's loss at C. Paper: 6.8% to 18.0% over 1.3e19-2.2e21 FLOPs."""
 
-{probe_text}"""
 
 
 def smelt_probes(pair_dirs: dict[str, str], log=print, tokens: int = 4096) -> dict:
   """SMELT's probes and in-context eval of the compute-matched pair (`pair_dirs`:
   {'baseline', 'looped'} run directories): Q/K/V cosine between the twin's visits, sink mass
   per visit, and Dyck-2 exact match by shots (analysis/probes.py, analysis/evals.py)."""
-  from loopmoe_jax.analysis import evals, probes
   out = {}
   for v, workdir in pair_dirs.items():
     log(f'smelt: probes and Dyck of {workdir}')
