@@ -16,7 +16,7 @@ Conventions:
   decode cache (decode.cache_shapes; tested).
 - model.exit='gate' adds the gate's d + 1 parameters ('exit_gate') and, in training only,
   `gate_train_flops_per_token`: the forward FLOPs of the readout of every pass but the last
-  (exit.pass_outputs: the coda's layers with their attention, and the head) and the gate's
+  (early_exit.pass_outputs: the coda's layers with their attention, and the head) and the gate's
   dot at every pass (objective.gate_lm_loss).
 - SMELT sparsity S = 1 - active / total over non-embedding parameters.
 - Foil counts over the core: E_real = E*D, E_comp = D*L*k, E_eq = E*D*L.

@@ -92,8 +92,9 @@ class Attention(nn.Module):
       out_BTHK, sink_BH = attend(q_BTHK, k_BSGK, v_BSGK, positions_BT, k_pos_BS, sink=True)
       for name, val in (('q', q_BTHK), ('k', k_BSGK), ('v', v_BSGK), ('sink', sink_BH)):
         self.sow('intermediates', name, val.astype(jnp.float32))
-    elif self.decode or (impl := resolve(self.runtime.run.attention_impl, c.dtype,
-                                         self.runtime.backend, c.resolved_head_dim)) == 'xla':
+    elif self.decode or (impl := resolve(
+        self.runtime.run.attention_impl, c.dtype, self.runtime.target_platform,
+        c.resolved_head_dim)) == 'xla':
       out_BTHK = checkpoint_name(attend(q_BTHK, k_BSGK, v_BSGK, positions_BT, k_pos_BS),
                                  'attention')
     else:

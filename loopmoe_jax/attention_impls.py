@@ -57,16 +57,16 @@ def check(runtime: Runtime, mc) -> None:
   """Refuses run settings that the runtime's platform cannot run for the model config `mc`
   (cudnn attention on a TPU, splash on a GPU, cudnn with a head dim or dtype cuDNN does not
   take): a ValueError naming the key and the platform, before anything is traced."""
-  resolve(runtime.run.attention_impl, mc.dtype, runtime.backend, mc.resolved_head_dim)
+  resolve(runtime.run.attention_impl, mc.dtype, runtime.target_platform, mc.resolved_head_dim)
 
 
 def resolve(impl: str, dtype: str, platform: str | None = None,
             head_dim: int | None = None) -> str:
   """The implementation `impl` ('auto' or a name) runs as on `platform` ('cpu', 'gpu', 'tpu':
-  the one programs are built for, `Runtime.backend`; default: this machine's) for heads of
+  the one programs are built for, `Runtime.target_platform`; default: this machine's) for heads of
   `head_dim`; one the platform or the head dim cannot run is a ValueError naming the key,
   and `auto` never picks it (a head dim cuDNN does not take: chunked)."""
-  platform = platform or HERE.backend
+  platform = platform or HERE.target_platform
   if impl == 'auto':
     if platform == 'tpu':
       return 'splash'
@@ -336,7 +336,7 @@ def attend_with(impl: str, q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block: in
   the runtime's kernels are (a CPU)."""
   if impl == 'chunked':
     return chunked_attend(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block)
-  interpret = bool(pallas_kernels.ops.interpret_flag(runtime.interpret, runtime.backend))
+  interpret = bool(pallas_kernels.ops.interpret_flag(runtime.interpret, runtime.target_platform))
   fn = {'cudnn': _cudnn, 'splash': functools.partial(_splash, interpret=interpret)}[impl]
   out = _per_shard(fn, q_BTHK, k_BSGK, v_BSGK, k_BSGK.shape[2], runtime)
   return checkpoint_name(out, 'attention')

@@ -39,7 +39,7 @@ INTERRUPTED = 130  # the shell's status for a command stopped by SIGINT
 
 def interrupted():
   """Exits with one line and status 130 (a Ctrl-C the training loop did not catch: during
-  imports, set-up or compilation; the loop itself saves and stops, trainer._StopFlag)."""
+  imports, set-up or compilation; the loop itself saves and stops, preempt.StopSignals)."""
   print('interrupted (SIGINT): stopped (a training run resumes from its last checkpoint)',
         file=sys.stderr, flush=True)
   os._exit(INTERRUPTED)  # pylint: disable=protected-access  (no interpreter teardown noise)
@@ -61,7 +61,7 @@ def _on_sigint(signum, frame):
 
 
 def exit_on_interrupt() -> None:
-  """A Ctrl-C before the training loop installs its own handler (trainer._StopFlag: save and
+  """A Ctrl-C before the training loop installs its own handler (preempt.StopSignals: save and
   stop) exits at once with one line, while modules import (jax takes seconds; an import may
   swallow a KeyboardInterrupt) and while the run is set up and compiled. A script's entry
   (`run`) installs it; importing this module changes nothing."""

@@ -6,7 +6,7 @@ attention ("Foil") the core owns one attention set per pass, stacked along a lea
 axis, and feeds pass l its slice as the scanned input; experts and routers stay shared. The
 KV cache is scanned per pass (PER_PASS), so there is one slot per executed (pass, layer).
 Every scan of the passes (the plain forward, truncated backprop's two parts, early exit's and
-gate training's, exit.py) is made by `scan_passes`.
+gate training's, early_exit.py) is made by `scan_passes`.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from loopmoe_jax import exit as early_exit_lib
+from loopmoe_jax import early_exit as early_exit_lib
 from loopmoe_jax.attention import Attention, AttentionWeights
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax import core_once as core_once_lib

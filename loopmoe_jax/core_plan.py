@@ -1,7 +1,7 @@
 """The looped core's plan as types: what an entry point asks of it (`CoreRequest`), how one
 forward runs its passes (`CorePlan`, decided once by core.Core with the runtime), what every
 scan of the passes takes (`CoreInputs`) and what the core gives back (`CoreOutputs`).
-core.py, core_once.py and exit.py read the same types.
+core.py, core_once.py and early_exit.py read the same types.
 """
 from __future__ import annotations
 
@@ -18,13 +18,13 @@ class Path(enum.Enum):
   SCAN = 'scan'                # one nn.scan under XLA's partitioning
   ONCE = 'once'                # that scan inside core_once's shard_map: collectives once
   UNROLL = 'unroll'            # a Python loop over the passes (run.loop_impl='unroll')
-  EARLY_EXIT = 'early_exit'    # per-token early exit (exit.scan_core)
+  EARLY_EXIT = 'early_exit'    # per-token early exit (early_exit.scan_core)
   PASS_STATES = 'pass_states'  # gate training: the scan also emits every pass's state
 
 
 class CoreRequest(NamedTuple):
   """What an entry point asks of the core besides its passes: gradient through the last
-  `backprop_loops` only (0: all), per-token early exit read by `readout` (exit.Readout), or
+  `backprop_loops` only (0: all), per-token early exit read by `readout` (early_exit.Readout), or
   every pass's output state (`pass_states`, gate training)."""
   backprop_loops: int = 0
   readout: Any = None

@@ -39,9 +39,9 @@ a model trained under one decodes under any):
 
 `accounting.count(cfg)['kv_per_token']` and `cache_bytes` follow the layout.
 
-Early exit (model.exit 'kl' | 'gate', exit.py) applies in every decode_step: a token stops
+Early exit (model.exit 'kl' | 'gate', early_exit.py) applies in every decode_step: a token stops
 looping once its rule fires; the slots of the passes it skipped (this step's positions) are
-filled with its last computed pass's K/V (exit.fill_skipped, before a shared layout keeps its
+filled with its last computed pass's K/V (early_exit.fill_skipped, before a shared layout keeps its
 pass), and the cache's 'exit' entry counts the passes run and the tokens fed
 (`mean_passes`). When every row has exited the remaining passes are skipped, so at batch 1 a
 step's time follows the passes the token ran.
@@ -53,7 +53,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from loopmoe_jax import exit as early_exit_lib
+from loopmoe_jax import early_exit as early_exit_lib
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.model import LoopedMoE, check_loops, for_init, variables
 from loopmoe_jax.objective import token_nll_of_logits

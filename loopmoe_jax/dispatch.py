@@ -313,7 +313,7 @@ def pallas_self_check() -> str:
 
 def _checks_pallas(runtime: Runtime) -> bool:
   """Whether `auto` on this runtime would pick Pallas on this machine (so it is checked)."""
-  platform = runtime.backend
+  platform = runtime.target_platform
   return (FASTEST.get(platform) == 'pallas' and
           platform == platform_name(jax.default_backend()))
 
@@ -332,7 +332,7 @@ def resolve_backend(backend: str, runtime: Runtime = HERE) -> str:
   unchanged."""
   if backend != 'auto':
     return backend
-  choice = FASTEST.get(runtime.backend, 'tiled')
+  choice = FASTEST.get(runtime.target_platform, 'tiled')
   if _checks_pallas(runtime) and settle(runtime).pallas_check:
     return FALLBACK
   return choice

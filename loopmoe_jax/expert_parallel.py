@@ -79,7 +79,7 @@ def exchange_kind(kind: str, runtime: Runtime = HERE) -> str:
   (XLA:CPU has no ragged all-to-all), 'ragged' on GPU and TPU."""
   if kind != 'auto':
     return kind
-  return 'padded' if runtime.backend == 'cpu' else 'ragged'
+  return 'padded' if runtime.target_platform == 'cpu' else 'ragged'
 
 
 def _exclusive_cumsum(x, axis=0):
@@ -300,6 +300,7 @@ def moe_dispatch(x_TD, experts_Tk, weights_Tk, params, cfg, mesh, runtime: Runti
   w_out = sharding.spec(('experts', 'mlp', None), mesh.axis_names)
   settings = Body.of(cfg, mesh, num_experts, runtime)
   y_TD, dropped = jax.shard_map(
-      lambda x, e, w, p: _local_moe(x, e, w, p, settings), in_specs=(rows, rows, rows, {'gate': w_in, 'up': w_in, 'down': w_out}),
+      lambda x, e, w, p: _local_moe(x, e, w, p, settings),
+      in_specs=(rows, rows, rows, {'gate': w_in, 'up': w_in, 'down': w_out}),
       out_specs=(rows, P()), check_vma=False)(x_TD, experts_Tk, weights_Tk, params)
   return y_TD.astype(x_TD.dtype), dropped

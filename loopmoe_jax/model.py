@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from loopmoe_jax import exit as early_exit_lib
+from loopmoe_jax import early_exit as early_exit_lib
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.core import ACTIVATION, Core, Stack, remat
 from loopmoe_jax.core_plan import CoreRequest
@@ -29,7 +29,7 @@ from loopmoe_jax.runtime import HERE, Runtime
 class PassOutputs:
   """Gate training's per-pass readouts (model.exit='gate', `LoopedMoE.gate_outputs`):
   `hidden_LBTD`, the final normed states a token exiting after each pass outputs
-  (exit.pass_outputs; the last is the full forward's), and `lambda_LBT`, the gate's exit
+  (early_exit.pass_outputs; the last is the full forward's), and `lambda_LBT`, the gate's exit
   probability after each pass."""
   hidden_LBTD: jax.Array
   lambda_LBT: jax.Array
@@ -53,7 +53,7 @@ class LoopedMoE(nn.Module):
 
     __call__(tokens_BT)          scoring and decoding: (logits_BTV float32, extras);
                                  `early_exit` applies model.exit's per-token early exit
-                                 (exit.py; default: when decoding), extras['exit'] then holds
+                                 (early_exit.py; default: when decoding), extras['exit'] then holds
                                  the passes each token ran; `return_routing` adds the routing
                                  records
     hidden(tokens_BT)            training: (final normed states h_BTD, extras), for a loss that

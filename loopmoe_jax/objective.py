@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from loopmoe_jax import exit as early_exit
+from loopmoe_jax import early_exit
 from loopmoe_jax.layers import DTYPES
 from loopmoe_jax.model import head_matrix, variables
 
@@ -200,10 +200,10 @@ def _head(model, params):
 def gate_lm_loss(params, model, batch, num_loops: int | None = None, router_bias=None,
                  backprop_loops: int = 0):
   """Gate training's LM term (model.exit='gate'; Ouro, Zhu et al. 2025): the per-token NLL of
-  the output a token exiting after each pass t = 1..L would give (exit.pass_outputs: its core
+  the output a token exiting after each pass t = 1..L would give (early_exit.pass_outputs: its core
   state through the coda, the final norm and the head), combined under the gate's exit
-  distribution as exit.gate_metrics computes it (expected NLL - model.exit_entropy x entropy,
-  mean over unmasked tokens). Returns (objective, metrics of exit.gate_metrics, the model's
+  distribution as early_exit.gate_metrics computes it (expected NLL - model.exit_entropy x entropy,
+  mean over unmasked tokens). Returns (objective, metrics of early_exit.gate_metrics, the model's
   extras). The head and loss run one pass at a time (`jax.lax.map` over the passes: one pass's
   logits live at once, the batch axis keeps its sharding) as run.loss_chunk and run.remat say
   (`head_token_nll`)."""

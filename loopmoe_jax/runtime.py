@@ -32,7 +32,7 @@ from typing import Any, Mapping
 
 import jax
 
-from loopmoe_jax.config.model import RunConfig
+from loopmoe_jax.config.run import RunConfig
 from loopmoe_jax.core_plan import Path
 from loopmoe_jax.sharding import batch_size_of, spec
 from pallas_kernels.ops import platform_of
@@ -189,7 +189,7 @@ class Runtime:
     return 1 if self.mesh is None else int(self.mesh.shape.get(name, 1))
 
   @property
-  def backend(self) -> str:
+  def target_platform(self) -> str:
     """The platform programs are built for: 'cpu', 'gpu' or 'tpu'."""
     return self.platform or platform_name(jax.default_backend())
 
@@ -197,13 +197,13 @@ class Runtime:
   def kernels(self) -> dict:
     """Keyword arguments of every pallas_kernels call (platform, interpret, target, tiles)."""
     tiles = {op: dict(t) for op, t in self.kernel_tiles} or None
-    return dict(platform=self.backend, interpret=self.interpret, target=self.kernel_family,
+    return dict(platform=self.target_platform, interpret=self.interpret, target=self.kernel_family,
                 tiles=tiles)
 
   @property
   def routing_kernels(self) -> dict:
     """Keyword arguments of the routing, permute and combine kernels (no tiles)."""
-    return dict(platform=self.backend, interpret=self.interpret, target=self.kernel_family)
+    return dict(platform=self.target_platform, interpret=self.interpret, target=self.kernel_family)
 
 
 HERE = Runtime()  # this machine

@@ -6,7 +6,7 @@
         # the validation text decoded one token at a time under each KV-cache layout
         # (model.kv_cache, decode.py), beside the full forward's loss on the same tokens
     python scripts/evaluate.py --workdir=/tmp/run --exit=kl --thresholds=1e-3,1e-2,0.1 \
-        --out=/tmp/exit.png   # per-token early exit (model.exit, exit.py): loss and average
+        --out=/tmp/exit.png   # per-token early exit (model.exit, early_exit.py): loss and average
         # passes per threshold (a trade-off table), and a PNG of loss against average passes
 """
 import json

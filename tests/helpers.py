@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from loopmoe_jax.config import ModelConfig, model_config_dict
-from loopmoe_jax.config.model import RUN_FIELDS
+from loopmoe_jax.config import RUN_FIELDS
 from loopmoe_jax.config.data import DataConfig
 from loopmoe_jax.config.mesh import MeshConfig
 from loopmoe_jax.config.train import TrainConfig

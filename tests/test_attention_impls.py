@@ -102,7 +102,7 @@ def test_fused_attention_lowers_for_its_platform(platform, impl, call):
   toks = jax.ShapeDtypeStruct((2, 256), jnp.int32)
   params = nn.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), toks))['params'])
   batch = {'inputs': toks, 'targets': toks}
-  assert resolve('auto', cfg.dtype, model.runtime.backend) == impl
+  assert resolve('auto', cfg.dtype, model.runtime.target_platform) == impl
   grad = jax.jit(jax.grad(lambda p, b: loss_fn(p, model, b)[0]))
   text = grad.trace(params, batch).lower(lowering_platforms=(platform,)).as_text()
   calls = re.findall(r'custom_call @([\w$]+)', text)

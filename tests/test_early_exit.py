@@ -1,4 +1,4 @@
-"""Per-token early exit from the looped core (model.exit 'kl' | 'gate', exit.py).
+"""Per-token early exit from the looped core (model.exit 'kl' | 'gate', early_exit.py).
 
 Checks against invariants and slow references: a threshold that never fires is the no-exit
 model; one that fires after the first pass is the one-pass model; a frozen token keeps its
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from loopmoe_jax import dry_run, sharding
-from loopmoe_jax import exit as early_exit
+from loopmoe_jax import early_exit
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.decode import decode_step, mean_passes
 from loopmoe_jax.experiment import build

@@ -49,7 +49,7 @@ CONFIGS = {
     'untied': ModelConfig(**SMALL, tie_attention=False),
     'tied_injection': ModelConfig(**SMALL, tie_attention=True, injection='concat',
                                   residual_scale='inverse_loops'),
-    # gate training (exit.py): every pass's readout through the coda and head, on the mesh
+    # gate training (early_exit.py): every pass's readout through the coda and head, on the mesh
     'gate': ModelConfig(**SMALL, exit='gate', exit_threshold=0.5, exit_entropy=0.05),
     # the MoE dispatch in recomputed token chunks (run settings: RUNS)
     'block_rows': ModelConfig(**SMALL, tie_attention=False),

@@ -17,7 +17,7 @@ One function per figure (`bench_adaptive` joins them):
   `compiled_programs_over_counts_drawn` their ratio (target <= 1: one program per count
   drawn, none compiled twice; the clip alone keeps `compiled_programs` <= 8).
 - decode_exit_over_full (`decode_exit_ratio`): decode seconds per token at batch 1 under
-  per-token early exit (model.exit='kl', exit.py) over the same model running every pass
+  per-token early exit (model.exit='kl', early_exit.py) over the same model running every pass
   (model.exit='none'), a random-init model of 8 passes whose looped core dominates the step;
   the KL threshold is bisected (on a full forward over the same tokens) for about half the
   passes on average, and `decode_exit_mean_passes` is what the timed decode actually ran.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from loopmoe_jax.config.model import from_mapping
+from loopmoe_jax.config.fields import from_mapping
 
 SOURCES = ('embedded', 'tokens', 'zarr', 'manifest', 'synthetic')
 PATH_SOURCES = ('tokens', 'zarr', 'manifest')  # the sources that read data.path / data.val_path

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from loopmoe_jax.config.model import from_mapping
+from loopmoe_jax.config.fields import from_mapping
 
 AXES = ('dcn_data', 'data', 'fsdp', 'expert', 'tensor')
 

@@ -14,79 +14,18 @@ import dataclasses
 import difflib
 from typing import Any, Mapping
 
+from loopmoe_jax.config.fields import from_mapping
+from loopmoe_jax.config.run import RUN_FIELDS, RunConfig  # noqa: F401  (config's names)
+
 RESIDUAL_SCALES = ('none', 'inverse_loops')
 SCALE_PASSES = ('trained', 'executed')
 INJECTIONS = ('none', 'add', 'concat')
-REMAT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch', 'pass_input', 'attention', 'named')
-ATTENTION_IMPLS = ('auto', 'xla', 'chunked', 'cudnn', 'splash')
-LOOP_IMPLS = ('scan', 'unroll')
-CORE_COLLECTIVES = ('once', 'per_pass')
 DTYPES = ('float32', 'bfloat16', 'float16')
-DISPATCHES = ('reference', 'tiled', 'xla', 'pallas', 'auto')
-EXCHANGES = ('auto', 'padded', 'ragged')
 OVERFLOWS = ('drop', 'replay')
 ROUTER_SCORES = ('softmax', 'sigmoid')
 ROUTER_BIASES = ('none', 'shared', 'per_pass')
 KV_CACHES = ('per_pass', 'last_pass', 'first_pass')
 EXITS = ('none', 'kl', 'gate')
-
-
-RUN_FIELDS = ('dispatch', 'dispatch_tile', 'expert_exchange', 'remat', 'loop_impl',
-              'core_collectives', 'attention_impl', 'attention_block', 'loss_chunk',
-              'expert_block_rows')
-
-
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-  """How the model's parameters run (config section `run`): none of these fields changes a
-  parameter, and each gives the same results up to float summation order, so a resumed run or
-  a finished sweep point may change them. (The capacity factor and the exchange buffers stay
-  in `model`: they change which assignments are computed.)"""
-  dispatch: str = 'auto'         # auto: the Pallas kernel on GPU/TPU, 'tiled' on CPU
-  dispatch_tile: int = 128
-  expert_exchange: str = 'auto'  # expert parallelism: padded (all_to_all) | ragged | auto
-  remat: str = 'none'            # what the backward recomputes (core.REMAT, docs/results.md):
-                                 # the core, prelude and coda layers and the head and loss
-  attention_impl: str = 'auto'   # attention_impls.py: auto | xla | chunked | cudnn | splash
-  attention_block: int = 512     # key block of 'chunked' (a length not a multiple is padded)
-  loss_chunk: int = 8192         # > 0: the head and LM loss over vocabulary chunks of at most
-                                 # this many columns (objective.py; no float32 [B, T, V]
-                                 # logits; a vocabulary of at most this many is one piece);
-                                 # 0: the whole logits
-  core_collectives: str = 'once' # under a mesh: 'once' gathers the looped core's weights once a
-                                 # step and reduces their gradients once (core.Core); 'per_pass'
-                                 # leaves both to XLA inside the loop (weights stay sharded)
-  loop_impl: str = 'scan'        # 'unroll': Python loop over the same shared params
-  expert_block_rows: int = 16384 # under remat full, pass_input or attention, the MoE
-                                 # dispatch handles at most this many rows at once: a device's
-                                 # tokens run in chunks (dispatch.token_chunks) whose routed
-                                 # rows, or under expert parallelism whose dropless receive
-                                 # buffer, hold at most this many, each chunk recomputed in its
-                                 # own backward (the tokens padded to equal chunks). No buffer
-                                 # sized for the worst case outlives a chunk; a chunk's exchange
-                                 # and FFN forward rerun in its backward (under full on top of
-                                 # the pass's recompute; pass_input and attention keep the
-                                 # expert output, so their pass recompute skips the MoE). Dropless
-                                 # exchanges only: with model.capacity_factor or
-                                 # exchange_buffer_factor the exchange runs whole. 0: off
-
-  def __post_init__(self):
-    _validate_run(self)
-
-  @property
-  def ffn_block_rows(self) -> int:
-    """expert_block_rows where it applies, else 0: under the policies that recompute the MoE
-    layer (full) or keep its output (pass_input, attention: core.REMAT); not under none
-    (nothing recomputed) nor dots / named, which keep values inside the layer that a chunk's
-    recompute would hide."""
-    return self.expert_block_rows if self.remat in ('full', 'pass_input', 'attention') else 0
-
-  def replace(self, **kw) -> 'RunConfig':
-    return dataclasses.replace(self, **kw)
-
-  @classmethod
-  def from_dict(cls, d: Mapping[str, Any], where: str = 'run') -> 'RunConfig':
-    return from_mapping(cls, d, where)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,9 +78,9 @@ class ModelConfig:
                                  # last pass's K/V ('last_pass', Huginn) or the first pass's
                                  # ('first_pass', Mixture-of-Recursions); training and the
                                  # full-sequence forward are the same under all three
-  exit: str = 'none'             # per-token early exit from the core (exit.py): 'kl' (zero-shot,
-                                 # Huginn) or 'gate' (a learned exit gate, Ouro); applied when
-                                 # decoding, or in a forward with early_exit=True
+  exit: str = 'none'             # per-token early exit from the core (early_exit.py): 'kl'
+                                 # (zero-shot, Huginn) or 'gate' (a learned exit gate, Ouro);
+                                 # applied when decoding, or in a forward with early_exit=True
   exit_threshold: float = 0.0    # kl: exit when KL(pass p || pass p-1) < it (> 0); gate: when the
                                  # cumulative exit probability >= it (in (0, 1])
   exit_entropy: float = 0.0      # gate training: the weight of the exit distribution's entropy
@@ -192,7 +131,7 @@ class ModelConfig:
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any], where: str = 'model') -> 'ModelConfig':
-    return from_mapping(cls, d, where)
+    return from_mapping(cls, d, where, _check_model_key)
 
 
 def _refuse_run_fields(init):
@@ -209,44 +148,20 @@ def _refuse_run_fields(init):
 ModelConfig.__init__ = _refuse_run_fields(ModelConfig.__init__)
 
 
+def _check_model_key(key: str):
+  """A run setting given in section `model` is refused by name."""
+  if key in RUN_FIELDS:
+    _refuse_run_field(key)
+
+
 def _refuse_run_field(key: str):
   raise ValueError(f'model.{key} is a run setting, not architecture: set run.{key} (the '
                    f'config section `run`), or in code pass it in the model\'s runtime, '
                    f'LoopedMoE(cfg, runtime=Runtime.of({key}=...)) (runtime.py)')
 
 
-def from_mapping(cls, d: Mapping[str, Any], where: str):
-  """Builds dataclass `cls` from a mapping, rejecting unknown keys with near names."""
-  d = dict(d.to_dict() if hasattr(d, 'to_dict') else d)
-  names = [f.name for f in dataclasses.fields(cls)]
-  for key in d:
-    if cls is ModelConfig and key in RUN_FIELDS:
-      _refuse_run_field(key)
-    if key not in names:
-      near = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
-      hint = f'; did you mean {", ".join(f"{where}.{n}" for n in near)}?' if near else ''
-      raise ValueError(f'unknown config field {where}.{key}{hint}')
-  return cls(**d)
-
-
 def _err(field: str, value: Any, why: str):
-  section = 'run' if field in RUN_FIELDS else 'model'
-  raise ValueError(f'{section}.{field}={value!r}: {why}')
-
-
-def _validate_run(c: RunConfig):
-  for name in ('dispatch_tile', 'attention_block'):
-    if getattr(c, name) < 1:
-      _err(name, getattr(c, name), 'must be >= 1')
-  for name in ('loss_chunk', 'expert_block_rows'):
-    if getattr(c, name) < 0:
-      _err(name, getattr(c, name), 'must be >= 0')
-  choices = dict(remat=REMAT_POLICIES, loop_impl=LOOP_IMPLS, dispatch=DISPATCHES,
-                 expert_exchange=EXCHANGES, core_collectives=CORE_COLLECTIVES,
-                 attention_impl=ATTENTION_IMPLS)
-  for name, allowed in choices.items():
-    if getattr(c, name) not in allowed:
-      _err(name, getattr(c, name), f'must be one of {allowed}')
+  raise ValueError(f'model.{field}={value!r}: {why}')
 
 
 def _validate(c: ModelConfig):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from loopmoe_jax.config.model import from_mapping
+from loopmoe_jax.config.fields import from_mapping
 
 SCHEDULES = ('wsd', 'cosine', 'constant')
 # train.loops_sampler: the core's pass count per train step (train/depth.py, sample_loops)

@@ -1,12 +1,12 @@
 """Adaptive depth at evaluation (scripts/evaluate.py --exit / --kv_cache): the validation loss
-and average passes of per-token early exit per threshold (exit.py), and the loss of the
+and average passes of per-token early exit per threshold (early_exit.py), and the loss of the
 validation text decoded token by token under each KV-cache layout (decode.py)."""
 from __future__ import annotations
 
 import jax
 import numpy as np
 
-from loopmoe_jax import exit as early_exit
+from loopmoe_jax import early_exit
 from loopmoe_jax.decode import decode_nll
 from loopmoe_jax.model import LoopedMoE, check_loops, variables
 from loopmoe_jax.objective import token_nll_of_logits

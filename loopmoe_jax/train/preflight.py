@@ -100,7 +100,7 @@ def estimate(exp, mesh, state) -> dict:
     per_seg = {seg: passes * tokens * mc.d_model * act for seg, (n, passes, b) in layers.items()}
     per_seg['recompute'] = max(n * b for n, _, b in layers.values())
   if mc.exit == 'gate' and 'core' in layers:  # gate training: every pass's state, and the
-    # early passes' coda visits (exit.pass_outputs), are kept for the backward
+    # early passes' coda visits (early_exit.pass_outputs), are kept for the backward
     n_coda, _, coda_b = layers.get('coda', (0, 0, 0))
     passes = layers['core'][1]
     per_seg['exit_readouts'] = passes * tokens * mc.d_model * np.dtype(mc.dtype).itemsize + (

@@ -1,0 +1,91 @@
+"""RunConfig (config section `run`): how the model's parameters run, none of it a parameter."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from loopmoe_jax.config.fields import from_mapping
+
+REMAT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch', 'pass_input', 'attention', 'named')
+ATTENTION_IMPLS = ('auto', 'xla', 'chunked', 'cudnn', 'splash')
+LOOP_IMPLS = ('scan', 'unroll')
+CORE_COLLECTIVES = ('once', 'per_pass')
+DISPATCHES = ('reference', 'tiled', 'xla', 'pallas', 'auto')
+EXCHANGES = ('auto', 'padded', 'ragged')
+
+
+RUN_FIELDS = ('dispatch', 'dispatch_tile', 'expert_exchange', 'remat', 'loop_impl',
+              'core_collectives', 'attention_impl', 'attention_block', 'loss_chunk',
+              'expert_block_rows')
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """How the model's parameters run (config section `run`): none of these fields changes a
+  parameter, and each gives the same results up to float summation order, so a resumed run or
+  a finished sweep point may change them. (The capacity factor and the exchange buffers stay
+  in `model`: they change which assignments are computed.)"""
+  dispatch: str = 'auto'         # auto: the Pallas kernel on GPU/TPU, 'tiled' on CPU
+  dispatch_tile: int = 128
+  expert_exchange: str = 'auto'  # expert parallelism: padded (all_to_all) | ragged | auto
+  remat: str = 'none'            # what the backward recomputes (core.REMAT, docs/results.md):
+                                 # the core, prelude and coda layers and the head and loss
+  attention_impl: str = 'auto'   # attention_impls.py: auto | xla | chunked | cudnn | splash
+  attention_block: int = 512     # key block of 'chunked' (a length not a multiple is padded)
+  loss_chunk: int = 8192         # > 0: the head and LM loss over vocabulary chunks of at most
+                                 # this many columns (objective.py; no float32 [B, T, V]
+                                 # logits; a vocabulary of at most this many is one piece);
+                                 # 0: the whole logits
+  core_collectives: str = 'once' # under a mesh: 'once' gathers the looped core's weights once a
+                                 # step and reduces their gradients once (core.Core); 'per_pass'
+                                 # leaves both to XLA inside the loop (weights stay sharded)
+  loop_impl: str = 'scan'        # 'unroll': Python loop over the same shared params
+  expert_block_rows: int = 16384 # under remat full, pass_input or attention, the MoE
+                                 # dispatch handles at most this many rows at once: a device's
+                                 # tokens run in chunks (dispatch.token_chunks) whose routed
+                                 # rows, or under expert parallelism whose dropless receive
+                                 # buffer, hold at most this many, each chunk recomputed in its
+                                 # own backward (the tokens padded to equal chunks). No buffer
+                                 # sized for the worst case outlives a chunk; a chunk's exchange
+                                 # and FFN forward rerun in its backward (under full on top of
+                                 # the pass's recompute; pass_input and attention keep the
+                                 # expert output, so their pass recompute skips the MoE). Dropless
+                                 # exchanges only: with model.capacity_factor or
+                                 # exchange_buffer_factor the exchange runs whole. 0: off
+
+  def __post_init__(self):
+    _validate_run(self)
+
+  @property
+  def ffn_block_rows(self) -> int:
+    """expert_block_rows where it applies, else 0: under the policies that recompute the MoE
+    layer (full) or keep its output (pass_input, attention: core.REMAT); not under none
+    (nothing recomputed) nor dots / named, which keep values inside the layer that a chunk's
+    recompute would hide."""
+    return self.expert_block_rows if self.remat in ('full', 'pass_input', 'attention') else 0
+
+  def replace(self, **kw) -> 'RunConfig':
+    return dataclasses.replace(self, **kw)
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any], where: str = 'run') -> 'RunConfig':
+    return from_mapping(cls, d, where)
+
+
+def _err_run(field: str, value: Any, why: str):
+  raise ValueError(f'run.{field}={value!r}: {why}')
+
+
+def _validate_run(c: RunConfig):
+  for name in ('dispatch_tile', 'attention_block'):
+    if getattr(c, name) < 1:
+      _err_run(name, getattr(c, name), 'must be >= 1')
+  for name in ('loss_chunk', 'expert_block_rows'):
+    if getattr(c, name) < 0:
+      _err_run(name, getattr(c, name), 'must be >= 0')
+  choices = dict(remat=REMAT_POLICIES, loop_impl=LOOP_IMPLS, dispatch=DISPATCHES,
+                 expert_exchange=EXCHANGES, core_collectives=CORE_COLLECTIVES,
+                 attention_impl=ATTENTION_IMPLS)
+  for name, allowed in choices.items():
+    if getattr(c, name) not in allowed:
+      _err_run(name, getattr(c, name), f'must be one of {allowed}')
