@@ -99,7 +99,7 @@ class Attention(nn.Module):
                                  'attention')
     else:
       out_BTHK = attend_with(impl, q_BTHK, k_BSGK, v_BSGK, positions_BT, k_pos_BS,
-                             self.runtime.run.attention_block, self.runtime)
+                             self.runtime.run.attention_block, runtime=self.runtime)
     return jnp.einsum('bthk,hkd->btd', out_BTHK, w['o'].astype(dt))
 
 

@@ -330,7 +330,7 @@ def _per_shard(fn, q_BTHK, k_BSGK, v_BSGK, kv_heads: int, runtime: Runtime):
 
 
 def attend_with(impl: str, q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block: int,
-                runtime: Runtime = HERE):
+                *, runtime: Runtime):
   """Causal attention [B, T, H, K] by a resolved implementation other than 'xla' (positions:
   the training layout, query t at position t, for the fused kernels); splash interpreted where
   the runtime's kernels are (a CPU)."""

@@ -117,7 +117,7 @@ def _gather_tokens_bwd(k, inverse_M, g_MD):
 gather_tokens.defvjp(_gather_tokens_fwd, _gather_tokens_bwd)
 
 
-def gmm_pallas(lhs_MK, rhs_GKN, group_sizes_G, tile=None, runtime: Runtime = HERE):
+def gmm_pallas(lhs_MK, rhs_GKN, group_sizes_G, tile=None, *, runtime: Runtime):
   del tile  # the Pallas kernels take the runtime's tiles (pallas_kernels.TILES by default)
   return pallas_kernels.gmm(lhs_MK, rhs_GKN, group_sizes_G, **runtime.kernels)
 
@@ -130,7 +130,7 @@ def sorted_positions(experts_Tk):
 
 
 def dispatch_pallas(x_TD, experts_Tk, weights_Tk, params, tile=None, plan=None,
-                    runtime: Runtime = HERE):
+                    *, runtime: Runtime):
   """Every stage a Pallas kernel: permute (row gather) -> fused gate/up gmm -> down gmm ->
   combine (weighted gather). `plan` = the routing kernel's counts_E and positions_Tk; without
   it they are computed here from experts_Tk."""
@@ -146,7 +146,7 @@ def dispatch_pallas(x_TD, experts_Tk, weights_Tk, params, tile=None, plan=None,
 
 
 def _grouped(backend: str):
-  def run(x_TD, experts_Tk, weights_Tk, params, tile=64, plan=None, runtime: Runtime = HERE):
+  def run(x_TD, experts_Tk, weights_Tk, params, tile=64, plan=None, *, runtime: Runtime):
     del plan  # the routing kernel's plan is for 'pallas'; these backends sort here
     num_tokens, k = experts_Tk.shape
     num_experts = params['gate'].shape[0]
@@ -156,7 +156,7 @@ def _grouped(backend: str):
       inverse = inverse_permutation(order)
       x_MD = gather_tokens(x_TD, order, inverse, k)
       group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
-    out_MD = grouped_ffn(x_MD, group_sizes, params, backend, tile, runtime)
+    out_MD = grouped_ffn(x_MD, group_sizes, params, backend, tile, runtime=runtime)
     with jax.named_scope('unpermute'):
       out_TkD = permute_rows(out_MD, inverse, order).reshape(num_tokens, k, -1)
     return combine(out_TkD, weights_Tk).astype(x_TD.dtype)
@@ -184,12 +184,12 @@ def _ffn_reference(x_MD, group_sizes_G, params, tile=None, runtime=None):
 
 def _ffn_gmm(gmm):
   def ffn(x_MD, group_sizes_G, params, tile, runtime):
-    mm = lambda x, w: gmm(x, w, group_sizes_G, tile, runtime)
+    mm = lambda x, w: gmm(x, w, group_sizes_G, tile, runtime=runtime)
     return mm(_swiglu(mm(x_MD, params['gate']), mm(x_MD, params['up'])), params['down'])
   return ffn
 
 
-def _ffn_pallas(x_MD, group_sizes_G, params, tile=None, runtime: Runtime = HERE):
+def _ffn_pallas(x_MD, group_sizes_G, params, tile=None, *, runtime: Runtime):
   del tile  # h's rows past the sum stay unzeroed: the down gmm reads none of them
   h_MF = pallas_kernels.gmm_swiglu(x_MD, params['gate'], params['up'], group_sizes_G,
                                    zero_tail=False, **runtime.kernels)
@@ -207,14 +207,14 @@ FFNS = {'reference': _ffn_reference, 'tiled': _ffn_gmm(_gmm_tiled), 'xla': _ffn_
 
 
 def grouped_ffn(x_MD, group_sizes_G, params, backend: str = 'tiled', tile: int = 64,
-                runtime: Runtime = HERE):
+                *, runtime: Runtime):
   """The experts' SwiGLU on rows sorted by expert: rows [start_g, end_g) through expert g;
   rows past sum(group_sizes) give zeros (jax.lax.ragged_dot semantics). The grouped-matmul
   stage of every backend, and of expert parallelism on each device's local experts; the
   Pallas kernels built as `runtime` says."""
   with jax.named_scope('grouped_matmul'):
-    return FFNS[resolve_backend(backend, runtime)](x_MD, group_sizes_G.astype(jnp.int32),
-                                                   params, tile, runtime)
+    ffn = FFNS[resolve_backend(backend, runtime=runtime)]
+    return ffn(x_MD, group_sizes_G.astype(jnp.int32), params, tile, runtime=runtime)
 
 
 def dropless_rows(t: int, k: int, num_experts: int, n: int = 1) -> int:
@@ -326,7 +326,7 @@ def settle(runtime: Runtime) -> Runtime:
   return runtime.replace(pallas_check=pallas_self_check())
 
 
-def resolve_backend(backend: str, runtime: Runtime = HERE) -> str:
+def resolve_backend(backend: str, *, runtime: Runtime) -> str:
   """'auto' -> the measured-fastest correct backend of the runtime's platform (the fallback
   where the runtime's Pallas self-check failed; an unsettled runtime checks now); others
   unchanged."""
@@ -340,7 +340,7 @@ def resolve_backend(backend: str, runtime: Runtime = HERE) -> str:
 
 def dispatch(x_TD, experts_Tk, weights_Tk, params: Mapping[str, jax.Array],
              backend: str = 'tiled', tile: int = 64, plan=None, block_rows: int = 0,
-             runtime: Runtime = HERE):
+             *, runtime: Runtime):
   """Applies the chosen experts of every token and combines them with their weights.
   `plan`: the routing kernel's {counts_E, positions_Tk} (used by 'pallas', else ignored).
   `block_rows` r > 0 with more than r routed rows: the tokens run in `token_chunks` (each
@@ -350,7 +350,7 @@ def dispatch(x_TD, experts_Tk, weights_Tk, params: Mapping[str, jax.Array],
   policy keeps the expert output and so skips the MoE in its own recompute: core.REMAT)."""
   if backend != 'auto' and backend not in BACKENDS:
     raise ValueError(f'run.dispatch={backend!r}: must be one of {sorted(BACKENDS)} or auto')
-  fn = functools.partial(BACKENDS[resolve_backend(backend, runtime)], tile=tile,
+  fn = functools.partial(BACKENDS[resolve_backend(backend, runtime=runtime)], tile=tile,
                          runtime=runtime)
   t, k = experts_Tk.shape
   chunks = token_chunks(t, k, params['gate'].shape[0], 1, block_rows)

@@ -93,7 +93,7 @@ def readout(module: nn.Module, embed_VD, gate, head_matrix) -> Readout:
   c, p = module.cfg, module.variables['params']
   gain = nn.unbox(p['final_norm']['scale']) if c.norm_gain else None
   head = head_matrix(c, {'embed': embed_VD, 'head': None if c.tie_embeddings else
-                         nn.unbox(p['head'])}, jnp.float32)
+                         nn.unbox(p['head'])}, jnp.float32, runtime=module.runtime)
   w, b = gate if gate is not None else (None, None)
   return Readout(c.exit, c.exit_threshold, c.norm_eps, gain, head, w, b)
 

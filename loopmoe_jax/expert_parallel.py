@@ -74,7 +74,7 @@ def apply_capacity(experts_Tk, weights_Tk, num_experts: int, factor: float):
           jnp.sum(~keep).astype(jnp.int32))
 
 
-def exchange_kind(kind: str, runtime: Runtime = HERE) -> str:
+def exchange_kind(kind: str, *, runtime: Runtime) -> str:
   """run.expert_exchange resolved: 'auto' is 'padded' where the programs are built for a CPU
   (XLA:CPU has no ragged all-to-all), 'ragged' on GPU and TPU."""
   if kind != 'auto':
@@ -133,7 +133,7 @@ class Body:
     run = runtime.run
     buffer_factor = 0.0 if runtime.exchange_dropless else cfg.exchange_buffer_factor
     return cls(num_experts, mesh.shape['expert'], cfg.capacity_factor, buffer_factor,
-               exchange_kind(run.expert_exchange, runtime), sharding.batch_axes(mesh),
+               exchange_kind(run.expert_exchange, runtime=runtime), sharding.batch_axes(mesh),
                mesh.shape['tensor'], run.ffn_block_rows, runtime)
 
   def slot(self, t: int, k: int) -> int:
@@ -274,12 +274,12 @@ def _local_experts(recv, block_start, recv_nE, params, body: Body):
     sizes = recv_nE.sum(0)
   run = body.runtime.run
   out_g = dispatch_lib.grouped_ffn(dispatch_lib.permute_rows(recv, order2, inverse2), sizes,
-                                   params, run.dispatch, run.dispatch_tile, body.runtime)
+                                   params, run.dispatch, run.dispatch_tile, runtime=body.runtime)
   return dispatch_lib.permute_rows(out_g, inverse2, order2)
 
 
 def local_dispatch(x_TD, experts_Tk, weights_Tk, params, cfg, mesh, num_experts: int,
-                   runtime: Runtime = HERE):
+                   *, runtime: Runtime):
   """The per-device body called where every mesh axis is already manual (core.Core's
   shard_map): this device's rows and its E/n experts (`params`); (y_TD, dropped)."""
   y_TD, dropped = _local_moe(x_TD, experts_Tk, weights_Tk, params,
@@ -287,7 +287,7 @@ def local_dispatch(x_TD, experts_Tk, weights_Tk, params, cfg, mesh, num_experts:
   return y_TD.astype(x_TD.dtype), dropped
 
 
-def moe_dispatch(x_TD, experts_Tk, weights_Tk, params, cfg, mesh, runtime: Runtime = HERE):
+def moe_dispatch(x_TD, experts_Tk, weights_Tk, params, cfg, mesh, *, runtime: Runtime):
   """Expert-parallel dispatch over `mesh` (the abstract mesh of `jax.set_mesh`): (y_TD,
   dropped assignments over the whole batch). Token rows are split over the batch axes."""
   num_experts = params['gate'].shape[0]

@@ -122,7 +122,8 @@ class LoopedMoE(nn.Module):
                                 bias.get('coda'), embed_VD, gate), extras
     if want.hidden:
       return x_BTD, extras
-    logits_BTV = x_BTD @ head_matrix(c, {'embed': embed_VD, 'head': head_DV})
+    logits_BTV = x_BTD @ head_matrix(c, {'embed': embed_VD, 'head': head_DV},
+                                     runtime=self.runtime)
     return logits_BTV.astype(jnp.float32), extras
 
   def _segments(self, x_BTD, positions_BT, num_loops, bias, routing: bool,
@@ -218,7 +219,7 @@ class LoopedMoE(nn.Module):
     return jnp.broadcast_to(base, (batch, length))
 
 
-def head_matrix(c: ModelConfig, params, dtype=None, runtime: Runtime = HERE):
+def head_matrix(c: ModelConfig, params, dtype=None, *, runtime: Runtime):
   """The output head [D, V] from the model's params (their 'embed' and 'head'), in `dtype`
   (default the compute dtype): the untied 'head', or the tied embedding table transposed over
   sqrt(d_model) (gathered whole over its width first, the same parameter gather as the

@@ -49,11 +49,11 @@ def route(logits_TE, top_k: int, renormalize: bool, bias_E=None, score: str = 's
 
 
 def route_for(backend: str, logits_TE, top_k: int, renormalize: bool, bias_E=None,
-              score: str = 'softmax', runtime: Runtime = HERE):
+              score: str = 'softmax', *, runtime: Runtime):
   """(experts_Tk, weights_Tk, probs_TE, plan): the 'pallas' dispatch routes with the routing
   kernel (same choices and weights as `route`, plus the per-expert counts and sorted
   positions its permute needs, as `plan`); every other backend with `route` (plan None)."""
-  if resolve_backend(backend, runtime) != 'pallas':
+  if resolve_backend(backend, runtime=runtime) != 'pallas':
     return (*route(logits_TE, top_k, renormalize, bias_E, score), None)
   if bias_E is not None:
     bias_E = jax.lax.stop_gradient(bias_E)
@@ -109,7 +109,7 @@ def z_loss(logits_TE):
   return jnp.mean(jax.nn.logsumexp(logits_TE.astype(jnp.float32), axis=-1) ** 2)
 
 
-def route_local(logits_TE, cfg: ModelConfig, bias_E=None, runtime: Runtime = HERE):
+def route_local(logits_TE, cfg: ModelConfig, bias_E=None, *, runtime: Runtime):
   """(experts_Tk, weights_Tk, routing_sums totals, plan) of `route_for`, computed where the
   tokens are: under a device mesh inside `jax.shard_map` over the batch axes (each shard
   routes its own rows; only the per-shard sums leave the shard, stacked [shards, ...] and
@@ -119,7 +119,8 @@ def route_local(logits_TE, cfg: ModelConfig, bias_E=None, runtime: Runtime = HER
 
   def one_shard(logits_TE, bias_E):
     experts_Tk, weights_Tk, probs_TE, plan = route_for(
-        runtime.run.dispatch, logits_TE, cfg.top_k, cfg.renormalize, bias_E, cfg.router_score, runtime)
+        runtime.run.dispatch, logits_TE, cfg.top_k, cfg.renormalize, bias_E, cfg.router_score,
+        runtime=runtime)
     if cfg.router_score == 'sigmoid':  # the load-balance loss's P_i: per-token shares
       probs_TE = probs_TE / jnp.sum(probs_TE, axis=-1, keepdims=True)
     return experts_Tk, weights_Tk, routing_sums(experts_Tk, probs_TE, logits_TE), plan
@@ -173,7 +174,7 @@ class MoE(nn.Module):
         logits_TE = logits_TE + mask_E
         bias_E = mask_E if bias_E is None else bias_E + mask_E
       logits_TE = checkpoint_name(logits_TE, 'router')
-      experts_Tk, weights_Tk, sums, plan = route_local(logits_TE, c, bias_E, rt)
+      experts_Tk, weights_Tk, sums, plan = route_local(logits_TE, c, bias_E, runtime=rt)
     lb, zl = losses_from_sums(sums, c.top_k)
     stats = {'load_balance': lb, 'z_loss': zl, 'load': sums['load']}
     if rt.local:  # inside the core's shard_map: the shard's sums, which the
@@ -184,15 +185,15 @@ class MoE(nn.Module):
     params = {k: v.astype(x_BTD.dtype) for k, v in experts.items()}
     if rt.local:  # inside the core's shard_map: this device's rows and experts
       y_TD, stats['dropped'] = expert_parallel.local_dispatch(x_TD, experts_Tk, weights_Tk,
-                                                              params, c, rt.mesh, e, rt)
+                                                              params, c, rt.mesh, e, runtime=rt)
     elif rt.sharded:  # under a device mesh: expert parallelism
       y_TD, stats['dropped'] = expert_parallel.moe_dispatch(x_TD, experts_Tk, weights_Tk,
-                                                            params, c, rt.mesh, rt)
+                                                            params, c, rt.mesh, runtime=rt)
     else:
       weights_Tk, _, stats['dropped'] = expert_parallel.apply_capacity(
           experts_Tk, weights_Tk, e, c.capacity_factor)
       y_TD = dispatch(x_TD, experts_Tk, weights_Tk, params, rt.run.dispatch,
-                      rt.run.dispatch_tile, plan, rt.run.ffn_block_rows, rt)
+                      rt.run.dispatch_tile, plan, rt.run.ffn_block_rows, runtime=rt)
     y_BTD = checkpoint_name(y_TD, 'expert_out').reshape(b, t, d)
     if c.num_shared_experts:
       y_BTD = y_BTD + DenseMLP(c.num_shared_experts * c.shared_width, c.param_dtype,

@@ -193,7 +193,8 @@ def _head(model, params):
   chunk by chunk, and its head gradient stays in that dtype), gathered whole over its width
   on the model's mesh (a parameter gather: the hidden states stay where they are)."""
   c = model.cfg
-  head_DV = head_matrix(c, variables(params)['params'], DTYPES[c.param_dtype], model.runtime)
+  head_DV = head_matrix(c, variables(params)['params'], DTYPES[c.param_dtype],
+                        runtime=model.runtime)
   return model.runtime.constrain(head_DV, (None, 'vocab'))
 
 

@@ -16,7 +16,7 @@ from loopmoe_jax.config import ModelConfig, RunConfig
 from loopmoe_jax.layers import rope
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.objective import head_nll, lm_loss, loss_fn
-from loopmoe_jax.runtime import Runtime
+from loopmoe_jax.runtime import HERE, Runtime
 from reference import cuda_devices, requires_gpu
 
 
@@ -199,12 +199,13 @@ def test_gpu_attention_matches_xla(impl):
     dt = jnp.bfloat16 if impl == 'cudnn' else jnp.float32
     q, k, v = (x.astype(dt) for x in (q, k, v))
     ref = lambda q, k, v: jnp.sum(attend(q, k, v, pos, pos).astype(jnp.float32) * w)
-    got = lambda q, k, v: jnp.sum(attention_impls.attend_with(impl, q, k, v, pos, pos, 256)
-                                  .astype(jnp.float32) * w)
+    got = lambda q, k, v: jnp.sum(
+        attention_impls.attend_with(impl, q, k, v, pos, pos, 256, runtime=HERE)
+        .astype(jnp.float32) * w)
     tol = 2e-2 if impl == 'cudnn' else 1e-4
     f32 = lambda x: x.astype(jnp.float32)
-    assert _rel(f32(jax.jit(lambda *a: attention_impls.attend_with(impl, *a, pos, pos, 256))(
-        q, k, v)), f32(attend(q, k, v, pos, pos))) < tol
+    fused = lambda *a: attention_impls.attend_with(impl, *a, pos, pos, 256, runtime=HERE)
+    assert _rel(f32(jax.jit(fused)(q, k, v)), f32(attend(q, k, v, pos, pos))) < tol
     for a, b in zip(jax.jit(jax.grad(got, (0, 1, 2)))(q, k, v),
                     jax.jit(jax.grad(ref, (0, 1, 2)))(q, k, v)):
       assert _rel(f32(a), f32(b)) < tol

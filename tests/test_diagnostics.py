@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from loopmoe_jax.runtime import HERE
 from loopmoe_jax.train.run import RunDir
 from loopmoe_jax.analysis import diagnostics as dg
 from loopmoe_jax.analysis import masking, probe_set
@@ -173,17 +174,18 @@ def test_records_are_tokens_layers_passes_and_match_the_model_loads():
 
 def test_masking_zero_traffic_changes_nothing_and_the_only_used_expert_hurts():
   params, batches = tiny_params(), tiny_batches()
-  base = probe_set.run(CFG, params, batches)
+  base = probe_set.run(CFG, params, batches, runtime=HERE)
   sel = base['routing']['core']['experts']
   share = dg.balance(sel, 4)['share_pooled'][0]
   np.testing.assert_allclose(share, [1, 0, 0, 0])
   # the model without the collection and with an all-zero mask give the same loss
-  assert masking.masked_loss(CFG, params, batches, None) == pytest.approx(base['loss'], abs=1e-6)
+  unmasked = masking.masked_loss(CFG, params, batches, None, runtime=HERE)
+  assert unmasked == pytest.approx(base['loss'], abs=1e-6)
   cold = masking.traffic_matched(CFG, params, batches, 'core', 0, [2, 3], share, draws=2,
-                                 base_loss=base['loss'])
+                                 base_loss=base['loss'], runtime=HERE)
   assert cold['traffic'] == 0.0 and abs(cold['delta_loss']) < 1e-6
   hot = masking.traffic_matched(CFG, params, batches, 'core', 0, [0], share, draws=3,
-                                base_loss=base['loss'])
+                                base_loss=base['loss'], runtime=HERE)
   assert hot['traffic'] == 1.0 and hot['delta_loss'] > 0.5
   # no other set carries expert 0's traffic: the closest carry none, and removing them is free
   assert hot['random_traffic_mean'] == 0.0 and hot['random_traffic_max_gap'] == 1.0
@@ -197,14 +199,16 @@ def test_masking_zero_traffic_changes_nothing_and_the_only_used_expert_hurts():
 
 def test_masked_experts_are_never_chosen_and_nothing_is_nan():
   params, batches = tiny_params(), tiny_batches()
-  res = probe_set.run(CFG, params, batches, masking.mask_tree(CFG, {('core', 0): [0, 1]}))
+  res = probe_set.run(CFG, params, batches, masking.mask_tree(CFG, {('core', 0): [0, 1]}),
+                      runtime=HERE)
   sel = res['routing']['core']['experts']
   assert np.all(sel == 2) and np.isfinite(res['loss'])
   # a router bias that favours the masked experts does not bring them back
   biased = CFG.replace(router_bias='shared')
   tree = {'params': params, 'router_bias': {'bias': {'core': jnp.asarray([[5.0, 5.0, 0, 0]])}}}
-  assert np.all(probe_set.run(biased, tree, batches)['routing']['core']['experts'] < 2)
-  res = probe_set.run(biased, tree, batches, masking.mask_tree(biased, {('core', 0): [0, 1]}))
+  assert np.all(probe_set.run(biased, tree, batches, runtime=HERE)['routing']['core']['experts'] < 2)
+  res = probe_set.run(biased, tree, batches, masking.mask_tree(biased, {('core', 0): [0, 1]}),
+                      runtime=HERE)
   assert np.all(res['routing']['core']['experts'] == 2) and np.isfinite(res['loss'])
 
 
@@ -252,7 +256,7 @@ def test_diagnose_end_to_end_on_a_trained_workdir(tmp_path, monkeypatch):
   loaded = RunDir(work).load()
   model_cfg, params, config = loaded.model_cfg, loaded.params, loaded.config
   with pytest.raises(ValueError, match='apply needs the trained bias'):
-    ps.run(model_cfg, params, ps.probe_batches(config['data'], model_cfg, 16)[0])
+    ps.run(model_cfg, params, ps.probe_batches(config['data'], model_cfg, 16)[0], runtime=HERE)
   with pytest.raises(ValueError, match='--probes=-1: must be >= 0'):
     diagnose(work, out, tokens=40, probes=-1)
   with pytest.raises(ValueError, match=r'--mask_top=3: must be <= model.core_experts - '
@@ -305,8 +309,9 @@ def test_probe_set_records_and_loss_cover_exactly_the_requested_tokens():
   params = random_params(cfg)
   batches, info = probe_set.probe_batches(tiny().data.to_dict(), cfg, 40)
   assert len(batches) == 1 and batches[0]['inputs'].shape == (3, 16) and info['tokens'] == 40
-  res = probe_set.run(cfg, params, batches, tokens=info['tokens'])
-  full = probe_set.run(cfg, params, [dict(batches[0], mask=np.ones((3, 16), np.float32))])
+  res = probe_set.run(cfg, params, batches, tokens=info['tokens'], runtime=HERE)
+  full = probe_set.run(cfg, params, [dict(batches[0], mask=np.ones((3, 16), np.float32))],
+                       runtime=HERE)
   for n in ('experts', 'logits'):
     np.testing.assert_array_equal(res['routing']['core'][n], full['routing']['core'][n][:40])
   logits, _ = LoopedMoE(cfg).apply({'params': params}, jnp.asarray(batches[0]['inputs']))

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from loopmoe_jax.runtime import HERE
 from loopmoe_jax.dispatch import dispatch, gmm_tiled, gmm_xla
 from pallas_kernels.metadata import work_items
 from reference import assert_close, gmm_numpy
@@ -297,7 +298,7 @@ def _all_backends(x, experts_Tk, weights, params, ct, tile):
   """Outputs and VJPs (w.r.t. x, weights, params) of every backend, in one compilation."""
   out = {}
   for name in BACKENDS:
-    fn = lambda x, w, p: dispatch(x, experts_Tk, w, p, name, tile)
+    fn = lambda x, w, p: dispatch(x, experts_Tk, w, p, name, tile, runtime=HERE)
     y, vjp = jax.vjp(fn, x, weights, params)
     out[name] = (y, *vjp(ct))
   return out
@@ -392,7 +393,7 @@ def test_dispatch_rejects_unknown_backend():
   x = jnp.zeros((2, 4))
   p = {'gate': jnp.zeros((2, 4, 3)), 'up': jnp.zeros((2, 4, 3)), 'down': jnp.zeros((2, 3, 4))}
   with pytest.raises(ValueError, match='dispatch'):
-    dispatch(x, jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1)), p, 'magic')
+    dispatch(x, jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1)), p, 'magic', runtime=HERE)
 
 
 def test_gmm_tiled_keeps_no_float32_copy_of_its_rows():
@@ -462,8 +463,9 @@ def test_token_chunked_dispatch_equals_whole_and_keeps_less(backend):
 
   def vjp(block_rows):
     def run(x, w, params):
-      out, pull = jax.vjp(lambda x, w, p: dispatch(x, ids, w, p, backend, 8, None, block_rows),
-                          x, w, params)
+      out, pull = jax.vjp(
+          lambda x, w, p: dispatch(x, ids, w, p, backend, 8, None, block_rows, runtime=HERE),
+          x, w, params)
       return out, pull(ct)
     return jax.jit(run)
 
@@ -496,7 +498,7 @@ def test_pallas_expert_ffn_contains_non_finite_rows_past_the_sum():
   ct = jnp.asarray(rng.normal(size=(m, d)), jnp.float32)
 
   def vjp(backend):
-    out, pull = jax.vjp(lambda x, p: grouped_ffn(x, sizes, p, backend, 8), x, params)
+    out, pull = jax.vjp(lambda x, p: grouped_ffn(x, sizes, p, backend, 8, runtime=HERE), x, params)
     return out, *pull(ct)
 
   got, want = jax.jit(lambda: vjp('pallas'))(), jax.jit(lambda: vjp('tiled'))()

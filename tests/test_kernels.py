@@ -39,7 +39,7 @@ from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.dispatch import dispatch, resolve_backend
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.moe import route as moe_route
-from loopmoe_jax.runtime import Runtime
+from loopmoe_jax.runtime import HERE, Runtime
 from reference import as64, assert_close, cuda_devices, gmm_numpy, requires_gpu
 
 TOL = {'float32': 1e-5, 'bfloat16': 2e-2}
@@ -332,7 +332,7 @@ def test_dispatch_pallas_equals_reference(case):
   params = _expert_params(e, d, f, 5)
 
   def run(backend):
-    loss = lambda x, w, p: jnp.sum(jnp.sin(dispatch(x, experts, w, p, backend, 8)))
+    loss = lambda x, w, p: jnp.sum(jnp.sin(dispatch(x, experts, w, p, backend, 8, runtime=HERE)))
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, weights, params)
 
   (v_p, g_p), (v_r, g_r) = run('pallas'), run('reference')
@@ -343,14 +343,15 @@ def test_dispatch_pallas_equals_reference(case):
 
 def test_auto_resolves_to_tiled_on_cpu_and_matches():
   assert jax.default_backend() == 'cpu'
-  assert resolve_backend('auto') == 'tiled'
+  assert resolve_backend('auto', runtime=HERE) == 'tiled'
   t, d, f, e = 24, 8, 8, 4
   x = jax.random.normal(jax.random.key(0), (t, d))
   experts = jax.random.randint(jax.random.key(1), (t, 2), 0, e)
   weights = jnp.full((t, 2), 0.5)
   params = _expert_params(e, d, f, 2)
-  assert_close(dispatch(x, experts, weights, params, 'auto', 8),
-               dispatch(x, experts, weights, params, 'reference'), TOL['float32'], 'auto')
+  assert_close(dispatch(x, experts, weights, params, 'auto', 8, runtime=HERE),
+               dispatch(x, experts, weights, params, 'reference', runtime=HERE),
+               TOL['float32'], 'auto')
 
 
 def test_pallas_self_check_runs_inside_a_trace_and_catches_a_wrong_kernel(monkeypatch):
@@ -372,9 +373,9 @@ def test_pallas_self_check_runs_inside_a_trace_and_catches_a_wrong_kernel(monkey
   monkeypatch.setattr(dsp.pallas_kernels, 'gmm', lambda l, r, s: real(l, r[::-1], s))
   bad = dsp.settle(Runtime.of())
   assert 'relative error' in bad.pallas_check and len(calls) == 1
-  assert dsp.resolve_backend('auto', bad) == dsp.FALLBACK
-  assert dsp.resolve_backend('auto', bad.with_run(remat='full')) == dsp.FALLBACK
-  assert dsp.resolve_backend('auto', bad.replace(pallas_check='')) == 'pallas'
+  assert dsp.resolve_backend('auto', runtime=bad) == dsp.FALLBACK
+  assert dsp.resolve_backend('auto', runtime=bad.with_run(remat='full')) == dsp.FALLBACK
+  assert dsp.resolve_backend('auto', runtime=bad.replace(pallas_check='')) == 'pallas'
   assert len(calls) == 1  # settled: read, not checked again
 
 

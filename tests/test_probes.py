@@ -16,7 +16,7 @@ import pytest
 
 from loopmoe_jax.analysis import evals, probes
 from loopmoe_jax.data import synthetic
-from loopmoe_jax.runtime import Runtime
+from loopmoe_jax.runtime import HERE, Runtime
 
 import reference
 from helpers import apply_fn, make_cfg, make_params, tokens
@@ -92,7 +92,7 @@ def slow_cosine(x_LBTHK):
 @pytest.fixture(scope='module')
 def probed():
   params, toks = make_params(CFG), tokens(CFG, batch=B, length=T)
-  logits, pr = probes.probe_forward(CFG, params, toks)
+  logits, pr = probes.probe_forward(CFG, params, toks, runtime=HERE)
   return params, toks, logits, pr
 
 
@@ -143,7 +143,7 @@ def test_cosine_is_one_when_core_is_a_no_op_between_visits():
       return jnp.zeros_like(w)
     return w
   params = jax.tree_util.tree_map_with_path(zero_core_writes, params)
-  _, pr = probes.probe_forward(CFG, params, tokens(CFG, batch=B, length=T))
+  _, pr = probes.probe_forward(CFG, params, tokens(CFG, batch=B, length=T), runtime=HERE)
   sims = probes.qkv_similarity(pr['core'])
   for n in ('q', 'k', 'v'):
     np.testing.assert_allclose(sims[n], 1.0, atol=1e-5)
@@ -161,7 +161,7 @@ def test_unrolled_loop_gives_the_same_probes(probed):
 
 def test_mechanistic_probes_json_and_ce_gain_buckets(probed):
   params, toks, _, _ = probed
-  out = probes.mechanistic_probes(CFG, params, [np.asarray(toks)])
+  out = probes.mechanistic_probes(CFG, params, [np.asarray(toks)], runtime=HERE)
   assert np.asarray(out['qkv_cosine']['k']).shape == (CFG.core_layers, 3, 3)
   a = np.arange(24.0).reshape(2, 12) + 1.0
   b = 2 * a

@@ -24,7 +24,7 @@ from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.model import LoopedMoE, bias_shapes, variables
 from loopmoe_jax.moe import MoE, route_for
 from loopmoe_jax.sharding import MeshConfig
-from loopmoe_jax.runtime import Runtime
+from loopmoe_jax.runtime import HERE, Runtime
 from loopmoe_jax.train import step as steps
 from loopmoe_jax.train.run import read_router_bias
 from loopmoe_jax.train.step import update_router_bias
@@ -59,7 +59,7 @@ def test_route_with_bias_matches_numpy(score, backend):
   logits = rng.normal(size=(37, 8)).astype(np.float32)
   bias = (0.3 * rng.normal(size=8)).astype(np.float32)
   experts, weights, probs, _ = route_for(backend, jnp.asarray(logits), 3, False,
-                                         jnp.asarray(bias), score)
+                                         jnp.asarray(bias), score, runtime=HERE)
   e_np, w_np, p_np = route_numpy(logits, 3, bias, score, renormalize=False)
   np.testing.assert_array_equal(np.asarray(experts), e_np)
   np.testing.assert_allclose(np.asarray(weights), w_np, rtol=1e-5, atol=1e-7)
@@ -74,11 +74,11 @@ def test_bias_gets_no_gradient_and_weights_are_the_unbiased_scores():
   bias = jnp.asarray(rng.normal(size=4).astype(np.float32))
   for backend in ('xla', 'pallas'):
     def f(z, b):
-      _, w, p, _ = route_for(backend, z, 2, True, b, 'sigmoid')
+      _, w, p, _ = route_for(backend, z, 2, True, b, 'sigmoid', runtime=HERE)
       return jnp.sum(w * jnp.arange(2.0)) + jnp.sum(p ** 2)
     gz, gb = jax.grad(f, argnums=(0, 1))(logits, bias)
     assert np.all(np.asarray(gb) == 0.0) and np.any(np.asarray(gz) != 0.0)
-    experts, weights, probs, _ = route_for(backend, logits, 2, True, bias, 'sigmoid')
+    experts, weights, probs, _ = route_for(backend, logits, 2, True, bias, 'sigmoid', runtime=HERE)
     raw = np.take_along_axis(np.asarray(probs), np.asarray(experts), -1)
     np.testing.assert_allclose(np.asarray(weights), raw / raw.sum(-1, keepdims=True),
                                rtol=1e-6)

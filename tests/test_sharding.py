@@ -219,8 +219,8 @@ def _ep(mesh_cfg, x, ids, w, params, grads=False, **cfg_kw):
   linear function of y with respect to x, the weights and every expert tensor."""
   mesh = sharding.make_mesh(mesh_cfg)
   cfg, rt = _ep_config(params, cfg_kw)
-  moe = lambda x, ids, w, p: expert_parallel.moe_dispatch(x, ids, w, p, cfg,
-                                                          jax.sharding.get_abstract_mesh(), rt)
+  moe = lambda x, ids, w, p: expert_parallel.moe_dispatch(
+      x, ids, w, p, cfg, jax.sharding.get_abstract_mesh(), runtime=rt)
   fn = jax.jit(moe)
   with jax.set_mesh(mesh):
     y, dropped = fn(x, ids, w, params)
@@ -318,8 +318,8 @@ def _ep_grad_temp_bytes(mesh_cfg, x, ids, w, params, policy=None, **cfg_kw):
   cfg, rt = _ep_config(params, cfg_kw)
 
   def loss(x, w, p):
-    moe = lambda x, w, p: expert_parallel.moe_dispatch(x, jnp.asarray(ids), w, p, cfg,
-                                                       jax.sharding.get_abstract_mesh(), rt)[0]
+    moe = lambda x, w, p: expert_parallel.moe_dispatch(
+        x, jnp.asarray(ids), w, p, cfg, jax.sharding.get_abstract_mesh(), runtime=rt)[0]
     if policy:
       moe = jax.checkpoint(moe, policy=core.REMAT[policy], prevent_cse=False)
     y = moe(x, w, p)
@@ -373,7 +373,7 @@ def test_ragged_exchange_lowers_for_accelerators(platform):
 
   def loss(x, w, params):
     y, _ = expert_parallel.moe_dispatch(x, jnp.asarray(ids), w, params, cfg,
-                                        jax.sharding.get_abstract_mesh(), rt)
+                                        jax.sharding.get_abstract_mesh(), runtime=rt)
     return jnp.sum(y * y)
 
   with jax.set_mesh(mesh):

@@ -194,7 +194,7 @@ def _masking(report: dict, run, params, batches: list, opts: _Options) -> list[d
       top = tuple(int(i) for i in np.argsort(-q[d], kind='stable')[:opts.mask_top])
       masks.append(masking.traffic_matched(cfg, params, batches, 'core', d, top, q[d],
                                            opts.mask_draws, opts.seed + d, report['loss'],
-                                           run.runtime))
+                                           runtime=run.runtime))
   elif opts.mask_top > 0 and 'core' not in report['segments']:
     report['not_applicable'].setdefault('masking', 'no MoE core layer to mask')
   return masks
@@ -223,7 +223,8 @@ def _analyses(report: dict, run, params, batches: list, out_dir: str,
   if opts.probes:
     t = time.perf_counter()
     report['probes'] = mech.mechanistic_probes(run.model_cfg, params,
-                                               _probe_inputs(batches, opts.probes))
+                                               _probe_inputs(batches, opts.probes),
+                                               runtime=run.runtime)
     ran['probes'] = time.perf_counter() - t
   if opts.evals:
     t = time.perf_counter()

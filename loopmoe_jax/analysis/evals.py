@@ -117,7 +117,7 @@ def _argmax_fn(cfg: ModelConfig, num_loops: int | None, runtime: Runtime):
 
 
 def model_predictor(cfg: ModelConfig, params, num_loops: int | None = None,
-                    runtime: Runtime = HERE) -> Predictor:
+                    *, runtime: Runtime) -> Predictor:
   """Teacher-forced argmax of a model at `num_loops` passes (built for `runtime`), as a
   Predictor."""
   check_loops(cfg, num_loops)
@@ -141,7 +141,7 @@ def reasoning_evals(workdir, step: int | None = None, num_loops: int | None = No
   cfg, params, s, config = run.model_cfg, run.variables, run.step, run.config
   _check_bytes(config, run.workdir)
   context = context or config['data']['seq_len']
-  predict = model_predictor(cfg, params, num_loops, run.runtime)
+  predict = model_predictor(cfg, params, num_loops, runtime=run.runtime)
   tasks = {}
   for t in TASKS:
     try:
@@ -165,7 +165,7 @@ def recurrence(workdir, max_loops: int, step: int | None = None, examples: int =
   seq_len = config['data']['seq_len']
   acc, skipped = {t: {} for t in tasks}, {}
   for n in loops:
-    predict = model_predictor(cfg, params, n, run.runtime)
+    predict = model_predictor(cfg, params, n, runtime=run.runtime)
     for t in list(acc):
       try:
         acc[t][str(n)] = task_accuracy(predict, t, examples, seq_len)

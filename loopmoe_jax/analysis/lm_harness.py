@@ -110,7 +110,7 @@ def default_buckets(max_length: int) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def _token_scores(cfg: ModelConfig, num_loops: int | None, mesh=None, runtime: Runtime = HERE):
+def _token_scores(cfg: ModelConfig, num_loops: int | None, mesh=None, *, runtime: Runtime):
   """jit of (params, router bias, inputs_BT, targets_BT) -> (log p of each target [B, T] float32,
   target == argmax [B, T]): one full forward. Compiled once per shape (a bucket); under `mesh`
   (the batch's rows split over its batch axes, the params as the rules table shards them);
@@ -168,7 +168,7 @@ class LoopedMoELM(LM):
     if self.buckets[-1] < self.max_length:
       raise ValueError(f'buckets={self.buckets}: the largest must be >= the trained length '
                        f'{self.max_length}')
-    self._score_fn = _token_scores(self.cfg, num_loops, mesh, self.run.runtime)
+    self._score_fn = _token_scores(self.cfg, num_loops, mesh, runtime=self.run.runtime)
     self._rows = sharding.batch_sharding(mesh) if mesh is not None else None
 
   # Tokens ---------------------------------------------------------------------------------

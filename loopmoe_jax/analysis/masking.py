@@ -58,7 +58,7 @@ def _layers(node):
 
 
 def masked_loss(cfg: ModelConfig, params, batches, removed: dict | None,
-                runtime: Runtime = HERE) -> float:
+                *, runtime: Runtime) -> float:
   """Mean LM loss on the probe set with the experts in `removed` taken out (the model built
   for `runtime`)."""
   return probe_set.run(cfg, params, batches, mask_tree(cfg, removed), record=False,
@@ -80,15 +80,15 @@ def candidate_sets(num_experts: int, target: tuple, top_k: int, rng) -> list[tup
 
 def traffic_matched(cfg: ModelConfig, params, batches, segment: str, layer: int, experts,
                     share_E, draws: int = 4, seed: int = 0, base_loss: float | None = None,
-                    runtime: Runtime = HERE) -> dict:
+                    *, runtime: Runtime) -> dict:
   """Loss change from removing `experts` of (segment, layer), and from `draws` random sets of
   the same layer matched in traffic (share_E: that layer's pooled load shares q_{d,i})."""
   share_E = np.asarray(share_E, np.float64)
   target = tuple(sorted(int(i) for i in experts))
   if base_loss is None:
-    base_loss = masked_loss(cfg, params, batches, None, runtime)
+    base_loss = masked_loss(cfg, params, batches, None, runtime=runtime)
   traffic = float(share_E[list(target)].sum())
-  delta = masked_loss(cfg, params, batches, {(segment, layer): target}, runtime) - base_loss
+  delta = masked_loss(cfg, params, batches, {(segment, layer): target}, runtime=runtime) - base_loss
   rng = np.random.default_rng(seed)
   cands = candidate_sets(len(share_E), target, cfg.top_k, rng)
   rng.shuffle(cands)
@@ -97,7 +97,7 @@ def traffic_matched(cfg: ModelConfig, params, batches, segment: str, layer: int,
   picked = [pool[i] for i in sorted(rng.choice(len(pool), min(draws, len(pool)), replace=False))]
   rand = []
   for c in picked:
-    d = masked_loss(cfg, params, batches, {(segment, layer): c}, runtime) - base_loss
+    d = masked_loss(cfg, params, batches, {(segment, layer): c}, runtime=runtime) - base_loss
     rand.append({'experts': list(c), 'traffic': float(share_E[list(c)].sum()), 'delta_loss': d})
   deltas = np.array([r['delta_loss'] for r in rand])
   gaps = np.array([abs(r['traffic'] - traffic) for r in rand])

@@ -95,7 +95,7 @@ def probe_batches(data_config: dict, cfg: ModelConfig, tokens: int) -> tuple[lis
 
 
 @functools.lru_cache(maxsize=None)
-def loss_fn(cfg: ModelConfig, record: bool, runtime: Runtime = HERE):
+def loss_fn(cfg: ModelConfig, record: bool, *, runtime: Runtime):
   """jit(params, routing_mask, batch) -> (NLL sum, token count, routing records or {}), the
   model built for `runtime` (a run's: its stored run settings)."""
   model = LoopedMoE(cfg, runtime=runtime)
@@ -120,11 +120,11 @@ def to_NCL(seg: str, a) -> np.ndarray:
 
 
 def run(cfg: ModelConfig, params, batches, routing_mask=None, record: bool = True,
-        tokens: int | None = None, runtime: Runtime = HERE) -> dict:
+        tokens: int | None = None, *, runtime: Runtime) -> dict:
   """{'loss': mean LM loss over the probe set (the batches' mask), 'routing': {segment:
   {'experts', 'logits'}} of the first `tokens` tokens (all when None), 'timing': the first
   batch's seconds (with any compile) and the rest's}."""
-  fn = loss_fn(cfg, record, runtime)
+  fn = loss_fn(cfg, record, runtime=runtime)
   total, count, recs, marks = 0.0, 0.0, [], [time.perf_counter()]
   for b in batches:
     nll, c, r = fn(params, routing_mask or {}, {k: jnp.asarray(v) for k, v in b.items()})

@@ -66,7 +66,7 @@ def _attention_values(seg_tree, layers: int) -> list[dict]:
 
 
 def probe_forward(cfg: ModelConfig, params, tokens_BT, num_loops: int | None = None,
-                  runtime: Runtime = HERE):
+                  *, runtime: Runtime):
   """(logits_BTV, probes) with probes {segment: [per layer {'q','k','v','sink'}]}: prelude/coda
   arrays q [B,T,H,K], k/v [B,T,G,K], sink [B,H]; core arrays with a leading pass axis L.
   `runtime`: the model's run settings (runtime.py; the loop's implementation, ...)."""
@@ -105,12 +105,12 @@ def sink_mass(probes: Mapping) -> dict:
 
 
 def mechanistic_probes(cfg: ModelConfig, params, batches: Sequence[np.ndarray],
-                       num_loops: int | None = None, runtime: Runtime = HERE) -> dict:
+                       num_loops: int | None = None, *, runtime: Runtime) -> dict:
   """Q/K/V similarity between visits and sink mass over token batches [B, T] (equal shapes),
   averaged over the batches; JSON-ready lists. Core-less models get no 'qkv_cosine'."""
   sims, sinks = [], []
   for tokens in batches:
-    _, probes = probe_forward(cfg, params, tokens, num_loops, runtime)
+    _, probes = probe_forward(cfg, params, tokens, num_loops, runtime=runtime)
     if 'core' in probes:
       sims.append(qkv_similarity(probes['core']))
     sinks.append(sink_mass(probes))
@@ -208,7 +208,7 @@ def probe_workdir(workdir, tokens: int = 8192, step: int | None = None,
   run = as_loaded(workdir, step)
   inputs, _ = validation_inputs(run.config, run.model_cfg.vocab_size, tokens)
   return {'step': run.step, **mechanistic_probes(run.model_cfg, run.variables, inputs, num_loops,
-                                                 run.runtime)}
+                                                 runtime=run.runtime)}
 
 
 def embedded_domains(config: dict, tokens_per_domain: int = 32768) -> dict[str, np.ndarray]:

@@ -334,7 +334,8 @@ def _device(res, quick, platform):
   res[f'{platform}_pallas_self_check'] = not error
   if error:
     res[f'{platform}_pallas_self_check_error'] = error
-  res[f'{platform}_auto'] = dispatch.resolve_backend('auto', HERE.replace(pallas_check=error))
+  res[f'{platform}_auto'] = dispatch.resolve_backend(
+      'auto', runtime=HERE.replace(pallas_check=error))
   res[f'{platform}_gmm_shape'] = dict(rows=m, k=k, n=n)
   if platform == 'gpu':
     best = _tune(res, platform, m, k, n, repeats)

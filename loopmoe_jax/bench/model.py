@@ -42,7 +42,7 @@ DENSE_IN_E = ('xla', 'reference')
 
 
 def moe_fwd_bwd(cfg: ModelConfig, num_experts: int, num_tokens: int, options=None,
-                cache: dict | None = None, runtime: Runtime = HERE):
+                cache: dict | None = None, *, runtime: Runtime):
   """A compiled fwd+bwd thunk of the MoE layer on [1, num_tokens, d_model] inputs."""
   moe = MoE(cfg, num_experts, runtime=runtime)
   x = jax.random.normal(jax.random.key(1), (1, num_tokens, cfg.d_model), jnp.float32)
@@ -63,14 +63,14 @@ def moe_ratio(cfg: ModelConfig, backend: str, num_tokens: int, small: int, large
   call is predicted (from one small-E call; linear in E for DENSE_IN_E backends) to take more
   than `max_seconds`, the large one is skipped (None)."""
   rt = Runtime.of(dispatch=backend, dispatch_tile=tile)
-  thunks = {small: moe_fwd_bwd(cfg, small, num_tokens, options, cache, rt)}
+  thunks = {small: moe_fwd_bwd(cfg, small, num_tokens, options, cache, runtime=rt)}
   t0 = time.perf_counter()
   _block(thunks[small]())
   predicted = (time.perf_counter() - t0) * (large / small if backend in DENSE_IN_E else 1.0)
   if predicted > max_seconds:
     t = time_interleaved(thunks, repeats, warmup=0)[small]
     return dict(small=t, large=None, ratio=None)
-  thunks[large] = moe_fwd_bwd(cfg, large, num_tokens, options, cache, rt)
+  thunks[large] = moe_fwd_bwd(cfg, large, num_tokens, options, cache, runtime=rt)
   secs = time_interleaved(thunks, repeats, warmup=0 if backend in DENSE_IN_E else 1)
   return dict(small=secs[small], large=secs[large], ratio=secs[large] / secs[small])
 

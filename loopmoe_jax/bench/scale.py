@@ -61,7 +61,8 @@ def _layer_inputs(tokens, d, f, experts, k, dtype):
 def _exchange(cfg, mesh, args, exchange: str, platform=None):
   runtime = (Runtime.for_platform(platform) if platform else HERE).with_run(
       dispatch='xla', expert_exchange=exchange)
-  fn = jax.jit(lambda *a: expert_parallel.moe_dispatch(*a, cfg, mesh.abstract_mesh, runtime))
+  fn = jax.jit(lambda *a: expert_parallel.moe_dispatch(*a, cfg, mesh.abstract_mesh,
+                                                               runtime=runtime))
   shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
   with jax.set_mesh(mesh):
     traced = fn.trace(*shapes)

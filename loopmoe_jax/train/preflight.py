@@ -23,7 +23,7 @@ import os
 import jax
 import numpy as np
 
-from loopmoe_jax import sharding, targets
+from loopmoe_jax import dispatch, sharding, targets
 from loopmoe_jax.attention_impls import resolve
 from loopmoe_jax.dispatch import resolve_backend
 from loopmoe_jax.train import depth
@@ -58,20 +58,22 @@ def device_memory_bytes(device=None, sharing: int | None = None) -> int | None:
   return available // max(1, sharing or len(jax.local_devices()))
 
 
-def layer_bytes(mc, run, tokens: int, seqs: int, seq_len: int, experts: int) -> int:
-  """A floor on what one layer of the architecture `mc` under the run settings `run` keeps for
+def layer_bytes(mc, runtime, tokens: int, seqs: int, seq_len: int, experts: int) -> int:
+  """A floor on what one layer of the architecture `mc` on `runtime` (its run settings) keeps for
   its backward without remat, per device: in the compute
   dtype its input and normed input [tokens, d], q, k, v and the attention output
   [tokens, (2H + 2G) x K], and the routed rows' input and SwiGLU gate, up and product
   [tokens x k, d + 3F] (the 'tiled' dispatch's rounded up to whole `dispatch_tile`s; a dense
   layer: [tokens, 3F]); with the 'xla' attention also its float32 probabilities
   [seqs, H, T, T]."""
+  run = runtime.run
   act = np.dtype(mc.dtype).itemsize
   width = 2 * mc.d_model + (2 * mc.num_heads + 2 * mc.kv_heads) * mc.resolved_head_dim
   rows, ffn = 0, 3 * mc.expert_width
   if experts:
     rows = tokens * mc.top_k
-    if resolve_backend(run.dispatch) == 'tiled':  # its buffers hold whole tiles of rows
+    # the tiled dispatch's buffers hold whole tiles of rows
+    if resolve_backend(run.dispatch, runtime=runtime) == 'tiled':
       rows = -(-rows // run.dispatch_tile) * run.dispatch_tile
     ffn = 0
   scores = 4 * seqs * mc.num_heads * seq_len * seq_len if resolve(
@@ -81,7 +83,7 @@ def layer_bytes(mc, run, tokens: int, seqs: int, seq_len: int, experts: int) -> 
 
 def estimate(exp, mesh, state) -> dict:
   """The lower bound's terms in bytes per device, and what drives the activations."""
-  mc, dc = exp.model, exp.data
+  mc, dc, runtime = exp.model, exp.data, dispatch.settle(exp.runtime())
   per_dev = lambda tree: sharding.bytes_per_device(tree, jax.tree.map(lambda s: s.sharding, tree))
   params = per_dev(state['params'])
   seqs = max(1, dc.batch_size // sharding.batch_size_of(mesh) // exp.train.microbatches)
@@ -91,7 +93,7 @@ def estimate(exp, mesh, state) -> dict:
   high = exp.train.loops_bounds(mc.num_loops)[1] if exp.train.sampled else mc.num_loops
   core_passes = depth.backprop(exp.train, high) or (high if exp.train.sampled else None)
   layers = {seg: (n, core_passes if seg == 'core' and core_passes else passes,
-                  layer_bytes(mc, exp.run, tokens, seqs, dc.seq_len, experts))
+                  layer_bytes(mc, runtime, tokens, seqs, dc.seq_len, experts))
             for seg, n, experts, passes in mc.segments}
   if exp.run.remat == 'none':  # every executed layer keeps its set
     per_seg = {seg: n * passes * b for seg, (n, passes, b) in layers.items()}

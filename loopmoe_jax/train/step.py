@@ -134,7 +134,7 @@ def all_finite(tree) -> jax.Array:
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
-def split_microbatches(batch, microbatches: int, runtime: Runtime = HERE):
+def split_microbatches(batch, microbatches: int, *, runtime: Runtime):
   """[B, ...] -> [m, B/m, ...] with microbatch i = rows i, i+m, ...: each device keeps its own
   rows (B/m of every device's rows per microbatch, on the runtime's mesh), so no data moves."""
   def one(x):
@@ -223,7 +223,7 @@ def loss_and_grads(params, model, batch, settings: StepSettings, router_bias=Non
     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
     return jax.tree.map(jnp.add, acc, (metrics, grads)), None
 
-  mbs = split_microbatches(batch, s.microbatches, model.runtime)
+  mbs = split_microbatches(batch, s.microbatches, runtime=model.runtime)
   zeros = jax.eval_shape(lambda: grad_fn(params, model, jax.tree.map(lambda x: x[0], mbs)))
   acc0 = (jax.tree.map(lambda z: jnp.zeros(z.shape, jnp.float32), zeros[0][1]),
           jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))

@@ -112,8 +112,8 @@ def _banner(job, start: int) -> str:
           f"{mc.executed_layers} executed layers; data: {dc.source}, batch {dc.batch_size} x "
           f"{dc.seq_len}; steps {start} -> {tc.steps} on {jax.device_count()} device(s)"
           f"{_mesh_text(job.mesh)}; dispatch {run.dispatch} -> "
-          f"{resolve_backend(run.dispatch, job.runtime)}"
-          f"{_exchange_text(run, job.mesh)}; attention {run.attention_impl} -> {attention}"
+          f"{resolve_backend(run.dispatch, runtime=job.runtime)}"
+          f"{_exchange_text(job.runtime, job.mesh)}; attention {run.attention_impl} -> {attention}"
           f"{depth.describe(tc, mc.num_loops)}")
 
 
@@ -210,10 +210,11 @@ def _mesh_text(mesh) -> str:
   return f" (mesh {' x '.join(axes)})" if axes else ''
 
 
-def _exchange_text(run, mesh) -> str:
+def _exchange_text(runtime, mesh) -> str:
   if mesh.shape['expert'] == 1:
     return ''
-  return f', expert exchange {run.expert_exchange} -> {exchange_kind(run.expert_exchange)}'
+  kind = runtime.run.expert_exchange
+  return f', expert exchange {kind} -> {exchange_kind(kind, runtime=runtime)}'
 
 
 def _print_sample(mc, params, dc, tc, router_bias, runtime):
