@@ -34,6 +34,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import tempfile
 import time
 
@@ -124,11 +125,43 @@ def summarize(compiled, platform: str) -> dict:
                                text.count(' ragged-all-to-all-start(')}
 
 
+# libtpu refuses a program whose temporaries exceed the chip's memory (XLA:GPU returns it):
+# "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries
+# (139.80G) exceeds available HBM (95.74G)."
+_REFUSED = re.compile(r'HLO temporaries \(([\d.]+)([KMGT]?)\) exceeds available HBM '
+                      r'\(([\d.]+)([KMGT]?)\)')
+_UNITS = {'': 1, 'K': 2**10, 'M': 2**20, 'G': 2**30, 'T': 2**40}
+
+
+def refusal(error: BaseException) -> dict | None:
+  """{'temporaries', 'available'} (bytes) when `error` is the compiler refusing a program for
+  its memory, else None."""
+  m = _REFUSED.search(str(error))
+  if not m:
+    return None
+  size = lambda value, unit: int(float(value) * _UNITS[unit])
+  return {'temporaries': size(m.group(1), m.group(2)), 'available': size(m.group(3), m.group(4))}
+
+
+def _refused_summary(error: BaseException, refused: dict, args) -> dict:
+  """A summary of a program the compiler refused: its arguments (the state and batch this
+  device holds) and the temporaries the compiler asked for; nothing else was compiled."""
+  arguments = sharding.bytes_per_device(args, jax.tree.map(lambda s: s.sharding, args))
+  memory = {'arguments': arguments, 'outputs': 0, 'aliases': 0,
+            'temporaries': refused['temporaries'], 'code': 0,
+            'total': arguments + refused['temporaries']}
+  return {'memory': memory, 'collectives': [], 'flops': None, 'kernel_calls': {},
+          'ragged_all_to_all': 0, 'refused': (str(error).strip().splitlines() or [''])[0][:300],
+          'compiler_available_bytes': refused['available']}
+
+
 def compile_summary(cfg_dict, target: targets.Target, preset: str = 'pod',
                     use_cache: bool = True):
   """(`summarize` of the config's train step compiled for `target` with 'compile_s', 'cached'
   and 'options', (abstract state and batch, mesh, experiment)); the summary is read from the
-  cache (module docstring) when the same program was compiled before."""
+  cache (module docstring) when the same program was compiled before. A program the compiler
+  refuses for its memory gives a summary with 'refused' (the compiler's line) and the bytes it
+  asked for, not an error."""
   options = compiler_options(target.platform, preset)
   start = time.perf_counter()
   lowered, args, mesh, exp = lower_step(cfg_dict, target)
@@ -146,9 +179,14 @@ def compile_summary(cfg_dict, target: targets.Target, preset: str = 'pod',
     out.update(cached=True, lower_s=round(lower_s, 1))
     return out, (args, mesh, exp)
   start = time.perf_counter()
-  with compile_cache.off():
-    compiled = lowered.compile(options)
-  out = summarize(compiled, target.platform)
+  try:
+    with compile_cache.off():
+      out = summarize(lowered.compile(options), target.platform)
+  except Exception as e:  # pylint: disable=broad-except
+    refused = refusal(e)
+    if refused is None:
+      raise
+    out = _refused_summary(e, refused, args)
   out.update(compile_s=round(time.perf_counter() - start, 1), lower_s=round(lower_s, 1),
              options=options, compiler=_compiler_version(target.platform), cached=False)
   if use_cache:
@@ -166,13 +204,14 @@ def target_report(cfg_dict, target: targets.Target, preset: str = 'pod',
   (bytes per step, async and overlapped ops), FLOPs and lower bounds of communication and
   compute time per step, beside the parameter accounting of the CPU dry run."""
   summary, ((state, _), mesh, exp) = compile_summary(cfg_dict, target, preset, use_cache)
+  if summary.get('refused'):
+    return refused_report(summary, target, mesh, exp)
   mem, hbm = summary['memory'], target.hbm_bytes_per_device
   colls = summary['collectives']
   coll_bytes = hlo.collective_bytes(colls)
   kinds = dry_run.classify(colls, state['params'])
   flops, analytic_f = dry_run.step_flops(cfg_dict, mesh.size), dry_run.analytic_flops(exp, mesh)
   per_dev = lambda tree: sharding.bytes_per_device(tree, jax.tree.map(lambda s: s.sharding, tree))
-  comm_s = sum(coll_bytes.values()) / (target.chip.ici_bytes_per_s / target.devices_per_chip)
   compute_s = analytic_f / target.peak_flops_per_device
   report = {
       'target': target.name, 'compiler': target.platform, 'devices': mesh.size,
@@ -211,8 +250,7 @@ def target_report(cfg_dict, target: targets.Target, preset: str = 'pod',
       'batch': [exp.data.batch_size, exp.data.seq_len], 'expert_exchange': 'ragged',
       # lower bounds: every collective byte over one direction of the chip's links, the
       # analytic FLOPs at peak; neither overlaps nor contention counted
-      'time_bounds_s': {'communication': comm_s, 'compute': compute_s,
-                        'communication_over_compute': round(comm_s / compute_s, 4)},
+      'time_bounds_s': time_bounds(colls, compute_s, target),
       'compile_s': summary['compile_s'], 'lower_s': summary['lower_s'],
       'cached': summary['cached'], 'compiler_options': summary['options'],
   }
@@ -221,26 +259,84 @@ def target_report(cfg_dict, target: targets.Target, preset: str = 'pod',
   return report
 
 
+def time_bounds(colls, compute_s: float, target: targets.Target) -> dict:
+  """Seconds per step: `communication` (every collective byte over one direction of the
+  chip's links) and `compute` (the analytic FLOPs at peak), lower bounds that count no overlap
+  or contention; `latency` (every op's fixed time, targets' per-op figure); `exposed` (the
+  bytes and latency of the ops the compiled program does not overlap with compute); and
+  `estimated_step`: the larger of compute and the overlapped ops' time, plus the exposed."""
+  link = target.chip.ici_bytes_per_s / target.devices_per_chip
+  op_s = target.chip.collective_latency_s
+  if not op_s:
+    raise ValueError(f'target {target.name}: its chip {target.chip.name!r} has no '
+                     'collective_latency_s in loopmoe_jax/targets.py CHIPS')
+  cost = lambda c: c['times'] * (c['bytes'] / link + op_s)
+  comm_s = sum(c['times'] * c['bytes'] for c in colls) / link
+  overlapped = sum(cost(c) for c in colls if c['overlapped'])
+  exposed = sum(cost(c) for c in colls if not c['overlapped'])
+  return {'communication': comm_s, 'compute': compute_s,
+          'communication_over_compute': round(comm_s / compute_s, 4),
+          'latency': sum(c['times'] for c in colls) * op_s, 'exposed': exposed,
+          'estimated_step': max(compute_s, overlapped) + exposed}
+
+
+def refused_report(summary: dict, target: targets.Target, mesh, exp) -> dict:
+  """The dry run's report of a program the compiler refused for its memory: what it would
+  need per device (the state and batch it holds plus the temporaries the compiler asked for),
+  `fits` false, and the advice; no collectives or bounds (nothing was compiled)."""
+  mem, hbm = summary['memory'], target.hbm_bytes_per_device
+  return {'target': target.name, 'compiler': target.platform, 'devices': mesh.size,
+          'platform': target.platform, 'mesh': {a: int(n) for a, n in mesh.shape.items()},
+          'hbm_bytes_per_device': hbm, 'bytes_per_device': mem, 'fits': False,
+          'headroom_bytes': hbm - mem['total'], 'hbm_fraction': round(mem['total'] / hbm, 4),
+          'refused': summary['refused'], 'advice': advice(exp, mesh, mem['total'] - hbm),
+          'change_first': change_first(exp, mesh),
+          'remat': exp.run.remat, 'attention_impl': exp.run.attention_impl,
+          'batch': [exp.data.batch_size, exp.data.seq_len],
+          'compile_s': summary.get('compile_s'), 'lower_s': summary.get('lower_s'),
+          'cached': summary['cached']}
+
+
+def does_not_fit(report: dict) -> str:
+  """One line for a program its target's compiler refused for memory (`refused_report`):
+  what it needs per device, of how much, over by how much, and what to change."""
+  gib = lambda b: f'{b / 2**30:,.2f} GiB'
+  total, hbm = report['bytes_per_device']['total'], report['hbm_bytes_per_device']
+  return (f"the train step does not fit {report['target']} (its compiler refused it): it needs "
+          f"{gib(total)} of {gib(hbm)} per device (over by {gib(total - hbm)}); change "
+          f"{report['change_first']} first, or let scripts/fit.py search remat, microbatches "
+          'and loss chunk')
+
+
 def advice(exp, mesh, over: int) -> str:
   """What does not fit, by how much, and the setting the fit finder changes first."""
-  per_shard = exp.data.batch_size // sharding.batch_size_of(mesh)
-  first = ('run.remat (attention, pass_input or full)' if exp.run.remat == 'none' else
-           'train.microbatches' if exp.train.microbatches < per_shard else
-           'data.batch_size or the mesh')
   return (f'does not fit: {over / 2**30:,.2f} GiB over the device memory; '
-          f'scripts/fit.py would change {first} first')
+          f'scripts/fit.py would change {change_first(exp, mesh)} first')
+
+
+def change_first(exp, mesh) -> str:
+  """The setting the fit finder changes first for a step that does not fit."""
+  per_shard = exp.data.batch_size // sharding.batch_size_of(mesh)
+  return ('run.remat (attention, pass_input or full)' if exp.run.remat == 'none' else
+          'train.microbatches' if exp.train.microbatches < per_shard else
+          'data.batch_size or the mesh')
 
 
 def candidate(cfg_dict, target: targets.Target, settings: dict, preset: str = 'pod',
               use_cache: bool = True, flops: int | None = None) -> dict:
-  """One row of a policy table or the fit finder: the config with `settings` ({'run.remat':
-  ..., 'train.microbatches': ..., 'data.batch_size': ...}) compiled for `target`: bytes per
-  device, fit, matmul FLOPs per device (`flops`, else dry_run.step_flops: the step lowered for
+  """One row of a policy table, the fit finder or the planner: the config with `settings`
+  ({'run.remat': ..., 'train.microbatches': ..., 'data.batch_size': ...}) compiled for
+  `target`: bytes per device, fit, time bounds (`time_bounds`; None for a program the compiler
+  refused), matmul FLOPs per device (`flops`, else dry_run.step_flops: the step lowered for
   one device)."""
   cfg = with_settings(cfg_dict, settings)
   summary, (_, mesh, exp) = compile_summary(cfg, target, preset, use_cache)
   mem = summary['memory']
+  compute_s = dry_run.analytic_flops(exp, mesh) / target.peak_flops_per_device
+  bounds = None if summary.get('refused') else time_bounds(summary['collectives'], compute_s,
+                                                           target)
   return {'run': dict(settings), 'bytes_per_device': mem,
+          'refused': bool(summary.get('refused')), 'time_bounds_s': bounds,
           'temp_bytes_per_device': mem['temporaries'],
           'fits': mem['total'] <= target.hbm_bytes_per_device,
           'hbm_fraction': round(mem['total'] / target.hbm_bytes_per_device, 4),
@@ -281,6 +377,10 @@ def target_table(report: dict) -> str:
   rows.append(('time bounds / step', f"communication >= {tb['communication'] * 1e3:.4g} ms, "
                f"compute >= {tb['compute'] * 1e3:.4g} ms (ratio "
                f"{tb['communication_over_compute']:.3g}; links and peak FLOP/s, no overlap)"))
+  rows.append(('estimated step', f"{tb['estimated_step'] * 1e3:.4g} ms = "
+               f"{tb['estimated_step'] / tb['compute']:.3g} x compute (latency "
+               f"{tb['latency'] * 1e3:.4g} ms over every op; not overlapped "
+               f"{tb['exposed'] * 1e3:.4g} ms)"))
   if report['compiled_flops_over_analytic']:
     rows.append(('compiled FLOPs / analytic', f"{report['compiled_flops_over_analytic']:.3f} "
                  '(custom calls not counted)'))

@@ -113,6 +113,9 @@ def line(row: dict, target: targets.Target) -> str:
   return (f'{settings:<52} {total / 2**30:9.2f} GiB {100 * total / target.hbm_bytes_per_device:6.1f}%'
           f' {"fits" if row["fits"] else "no  "}  FLOPs/none {row["flops_over_none"]:.3f}'
           f'  batch/device {row["batch_per_device"]}'
+          + ('  (refused by the compiler: over by '
+             f'{(total - target.hbm_bytes_per_device) / 2**30:.2f} GiB)' if row.get('refused')
+             else '')
           + ('  (cached)' if row.get('cached') else f'  ({row.get("compile_s")} s)'))
 
 

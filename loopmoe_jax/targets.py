@@ -43,27 +43,42 @@ class Chip:
   ici_bytes_per_s: float     # chip-to-chip (ICI / NVLink), one direction, all links
   dcn_bytes_per_s: float     # data-center network per chip, one direction
   hbm_bytes_per_s: float = 0.0
+  # fixed time of one collective op over the chip's links, whatever its bytes (0: no figure)
+  collective_latency_s: float = 0.0
+
+
+# Per-op collective latency, the figure the dry run's latency term multiplies by the ops a step
+# issues. TPU ICI: about 1 us per link hop (ASTRA-sim's TPU validation, "link latency is 1 us
+# as per TPU research team"), over the up-to-10 hops of a pod slice's torus axes: 10 us an op.
+# NVLink with NCCL: about 6 us for an all-reduce between 2 H100s of an HGX node, rising with
+# the GPUs taking part (NVIDIA/nccl issue 1259, NVLS), about 26 us in NCCL's own model for a
+# 4 KB all-reduce on an H100 cluster (NVIDIA/nccl issue 1453): 15 us an op.
+ICI_LATENCY_S, NVLINK_LATENCY_S = 10e-6, 15e-6
 
 
 CHIPS = {c.name: c for c in (
     # Cloud TPU v4: 32 GiB HBM2 at 1,200 GB/s, 275 TFLOP/s bf16, ICI 2,400 Gbps per chip
     # one way; DCN about 25 Gbps per chip (a host of 4 chips)
-    Chip('v4', 'tpu', ('TPU v4',), 32 * GIB, 275e12, 300e9, 25e9 / 8, 1200e9),
+    Chip('v4', 'tpu', ('TPU v4',), 32 * GIB, 275e12, 300e9, 25e9 / 8, 1200e9, ICI_LATENCY_S),
     # v5e: 16 GiB at 819 GB/s, 197 TFLOP/s, ICI 400 GB/s bidirectional; 2 x 100 Gbps NICs per
     # host of 8 chips
-    Chip('v5e', 'tpu', ('TPU v5 lite', 'TPU v5e'), 16 * GIB, 197e12, 200e9, 25e9 / 8, 819e9),
+    Chip('v5e', 'tpu', ('TPU v5 lite', 'TPU v5e'), 16 * GIB, 197e12, 200e9, 25e9 / 8, 819e9,
+         ICI_LATENCY_S),
     # v5p: 95 GiB HBM2e at 2,765 GB/s, 459 TFLOP/s, ICI 1,200 GB/s bidirectional, DCN 50 Gbps
     # per chip. Its devices report 'TPU v5' (compile-only and real), not 'TPU v5p'.
-    Chip('v5p', 'tpu', ('TPU v5', 'TPU v5p'), 95 * GIB, 459e12, 600e9, 50e9 / 8, 2765e9),
+    Chip('v5p', 'tpu', ('TPU v5', 'TPU v5p'), 95 * GIB, 459e12, 600e9, 50e9 / 8, 2765e9,
+         ICI_LATENCY_S),
     # v6e (Trillium): 32 GiB at 1,638 GB/s, 918 TFLOP/s, ICI 800 GB/s bidirectional; DCN taken
     # as v5e's per chip (the spec table gives none)
-    Chip('v6e', 'tpu', ('TPU v6 lite', 'TPU v6e'), 32 * GIB, 918e12, 400e9, 25e9 / 8, 1638e9),
+    Chip('v6e', 'tpu', ('TPU v6 lite', 'TPU v6e'), 32 * GIB, 918e12, 400e9, 25e9 / 8, 1638e9,
+         ICI_LATENCY_S),
     # H100 SXM 80 GB: 989 TFLOP/s dense bf16, 3.35 TB/s; NVLink 4 900 GB/s bidirectional;
     # the allocator's device memory size as XLA sees it
     Chip('h100', 'cuda', ('NVIDIA H100 80GB HBM3', 'NVIDIA H100'), 84_942_979_072, 989e12, 450e9,
-         50e9, 3.352e12),
+         50e9, 3.352e12, NVLINK_LATENCY_S),
     # H200 SXM 141 GB: same compute as H100, 4.8 TB/s HBM3e
-    Chip('h200', 'cuda', ('NVIDIA H200',), 150_754_820_096, 989e12, 450e9, 50e9, 4.8e12),
+    Chip('h200', 'cuda', ('NVIDIA H200',), 150_754_820_096, 989e12, 450e9, 50e9, 4.8e12,
+         NVLINK_LATENCY_S),
 )}
 # device kinds of chips with no target row (MFU only)
 OTHER_PEAKS = {'A100': 312e12, 'B200': 2250e12}

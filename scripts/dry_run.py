@@ -59,6 +59,9 @@ def main(argv):
   start = time.perf_counter()
   if target:
     report = aot.target_report(_CONFIG.value, target, _PRESET.value)
+    if report.get('refused'):  # nothing compiled: the figures the compiler gave, one line
+      _write(report)
+      raise ValueError(aot.does_not_fit(report))
   else:
     report = dry_run(_CONFIG.value, _PLATFORM.value)
     report['compiler'] = 'cpu-proxy'
@@ -74,6 +77,10 @@ def main(argv):
     else:
       report['remat_policies'] = remat_policies(_CONFIG.value, names)
     print(policy_table(report['remat_policies']), flush=True)
+  _write(report)
+
+
+def _write(report: dict):
   if _JSON.value:
     with open(_JSON.value, 'w') as f:
       json.dump(report, f, indent=1)

@@ -13,7 +13,11 @@ counted with and without); the peak FLOP/s found for every kind the topologies r
 import dataclasses
 import functools
 import importlib.util
+import json
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -365,6 +369,122 @@ def test_fit_finder_marks_the_cheapest_candidate_that_fits_and_reruns_from_its_c
   again, best_again = fit.find(cfg, target, search, log=lambda _: None)
   assert best_again == best and all(r['cached'] for r in again[:best + 1])
   assert [r['bytes_per_device'] for r in again] == [r['bytes_per_device'] for r in rows]
+
+
+def test_the_estimated_step_adds_what_the_program_does_not_overlap():
+  """time_bounds by hand on three collectives of an 8-GPU node (450 GB/s links, 15 us an op):
+  the latency counts every op; the exposed time is the ops that overlap nothing, bytes and
+  latency; the estimate is the larger of compute and the overlapped ops' time, plus that. A
+  chip without a latency figure is refused naming its row."""
+  chip = targets.CHIPS['h100']
+  t = targets.Target('h100x8', chip, '1x1x8', 8)
+  t.__dict__['num_devices'] = 8  # no compile-only devices needed
+  colls = [dict(times=10, bytes=450_000, overlapped=True),     # 10 x (1 us + 15 us)
+           dict(times=4, bytes=4_500_000, overlapped=False),   # 4 x (10 us + 15 us)
+           dict(times=1, bytes=0, overlapped=False)]           # 15 us
+  got = aot.time_bounds(colls, 1e-4, t)
+  assert got['latency'] == pytest.approx(15 * 15e-6)
+  assert got['exposed'] == pytest.approx(4 * 25e-6 + 15e-6)
+  assert got['communication'] == pytest.approx((4.5e6 + 18e6) / 450e9)
+  assert got['estimated_step'] == pytest.approx(max(1e-4, 10 * 16e-6) + 115e-6)
+  assert aot.time_bounds(colls, 1e-3, t)['estimated_step'] == pytest.approx(1e-3 + 115e-6)
+  bare = dataclasses.replace(t, chip=dataclasses.replace(chip, collective_latency_s=0.0))
+  bare.__dict__['num_devices'] = 8
+  with pytest.raises(ValueError, match="chip 'h100' has no collective_latency_s in "
+                                       "loopmoe_jax/targets.py CHIPS"):
+    aot.time_bounds(colls, 1e-4, bare)
+
+
+def test_a_compiler_refusal_for_memory_is_read_not_raised():
+  """libtpu's refusal of a program whose temporaries exceed the chip's memory (its own words)
+  is read into bytes, in the units it prints; any other error is not a refusal."""
+  line = ('RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO '
+          'temporaries (139.80G) exceeds available HBM (95.74G).')
+  got = aot.refusal(RuntimeError(line + '\nmore'))
+  assert got == {'temporaries': int(139.80 * 2**30), 'available': int(95.74 * 2**30)}
+  assert aot.refusal(RuntimeError(line.replace('139.80G', '512M')))['temporaries'] == 2**29
+  assert aot.refusal(RuntimeError('INTERNAL: something else')) is None
+
+
+# the README main job's smoke model at 4096 sequences of 4096 tokens on v5p:2x2x1 (fsdp 2 x
+# expert 2): about 1,000 sequences a device, whose temporaries libtpu refuses without remat
+TOO_BIG = ('--config=configs/default.py:smoke', '--config.data.seq_len=4096',
+           '--config.data.batch_size=4096', '--config.mesh.data=1', '--config.mesh.fsdp=2',
+           '--config.mesh.expert=2')
+
+
+@pytest.mark.slow
+@needs('tpu')
+def test_a_step_the_compiler_refuses_is_a_row_and_one_line_not_a_crash(tmp_path, monkeypatch):
+  """A train step libtpu refuses for memory: the dry run's report says so (fits false, the
+  bytes the compiler asked for beside the state and batch a device holds), the fit finder
+  takes the refusal as a row that does not fit and goes on to the candidate that does (16
+  microbatches), and the script exits 1 with one line naming what it needs and by how much it is over,
+  and still writes its JSON. The refusal is cached like a compile."""
+  from loopmoe_jax import fit
+  from loopmoe_jax.experiment import load_config
+  monkeypatch.setenv('LOOPMOE_COMPILE_CACHE', str(tmp_path / 'cache'))
+  cfg, target = load_config(TOO_BIG[0].split('=', 1)[1]), targets.get('v5p:2x2x1')
+  for flag in TOO_BIG[1:]:
+    key, value = flag[len('--config.'):].split('=')
+    section, field = key.split('.')
+    cfg[section][field] = int(value)
+  report = aot.target_report(cfg, target)
+  mem = report['bytes_per_device']
+  assert report['fits'] is False and 'RESOURCE_EXHAUSTED' in report['refused']
+  assert mem['temporaries'] == aot.refusal(RuntimeError(report['refused']))['temporaries']
+  assert mem['total'] == mem['arguments'] + mem['temporaries'] > target.hbm_bytes_per_device
+  line = aot.does_not_fit(report)
+  over = (mem['total'] - target.hbm_bytes_per_device) / 2**30
+  assert f'over by {over:,.2f} GiB' in line and 'run.remat' in line
+  assert aot.target_report(cfg, target)['cached'] is True
+  search = {'run.remat': ('none', 'full'), 'train.microbatches': (1, 16)}
+  rows, best = fit.find(cfg, target, search, log=lambda _: None)
+  assert rows[0]['run'] == {'run.remat': 'none', 'train.microbatches': 1}
+  assert rows[0]['refused'] and rows[0]['fits'] is False  # a row, and the search goes on
+  assert best == 1 and rows[1]['fits'] and not rows[1]['refused']
+  assert 'refused by the compiler: over by' in fit.line(rows[0], target)
+  out = tmp_path / 'dry.json'
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run([sys.executable, 'scripts/dry_run.py', f'--target={target.name}',
+                         f'--json={out}', *TOO_BIG], cwd=root, capture_output=True, text=True,
+                        timeout=600)
+  errors = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
+  assert proc.returncode == 1 and errors == ['error: ' + line], proc.stderr[-2000:]
+  assert json.load(open(out))['fits'] is False
+
+
+@pytest.mark.slow
+@needs('tpu')
+def test_the_planner_skips_what_cannot_divide_and_ranks_compiled_meshes(tmp_path, monkeypatch):
+  """The tiny TPU config on v5p:2x2x1 (4 devices): every split of them over data x fsdp x
+  expert x tensor is a row; those whose heads (1 KV head) or experts cannot divide are skipped
+  naming the key, the others screened by their floor and analytic time; the two best by that
+  estimate are compiled, each with an estimated step no shorter than its compute bound and no
+  longer than compute plus every collective byte and op; the best plan is the fitting one of
+  least estimated step, and its command carries its mesh and settings."""
+  from loopmoe_jax import plan
+  monkeypatch.setenv('LOOPMOE_COMPILE_CACHE', str(tmp_path))
+  target = targets.get(TINY['tpu'][0])
+  rows, best = plan.plan(_tiny_cfg('tpu'), target, {'run.remat': ('none', 'full')},
+                         compile_meshes=2, log=lambda _: None)
+  # 4 devices: expert 1 (tensor 1: 3 fsdp splits, 2: 2, 4: 1), expert 2 (2 + 1), expert 4 (1)
+  assert [r["mesh"] for r in rows] == plan.meshes(4) and len(rows) == 10
+  skipped = [r for r in rows if r.get('skipped')]
+  assert all(r['mesh']['tensor'] > 1 for r in skipped if 'kv_heads' in r['skipped'])
+  assert any('kv_heads' in r['skipped'] and 'model.num_kv_heads' in r['skipped'] for r in skipped)
+  compiled = [r for r in rows if r['fits'] is not None]
+  assert len(compiled) == 2 and best is not None and rows[best] in compiled
+  for r in compiled:
+    tb = r['time_bounds_s']
+    assert r['compute_s'] <= r['estimated_step_s']
+    assert r['estimated_step_s'] <= r['compute_s'] + tb['communication'] + tb['latency'] + 1e-12
+  assert rows[best]['estimated_step_s'] == min(r['estimated_step_s'] for r in compiled if r['fits'])
+  screened = [r for r in rows if not r.get('skipped')]
+  assert all(r['analytic_step_s'] >= r['compute_s'] for r in screened)
+  cmd = plan.command('configs/x.py', ['--config.data.batch_size=8'], rows[best])
+  assert all(f'--config.mesh.{a}={n}' in cmd for a, n in rows[best]['mesh'].items())
+  assert f"--config.run.remat={rows[best]['run']['run.remat']}" in cmd
 
 
 def test_fit_search_flags_name_the_key():
