@@ -11,7 +11,9 @@ import threading
 from absl import app
 from ml_collections import config_flags
 
-from loopmoe_jax import DEFAULT_CONFIG
+from loopmoe_jax import DEFAULT_CONFIG, distributed
+from loopmoe_jax.config import RUN_FIELDS
+from loopmoe_jax.experiment import load_config
 
 
 def debug() -> bool:
@@ -94,8 +96,6 @@ def config_flag(default: str = DEFAULT_CONFIG):
 def _check_config(argv, default):
   """Loads the config file (its errors surface here, once) and names near keys for a
   --config.X.Y=... that does not exist."""
-  from loopmoe_jax.config import RUN_FIELDS
-  from loopmoe_jax.experiment import load_config
   path = next((a.split('=', 1)[1] for a in argv if a.startswith('--config=')), default)
   cfg = load_config(path)
   overrides = [a[2:].split('=')[0] for a in argv if a.startswith('--config.')]
@@ -158,7 +158,6 @@ def main_process() -> bool:
 def initialize_distributed(holders) -> None:
   """Joins the multi-process run (distributed.initialize) before any other JAX call, and says
   so in one line per process."""
-  from loopmoe_jax import distributed
   launch = distributed.initialize(**{k: h.value for k, h in holders.items()})
   if launch is not None:
     import jax
@@ -232,6 +231,7 @@ def run(main):
   flags.DEFINE_bool('debug', False, 'Show tracebacks of errors.')
 
   def quiet_main(argv):
+    # imported here: Orbax and jax load after the interrupt handler is in place
     from loopmoe_jax.train.checkpoint import quiet_orbax_errors  # pylint: disable=import-outside-toplevel
     quiet_orbax_errors()
     absl_logging.set_verbosity(absl_logging.WARNING)

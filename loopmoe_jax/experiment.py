@@ -121,6 +121,7 @@ def check_adaptive_depth(mc: ModelConfig, tc: TrainConfig):
   counts a run may draw must all run on its weights (untied attention and a per-pass router
   bias hold model.num_loops passes; tied attention runs up to model.MAX_LOOPS_FACTOR times
   that), and the passes with gradient must not outnumber the passes run."""
+  # imported here: the config layer loads without jax (model.py imports it)
   from loopmoe_jax.model import MAX_LOOPS_FACTOR, check_loops  # pylint: disable=import-outside-toplevel
   if mc.exit == 'gate' and tc.backprop_loops:
     raise ValueError(f"train.backprop_loops={tc.backprop_loops}: model.exit='gate' trains on "

@@ -6,12 +6,14 @@ from typing import Any
 
 import numpy as np
 
+from loopmoe_jax.scaling.sweep import run_sweep
+from loopmoe_jax.train.run import SUMMARY, RunDir
+
 SCALES = ('cpu', 'gpu')
 SMELT_RESAMPLES = {'cpu': 200, 'gpu': 2000}  # cell-bootstrap resamples of the SMELT analyses
 
 
 def _sweep(cfg, grid, out, log):
-  from loopmoe_jax.scaling.sweep import run_sweep
   return run_sweep(cfg, grid, os.path.join(out, 'runs'), log=log)
 
 
@@ -29,7 +31,6 @@ def _table(rows, keys) -> str:
 
 def _training_seconds(out: str) -> float:
   """Sum of the wall time of every run under `out` (their summary.json)."""
-  from loopmoe_jax.train.run import SUMMARY, RunDir
   total = 0.0
   for root, _, files in os.walk(out):
     if SUMMARY in files:
