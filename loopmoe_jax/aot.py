@@ -73,6 +73,18 @@ KERNEL_CALLS = {'tpu': {'mosaic': 'tpu_custom_call'},
                          'cudnn_attention': '__cudnn$fmha'}}
 
 
+def target_for(name: str | None, preset: str = 'pod') -> targets.Target:
+  """The target a script compiles for (--target), its compiler installed and its preset
+  known, checked before anything is built: each miss one line naming the flag or the pip
+  command."""
+  if not name:
+    raise ValueError('--target is required (e.g. v5p-128, h200x8)')
+  target = targets.get(name)
+  targets.check_extra(target.platform)
+  compiler_options(target.platform, preset)
+  return target
+
+
 def compiler_options(platform: str, preset: str = 'pod') -> dict:
   if preset not in PRESET_NAMES:
     raise ValueError(f'--compiler_preset={preset!r}: must be one of {", ".join(PRESET_NAMES)}')
@@ -98,7 +110,8 @@ def lower_step(cfg_dict, target: targets.Target):
   compiled, not interpreted)."""
   try:
     job = Job.build(build(cfg_dict), target.devices(), Runtime.for_platform(target.platform))
-  except ValueError as e:  # a setting the target cannot run (attention_impls.check), a mesh it refuses
+  except ValueError as e:  # a setting the target cannot run (attention_impls.check), a mesh
+    # it refuses
     raise ValueError(f'target {target.name}: {e}') from None
   args = job.step_args()
   return job.train_step().lower(*args), args, job.mesh, job.exp

@@ -24,7 +24,7 @@ from loopmoe_jax import attention_impls, dispatch, sharding
 from loopmoe_jax.experiment import Experiment
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.runtime import Runtime
-from loopmoe_jax.train import step as steps
+from loopmoe_jax.train import checkpoint, step as steps
 from loopmoe_jax.train.optimizer import make_optimizer
 
 
@@ -118,6 +118,11 @@ class Job:
   def all_finite(self, tree) -> bool:
     """Whether every float element of `tree` (the state's params) is finite."""
     return bool(self._program(('finite',), lambda: jax.jit(lambda t: steps.all_finite(t)))(tree))
+
+  def checksum_program(self):
+    """The checksums of the train state (checkpoint.checksum_program), made once: every save
+    of the run computes them."""
+    return self._program(('checksums',), checkpoint.checksum_program)
 
   @property
   def train_programs(self) -> int:

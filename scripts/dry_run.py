@@ -41,15 +41,13 @@ def main(argv):
   jax.config.update('jax_platforms', 'cpu')
   jax.config.update('jax_num_cpu_devices', _DEVICES.value)
   import time
-  from loopmoe_jax import aot, targets
+  from loopmoe_jax import aot
   from loopmoe_jax.config import REMAT_POLICIES
   from loopmoe_jax.dry_run import (check_platform, dry_run, policy_table, remat_policies,
                                    table)
   target = None
   if _TARGET.value:  # before any compile: a bad name or a missing extra
-    target = targets.get(_TARGET.value)
-    targets.check_extra(target.platform)
-    aot.compiler_options(target.platform, _PRESET.value)
+    target = aot.target_for(_TARGET.value, _PRESET.value)
   else:
     check_platform(_PLATFORM.value)
   names = list(REMAT_POLICIES) if _POLICIES.value == ['all'] else _POLICIES.value

@@ -34,11 +34,7 @@ def main(argv):
   import jax
   jax.config.update('jax_platforms', 'cpu')
   from loopmoe_jax import aot, fit, targets
-  if not _TARGET.value:
-    raise ValueError('--target is required (e.g. v5p-128, h200x8)')
-  target = targets.get(_TARGET.value)
-  targets.check_extra(target.platform)
-  aot.compiler_options(target.platform, _PRESET.value)
+  target = aot.target_for(_TARGET.value, _PRESET.value)
   if _HBM.value:
     target = targets.with_memory(target, _HBM.value * 2**30)
   search = fit.parse_search(_SEARCH.value) if _SEARCH.value else dict(fit.SEARCH)

@@ -31,12 +31,8 @@ def main(argv):
   del argv
   import jax
   jax.config.update('jax_platforms', 'cpu')
-  from loopmoe_jax import aot, fit, plan, targets
-  if not _TARGET.value:
-    raise ValueError('--target is required (e.g. v5p-128, h200x8)')
-  target = targets.get(_TARGET.value)
-  targets.check_extra(target.platform)
-  aot.compiler_options(target.platform, _PRESET.value)
+  from loopmoe_jax import aot, fit, plan
+  target = aot.target_for(_TARGET.value, _PRESET.value)
   search = fit.parse_search(_SEARCH.value) if _SEARCH.value else None
   rows, best = plan.plan(_CONFIG.value, target, search, _PRESET.value, _MESHES.value,
                          log=lambda s: print(s, flush=True))

@@ -419,8 +419,8 @@ def test_a_step_the_compiler_refuses_is_a_row_and_one_line_not_a_crash(tmp_path,
   """A train step libtpu refuses for memory: the dry run's report says so (fits false, the
   bytes the compiler asked for beside the state and batch a device holds), the fit finder
   takes the refusal as a row that does not fit and goes on to the candidate that does (16
-  microbatches), and the script exits 1 with one line naming what it needs and by how much it is over,
-  and still writes its JSON. The refusal is cached like a compile."""
+  microbatches), and the script exits 1 with one line naming what it needs and by how much
+  it is over, and still writes its JSON. The refusal is cached like a compile."""
   from loopmoe_jax import fit
   from loopmoe_jax.experiment import load_config
   monkeypatch.setenv('LOOPMOE_COMPILE_CACHE', str(tmp_path / 'cache'))

@@ -203,9 +203,10 @@ def checksum_program():
   return jax.jit(lambda tree: jax.tree.map(_one_checksum, tree))
 
 
-def checksums(tree) -> dict[str, list[int]]:
-  """{array path: [sum, weighted sum]} of a tree of (global) arrays."""
-  sums = jax.device_get(checksum_program()(tree))
+def checksums(tree, program=None) -> dict[str, list[int]]:
+  """{array path: [sum, weighted sum]} of a tree of (global) arrays; `program`: a
+  `checksum_program` to reuse (a run's Job keeps one for its saves), else a new one."""
+  sums = jax.device_get((program or checksum_program())(tree))
   return {jax.tree_util.keystr(path): [int(v) for v in np.asarray(leaf)]
           for path, leaf in jax.tree_util.tree_leaves_with_path(sums)}
 
@@ -225,9 +226,11 @@ def checksum_mismatch(tree, stored: dict, prefix: str = '') -> str | None:
   return None
 
 
-def save(mngr, step: int, state, data_state, config_json: str, force: bool = False):
-  """Saves a step (asynchronously when the manager is). Not enough free space for the state
-  (its bytes plus 1 MiB), a failed write, or an earlier asynchronous save that failed raise
+def save(mngr, step: int, state, data_state, config_json: str, force: bool = False,
+         checksum=None):
+  """Saves a step (asynchronously when the manager is) with its checksums (`checksum`: the
+  program to compute them, see `checksums`). Not enough free space for the state (its bytes
+  plus 1 MiB), a failed write, or an earlier asynchronous save that failed raise
   CheckpointSaveError naming the step, the directory and the free space."""
   directory = str(mngr.directory)
   check_background(mngr, wait=True)  # the previous save (Orbax waits for it anyway)
@@ -240,7 +243,7 @@ def save(mngr, step: int, state, data_state, config_json: str, force: bool = Fal
     raise CheckpointSaveError(
         f'checkpoint step {step} not saved: {directory} has {free / 2**20:.1f} MiB free, the '
         f'step needs about {need / 2**20:.1f} MiB; earlier steps are kept')
-  data_state = dict(data_state or {}, **{CHECKSUMS: checksums(state)})
+  data_state = dict(data_state or {}, **{CHECKSUMS: checksums(state, checksum)})
   try:
     saved = mngr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),

@@ -214,7 +214,8 @@ class Loop:
     with self.clock.spent('save'):
       checkpoint.save(self.mngr, step, self.state,
                       {'iterator': self.it.get_state(),
-                       'recent_losses': self.losses[-self.tc.final_window:]}, self.config_json)
+                       'recent_losses': self.losses[-self.tc.final_window:]}, self.config_json,
+                      checksum=self.job.checksum_program())
     self.last_saved = step
     self.vote.saved()
     if self.proc == 0:
