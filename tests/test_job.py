@@ -74,7 +74,7 @@ def test_dropping_a_job_frees_its_programs():
                                                ('attention', 'cudnn', r'run\.attention_impl')])
 def test_a_job_refuses_what_its_mesh_or_platform_cannot_run(field, value, key):
   """Building a Job checks the batch against the mesh and the run settings against the
-  platform (Runtime.check), for every entry point, before anything is traced."""
+  platform (attention_impls.check), for every entry point, before anything is traced."""
   cfg = tiny()
   if field == 'batch_size':
     cfg.data.batch_size = value
