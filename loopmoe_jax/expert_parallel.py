@@ -155,11 +155,14 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, params, body: Body):
   chunks = (1 if body.factor or body.buffer_factor else
             dispatch_lib.token_chunks(t, k, body.num_experts, body.n, body.block_rows))
   if chunks == 1:
-    return _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, body)
+    y_TD, dropped = _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, body)
+    return y_TD, jax.lax.psum(dropped, body.batch_axes)
   run = lambda p, x, e, w: _local_moe_whole(x, e, w, p, body, name_exchange=False)
   y_ctD, dropped_c = dispatch_lib.in_token_chunks(run, chunks, params, x_TD, experts_Tk,
                                                   weights_Tk)
-  return y_ctD.reshape(-1, y_ctD.shape[-1])[:t], jnp.sum(dropped_c)
+  # the dropped count summed over the chunks here, over the shards once (not per chunk)
+  return y_ctD.reshape(-1, y_ctD.shape[-1])[:t], jax.lax.psum(jnp.sum(dropped_c),
+                                                              body.batch_axes)
 
 
 class _Sent(NamedTuple):
@@ -208,7 +211,8 @@ def _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, body: Body,
   """`_local_moe` over all of the device's tokens at once. `name_exchange`: the exchanged rows
   carry the checkpoint name 'exchange' (core.REMAT's policies keep them); off inside token
   chunks, whose backward reruns their exchange: kept there, the chunks' receive buffers would
-  stack over chunks and passes, the worst-case buffers the chunks are there to avoid."""
+  stack over chunks and passes, the worst-case buffers the chunks are there to avoid. Returns
+  (y_TD, this device's dropped count)."""
   t, k = experts_Tk.shape
   named = (lambda v: checkpoint_name(v, 'exchange')) if name_exchange else (lambda v: v)
   m, d = t * k, x_TD.shape[1]
@@ -256,7 +260,7 @@ def _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, body: Body,
   y_TD = dispatch_lib.combine(out_TkD, weights_Tk)
   if body.tensor > 1:
     y_TD = jax.lax.psum(y_TD, 'tensor')
-  return y_TD, jax.lax.psum(sent.dropped, body.batch_axes)
+  return y_TD, sent.dropped  # this device's: `_local_moe` sums it over the shards
 
 
 def _local_experts(recv, block_start, recv_nE, params, body: Body):

@@ -876,3 +876,24 @@ def test_truncated_backprop_on_a_mesh_equals_one_device():
   assert_grads_close(jax.tree.map(lambda g: g[None], got), jax.tree.map(lambda g: g[None], want))
   for w in jax.tree.leaves(got['core']['pass_attn_0']):
     assert not np.any(np.asarray(w[0])) and np.any(np.asarray(w[1]))
+
+
+@pytest.mark.slow
+def test_the_dropped_count_is_reduced_once_per_moe_call_not_per_token_chunk():
+  """Under remat full the expert-parallel MoE runs in token chunks; each chunk's dropped count
+  is summed locally and reduced over the shards once per MoE call, so the program's
+  all-reduces do not grow with the number of chunks (they did: one per chunk, in its forward,
+  recompute and transposes), while its all-to-alls (the exchanges, per chunk) do."""
+  from loopmoe_jax import dry_run, hlo as hlo_lib
+  from loopmoe_jax.experiment import load_config
+
+  def ops(block_rows):
+    cfg = load_config('configs/default.py:smoke')
+    cfg.mesh.data, cfg.mesh.expert = 2, 4
+    cfg.run.remat, cfg.run.expert_block_rows, cfg.run.dispatch = 'full', block_rows, 'xla'
+    job = dry_run.job_of(cfg)
+    text, _ = dry_run.partitioned_compile(job.train_step().lower(*job.step_args()))
+    return hlo_lib.collective_ops(hlo_lib.collectives(text))
+  few, many = ops(128), ops(64)
+  assert many['all-to-all']['ops'] > few['all-to-all']['ops']  # more chunks, more exchanges
+  assert many['all-reduce']['ops'] == few['all-reduce']['ops']
