@@ -369,35 +369,3 @@ def with_settings(cfg_dict, settings: dict):
       raise ValueError(f'setting {key!r}: the config has no such key')
     cfg[section][field] = value
   return cfg
-
-
-def target_table(report: dict) -> str:
-  """The target-specific lines of the dry run's printout."""
-  gib = lambda b: f'{b / 2**30:,.3f} GiB'
-  b = report['bytes_per_device']
-  rows = [('target', f"{report['target']}: {report['devices']} x {report['device_kind']}, "
-                     f"{report['temp_bytes_program']}, compile {report['compile_s']} s"
-                     + (' (cached)' if report['cached'] else '')),
-          ('bytes / device', ', '.join(f'{k} {gib(b[k])}' for k in
-                                       ('arguments', 'outputs', 'aliases', 'temporaries', 'code'))),
-          ('total / device', f"{gib(b['total'])} of {gib(report['hbm_bytes_per_device'])} "
-                             f"({100 * report['hbm_fraction']:.1f}%): "
-                             + ('fits' if report['fits'] else report['advice']))]
-  for kind, ops in report['collective_ops'].items():
-    rows.append((f'{kind} / step', f"{gib(report['collectives'].get(kind, 0))} in {ops['ops']} ops, "
-                 f"{ops['async']} async, {ops['overlapped']} overlapping compute"))
-  tb = report['time_bounds_s']
-  rows.append(('time bounds / step', f"communication >= {tb['communication'] * 1e3:.4g} ms, "
-               f"compute >= {tb['compute'] * 1e3:.4g} ms (ratio "
-               f"{tb['communication_over_compute']:.3g}; links and peak FLOP/s, no overlap)"))
-  rows.append(('estimated step', f"{tb['estimated_step'] * 1e3:.4g} ms = "
-               f"{tb['estimated_step'] / tb['compute']:.3g} x compute (latency "
-               f"{tb['latency'] * 1e3:.4g} ms over every op; not overlapped "
-               f"{tb['exposed'] * 1e3:.4g} ms)"))
-  if report['compiled_flops_over_analytic']:
-    rows.append(('compiled FLOPs / analytic', f"{report['compiled_flops_over_analytic']:.3f} "
-                 '(custom calls not counted)'))
-  rows.append(('kernels compiled', ', '.join(f'{k} {n}' for k, n in
-                                             report['lowered_for']['kernel_calls'].items())))
-  width = max(len(r[0]) for r in rows)
-  return '\n'.join(f'{k:<{width}}  {v}' for k, v in rows)

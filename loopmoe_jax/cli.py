@@ -149,6 +149,19 @@ def distributed_flags():
   }
 
 
+def search_flags():
+  """--target, --search (repeatable) and --compiler_preset: the flags of the scripts that
+  search run settings by real compiles for a target (fit.py, plan.py)."""
+  from absl import flags
+  return {'target': flags.DEFINE_string('target', None, 'The accelerator target '
+                                        '(loopmoe_jax/targets.py).'),
+          'search': flags.DEFINE_multi_string(
+              'search', [], 'KEY=V1,V2: values to search for a key (repeatable); default '
+              'run.remat, train.microbatches, run.loss_chunk (loopmoe_jax/fit.py SEARCH).'),
+          'preset': flags.DEFINE_string('compiler_preset', 'pod', 'pod | none '
+                                        '(loopmoe_jax/aot.py).')}
+
+
 def main_process() -> bool:
   """Process 0 of the run (the one that prints results and writes files), or a process alone."""
   import jax

@@ -24,7 +24,7 @@ from loopmoe_jax import attention_impls, dispatch, sharding
 from loopmoe_jax.experiment import Experiment
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.runtime import Runtime
-from loopmoe_jax.train import checkpoint, step as steps
+from loopmoe_jax.train import checksums, step as steps
 from loopmoe_jax.train.optimizer import make_optimizer
 
 
@@ -120,9 +120,9 @@ class Job:
     return bool(self._program(('finite',), lambda: jax.jit(lambda t: steps.all_finite(t)))(tree))
 
   def checksum_program(self):
-    """The checksums of the train state (checkpoint.checksum_program), made once: every save
+    """The checksums of the train state (checksums.checksum_program), made once: every save
     of the run computes them."""
-    return self._program(('checksums',), checkpoint.checksum_program)
+    return self._program(('checksums',), checksums.checksum_program)
 
   @property
   def train_programs(self) -> int:

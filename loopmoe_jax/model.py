@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from loopmoe_jax import early_exit as early_exit_lib
+from loopmoe_jax import dispatch, early_exit as early_exit_lib
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.core import ACTIVATION, Core, Stack, remat
 from loopmoe_jax.core_plan import CoreRequest
@@ -134,7 +134,7 @@ class LoopedMoE(nn.Module):
     per_visit: dict[str, Any] = {}
     core = None
     seg_kw = dict(decode=self.decode, record=routing, probe=self.probe,
-                  runtime=self.runtime.resolved())
+                  runtime=dispatch.settle(self.runtime.resolved()))  # one self-check a trace
     # prelude and coda, rematerialised like the core's passes
     stack = remat(Stack, self.runtime.run.remat)
     if c.prelude_layers:

@@ -43,8 +43,8 @@ def main(argv):
   import time
   from loopmoe_jax import aot
   from loopmoe_jax.config import REMAT_POLICIES
-  from loopmoe_jax.dry_run import (check_platform, dry_run, policy_table, remat_policies,
-                                   table)
+  from loopmoe_jax.dry_run import check_platform, dry_run, remat_policies
+  from loopmoe_jax.tables import policy_table, table, target_table
   target = None
   if _TARGET.value:  # before any compile: a bad name or a missing extra
     target = aot.target_for(_TARGET.value, _PRESET.value)
@@ -67,7 +67,7 @@ def main(argv):
   print(f"dry run took {report['wall_s']} s", flush=True)
   print(table(report), flush=True)
   if target:
-    print(aot.target_table(report), flush=True)
+    print(target_table(report), flush=True)
   if names:
     if target:
       report['remat_policies'] = {p: aot.candidate(_CONFIG.value, target, {'run.remat': p},

@@ -14,18 +14,14 @@ import json
 
 from absl import flags
 
-from loopmoe_jax.cli import config_flag, run
+from loopmoe_jax.cli import config_flag, run, search_flags
 
 _CONFIG = config_flag()
-_TARGET = flags.DEFINE_string('target', None, 'The accelerator target (loopmoe_jax/targets.py).')
-_SEARCH = flags.DEFINE_multi_string('search', [], 'KEY=V1,V2: values to search for a key '
-                                    '(repeatable); default run.remat, train.microbatches, '
-                                    'run.loss_chunk (loopmoe_jax/fit.py SEARCH).')
+_SEARCHED = search_flags()
 _EXHAUSTIVE = flags.DEFINE_bool('exhaustive', False, 'Compile every candidate, not only up to '
                                 'the cheapest that fits.')
 _HBM = flags.DEFINE_float('hbm_gib', None, 'Memory per device to fit in (GiB); default the '
                           "target's.")
-_PRESET = flags.DEFINE_string('compiler_preset', 'pod', 'pod | none (loopmoe_jax/aot.py).')
 _JSON = flags.DEFINE_string('json', None, 'Write the candidates and the best here as JSON.')
 
 
@@ -34,11 +30,13 @@ def main(argv):
   import jax
   jax.config.update('jax_platforms', 'cpu')
   from loopmoe_jax import aot, fit, targets
-  target = aot.target_for(_TARGET.value, _PRESET.value)
+  preset = _SEARCHED['preset'].value
+  target = aot.target_for(_SEARCHED['target'].value, preset)
   if _HBM.value:
     target = targets.with_memory(target, _HBM.value * 2**30)
-  search = fit.parse_search(_SEARCH.value) if _SEARCH.value else dict(fit.SEARCH)
-  rows, best = fit.find(_CONFIG.value, target, search, _PRESET.value, _EXHAUSTIVE.value,
+  given = _SEARCHED['search'].value
+  search = fit.parse_search(given) if given else dict(fit.SEARCH)
+  rows, best = fit.find(_CONFIG.value, target, search, preset, _EXHAUSTIVE.value,
                         log=lambda s: print(s, flush=True))
   print(fit.table(rows, best, target), flush=True)
   if _JSON.value:

@@ -15,15 +15,12 @@ import sys
 
 from absl import flags
 
-from loopmoe_jax.cli import config_flag, run
+from loopmoe_jax.cli import config_flag, run, search_flags
 
 _CONFIG = config_flag()
-_TARGET = flags.DEFINE_string('target', None, 'The accelerator target (loopmoe_jax/targets.py).')
-_SEARCH = flags.DEFINE_multi_string('search', [], 'KEY=V1,V2: values to search per mesh '
-                                    '(repeatable); default scripts/fit.py\'s.')
+_SEARCHED = search_flags()  # --target, --search (per mesh), --compiler_preset
 _MESHES = flags.DEFINE_integer('meshes', 3, 'Meshes to compile, the best by the analytic '
                                'estimate first.')
-_PRESET = flags.DEFINE_string('compiler_preset', 'pod', 'pod | none (loopmoe_jax/aot.py).')
 _JSON = flags.DEFINE_string('json', None, 'Write the target, the candidates and the best here.')
 
 
@@ -32,9 +29,10 @@ def main(argv):
   import jax
   jax.config.update('jax_platforms', 'cpu')
   from loopmoe_jax import aot, fit, plan
-  target = aot.target_for(_TARGET.value, _PRESET.value)
-  search = fit.parse_search(_SEARCH.value) if _SEARCH.value else None
-  rows, best = plan.plan(_CONFIG.value, target, search, _PRESET.value, _MESHES.value,
+  preset, given = _SEARCHED['preset'].value, _SEARCHED['search'].value
+  target = aot.target_for(_SEARCHED['target'].value, preset)
+  search = fit.parse_search(given) if given else None
+  rows, best = plan.plan(_CONFIG.value, target, search, preset, _MESHES.value,
                          log=lambda s: print(s, flush=True))
   spec = next((a.split('=', 1)[1] for a in sys.argv[1:] if a.startswith('--config=')),
               'configs/default.py')

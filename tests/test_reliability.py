@@ -19,7 +19,7 @@ import pytest
 
 from loopmoe_jax.train.run import RunDir
 from loopmoe_jax.data import pipeline, sources
-from loopmoe_jax.train import checkpoint
+from loopmoe_jax.train import checkpoint, checksums
 from loopmoe_jax.train.evaluation import evaluate_checkpoint, sample_text
 from loopmoe_jax.train.lock import WorkdirLock, WorkdirLocked
 from loopmoe_jax.train.loop import TrainingDiverged
@@ -357,8 +357,8 @@ def test_checkpoint_without_checksums_restores_and_says_so_once(straight, tmp_pa
   for step in (3, 6):
     meta = os.path.join(work, 'checkpoints', str(step), 'data', 'metadata')
     data = json.load(open(meta))
-    assert checkpoint.CHECKSUMS in data
-    data.pop(checkpoint.CHECKSUMS)
+    assert checksums.CHECKSUMS in data
+    data.pop(checksums.CHECKSUMS)
     json.dump(data, open(meta, 'w'))
   capsys.readouterr()
   caplog.clear()
@@ -470,14 +470,14 @@ def test_checksums_equal_numpy_on_any_sharding_without_gathering():
   want = [int(u.sum() % 2**32), int((u * w).sum() % 2**32)]
   mesh = jax.make_mesh((8,), ('x',), devices=jax.devices()[:8])
   split = jax.device_put(x, NamedSharding(mesh, P(None, 'x')))
-  assert checkpoint.checksums({'a': x}) == checkpoint.checksums({'a': split}) == {"['a']": want}
-  hlo = checkpoint.checksum_program().lower({'a': split}).compile().as_text()
+  assert checksums.checksums({'a': x}) == checksums.checksums({'a': split}) == {"['a']": want}
+  hlo = checksums.checksum_program().lower({'a': split}).compile().as_text()
   gathered = [math.prod(int(d) for d in dims.split(',') if d) for dims in re.findall(
       r'= \w+\[([\d,]*)\][^ ]* all-gather\(', hlo)]
   assert all(n <= 8 for n in gathered), gathered
-  assert checkpoint.checksum_mismatch({'a': x}, {"['a']": want}) is None
-  assert checkpoint.checksum_mismatch({'a': x}, {"['a']": [want[0], want[1] ^ 1]}) == "['a']"
-  assert checkpoint.checksum_mismatch({'a': x}, {"['b']": want}) is not None
+  assert checksums.checksum_mismatch({'a': x}, {"['a']": want}) is None
+  assert checksums.checksum_mismatch({'a': x}, {"['a']": [want[0], want[1] ^ 1]}) == "['a']"
+  assert checksums.checksum_mismatch({'a': x}, {"['b']": want}) is not None
 
 
 def test_abandoned_orbax_reads_are_quiet_and_other_errors_are_not():

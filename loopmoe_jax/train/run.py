@@ -31,7 +31,7 @@ import orbax.checkpoint as ocp
 from loopmoe_jax import dispatch, experiment, sharding, storage
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.model import LoopedMoE
-from loopmoe_jax.train import checkpoint
+from loopmoe_jax.train import checkpoint, checksums
 from loopmoe_jax.train.metrics import FINAL_STEPS, METRICS, ROUTING, SUMMARY  # noqa: F401
 from loopmoe_jax.train.step import boxed_params
 
@@ -218,8 +218,8 @@ def _read(directory: str, step: int | None, mesh):
       log.warning(f'checkpoint step {s} in {ckpt_dir} is unreadable ({type(e).__name__}); '
                   'skipping it')
       continue
-    stored = (data or {}).get(checkpoint.CHECKSUMS)
-    bad = None if stored is None else checkpoint.checksum_mismatch(params, stored, "['params']")
+    stored = (data or {}).get(checksums.CHECKSUMS)
+    bad = None if stored is None else checksums.checksum_mismatch(params, stored, "['params']")
     if bad:
       log.warning(f'checkpoint step {s} in {ckpt_dir} is damaged (the checksum of {bad} '
                   'differs from the one saved with it); skipping it')
