@@ -29,6 +29,8 @@ def main(argv):
   import jax
   jax.config.update('jax_platforms', 'cpu')
   from loopmoe_jax import aot, fit, plan
+  if _MESHES.value < 1:
+    raise ValueError(f'--meshes={_MESHES.value}: must be >= 1 (the meshes to compile)')
   preset, given = _SEARCHED['preset'].value, _SEARCHED['search'].value
   target = aot.target_for(_SEARCHED['target'].value, preset)
   search = fit.parse_search(given) if given else None
