@@ -224,14 +224,16 @@ def dropless_rows(t: int, k: int, num_experts: int, n: int = 1) -> int:
   return t * min(k, num_experts // n)
 
 
-def token_chunks(t: int, k: int, num_experts: int, n: int, block_rows: int) -> int:
+def token_chunks(t: int, k: int, num_experts: int, n: int, block_rows: int,
+                 per_token: int = 0) -> int:
   """How many consecutive token chunks t tokens run in so that one chunk's dropless buffer
   (n * dropless_rows: the routed rows on one device, the receive buffer under expert
   parallelism over n) holds at most `block_rows` rows: ceil(t / c_t) for the c_t =
   block_rows // (n * min(k, E/n)) tokens such a buffer holds (at least 1); 1 when block_rows
   is 0 or the whole buffer already fits. `in_token_chunks` pads t up to a multiple of it. A
-  `block_rows` under one token's rows is refused (ValueError naming run.expert_block_rows)."""
-  per_token = n * dropless_rows(1, k, num_experts, n)
+  `block_rows` under one token's rows is refused (ValueError naming run.expert_block_rows).
+  `per_token` > 0: a token's rows in that buffer, given (the token-row exchange's n)."""
+  per_token = per_token or n * dropless_rows(1, k, num_experts, n)
   if not block_rows or t * per_token <= block_rows:
     return 1
   if block_rows < per_token:

@@ -32,6 +32,9 @@ rematerialised, prelude and coda too; with token chunks (run.expert_block_rows) 
 reruns its exchange in its backward: R = 3 under full (2 for a stack's last layer), 2 under
 pass_input and attention, `exchange_forwards`):
 - all-to-all: 2 exchanges (there and back) x (R forward + 1 backward) per visit, M rows each;
+  by token rows (run.exchange_rows='token') M = local tokens x min(k, expert devices) pairs,
+  plus the pairs' routing (2k float32 each) with every send, and the return trip skipped by
+  the reruns that only feed a backward (`exchanges`);
 - activation all-gather: 0 (routing and lookups are local);
 - gradient reduction: every parameter's gradient reduced once into its sharding: one
   reduce-scatter per parameter whose result is the device's shard, i.e. the per-device
@@ -207,6 +210,13 @@ def _with_model(cfg_dict, **fields):
 EXCHANGE_SAVED = ('none', 'pass_input', 'attention', 'named')
 
 
+def _chunked(mc, run, n: int, tokens: int, num_experts: int) -> bool:
+  per_token = n if run.exchange_rows == 'token' else 0
+  return (not mc.capacity_factor and not mc.exchange_buffer_factor and
+          dispatch.token_chunks(tokens, mc.top_k, num_experts, n, run.ffn_block_rows,
+                                per_token=per_token) > 1)
+
+
 def exchange_forwards(mc, run, n: int, tokens: int, num_experts: int, last: bool = False) -> int:
   """R, the forward exchanges of one MoE visit (module docstring) for `tokens` per device and
   call (the architecture `mc`, the run settings `run`): 1 where the backward keeps the exchanged rows, 2 where the layer's recompute repeats
@@ -214,11 +224,21 @@ def exchange_forwards(mc, run, n: int, tokens: int, num_experts: int, last: bool
   backward: under full on top of the stack's recompute (3), except for the stack's `last`
   layer, whose expert output nothing in the stack's backward reads (2); under pass_input and
   attention, which keep the expert output, the stack's recompute runs no MoE forward (2)."""
-  chunked = (not mc.capacity_factor and not mc.exchange_buffer_factor and
-             dispatch.token_chunks(tokens, mc.top_k, num_experts, n, run.ffn_block_rows) > 1)
-  if chunked:
+  if _chunked(mc, run, n, tokens, num_experts):
     return 3 if run.remat == 'full' and not last else 2
   return 1 if run.remat in EXCHANGE_SAVED else 2
+
+
+def exchanges(mc, run, n: int, tokens: int, num_experts: int, last: bool = False):
+  """(sends, returns) of one MoE visit: R + 1 of each (`exchange_forwards`), except that by
+  token rows no backward reads what the return trip delivered (the weights were applied where
+  the experts ran), so a rerun that only feeds a backward skips it: a chunk's own rerun, and
+  a stack's recompute of its last layer."""
+  f = exchange_forwards(mc, run, n, tokens, num_experts, last)
+  if run.exchange_rows != 'token':
+    return f + 1, f + 1
+  skip = _chunked(mc, run, n, tokens, num_experts) or (last and run.remat not in EXCHANGE_SAVED)
+  return f + 1, f + (0 if skip else 1)
 
 
 def analytic(exp, mesh, params) -> dict[str, int]:
@@ -227,15 +247,17 @@ def analytic(exp, mesh, params) -> dict[str, int]:
   n_batch = sharding.batch_size_of(mesh)
   local_tokens = exp.data.batch_size * exp.data.seq_len // n_batch
   act = np.dtype(jnp.dtype(mc.dtype)).itemsize
-  row = local_tokens * mc.top_k * mc.d_model * act
   a2a, n = 0, mesh.shape['expert']
+  rows = local_tokens * (min(mc.top_k, n) if exp.run.exchange_rows == 'token' else mc.top_k)
+  row = rows * mc.d_model * act
+  there = row + (rows * 2 * mc.top_k * 4 if exp.run.exchange_rows == 'token' else 0)
   call_tokens = local_tokens // exp.train.microbatches  # the tokens one MoE call sees
   if n > 1:
     for _, layers, experts, passes in mc.segments:
       if experts:  # a segment's pass is one remat stack: its last layer apart
-        fwd = [exchange_forwards(mc, exp.run, n, call_tokens, experts, i == layers - 1)
-               for i in range(layers)]
-        a2a += passes * sum(2 * (f + 1) for f in fwd) * row
+        counts = [exchanges(mc, exp.run, n, call_tokens, experts, i == layers - 1)
+                  for i in range(layers)]
+        a2a += passes * sum(s * there + r * row for s, r in counts)
   grads = sharding.bytes_per_device(params, jax.tree.map(lambda s: s.sharding, params))
   return {'all-to-all': a2a, 'act-all-gather': 0, 'grad-reduce': grads}
 

@@ -45,6 +45,8 @@ from jax.sharding import PartitionSpec as P
 
 from loopmoe_jax import dispatch as dispatch_lib
 from loopmoe_jax import sharding
+from loopmoe_jax import token_exchange
+from loopmoe_jax.token_exchange import exclusive_cumsum
 from loopmoe_jax.runtime import HERE, Runtime
 
 
@@ -82,10 +84,6 @@ def exchange_kind(kind: str, *, runtime: Runtime) -> str:
   return 'padded' if runtime.target_platform == 'cpu' else 'ragged'
 
 
-def _exclusive_cumsum(x, axis=0):
-  return jnp.cumsum(x, axis=axis) - x
-
-
 def slot_rows(t: int, k: int, num_experts: int, n: int, factor: float = 0.0,
               buffer_factor: float = 0.0) -> int:
   """Rows one device may send one other device in one exchange (t tokens, top-k of
@@ -106,7 +104,7 @@ def _kept_counts(counts_sE, n: int, slot: int):
   """Per source and expert, the rows that fit a destination's slot: a source's rows for one
   destination are sent in expert order, the first `slot` of them kept. [n_src, E] -> same."""
   by_dest = counts_sE.reshape(counts_sE.shape[0], n, -1)
-  before = _exclusive_cumsum(by_dest, 2)
+  before = exclusive_cumsum(by_dest, 2)
   return jnp.clip(slot - before, 0, by_dest).reshape(counts_sE.shape)
 
 
@@ -125,6 +123,7 @@ class Body:
   tensor: int
   block_rows: int
   runtime: Runtime
+  rows: str = 'token'
 
   @classmethod
   def of(cls, cfg, mesh, num_experts: int, runtime: Runtime) -> 'Body':
@@ -134,11 +133,43 @@ class Body:
     buffer_factor = 0.0 if runtime.exchange_dropless else cfg.exchange_buffer_factor
     return cls(num_experts, mesh.shape['expert'], cfg.capacity_factor, buffer_factor,
                exchange_kind(run.expert_exchange, runtime=runtime), sharding.batch_axes(mesh),
-               mesh.shape['tensor'], run.ffn_block_rows, runtime)
+               mesh.shape['tensor'], run.ffn_block_rows, runtime, run.exchange_rows)
 
   def slot(self, t: int, k: int) -> int:
     """`slot_rows` of `t` tokens routed to `k` experts each."""
     return slot_rows(t, k, self.num_experts, self.n, self.factor, self.buffer_factor)
+
+  def token_slot(self, t: int, k: int) -> int:
+    """The pairs one device may send one other by token rows: t (a token goes to a device
+    once); with a capacity factor at most E/n * C (a pair carries at least one kept
+    assignment); with `buffer_factor` b, ceil(b * t * u / n), u = n (1 - (1 - 1/n)^k) the
+    devices a token touches on average under uniform routing."""
+    rows, e_loc = t, self.num_experts // self.n
+    if self.factor:
+      rows = min(rows, e_loc * capacity(t, k, self.num_experts, self.factor))
+    if self.buffer_factor:
+      touched = self.n * (1 - (1 - 1 / self.n) ** k)
+      rows = min(rows, int(math.ceil(self.buffer_factor * t * touched / self.n)))
+    return max(rows, 1)
+
+  def expand_rows(self, t: int, k: int) -> int:
+    """The expanded rows a device runs by token rows: n * token_slot * min(k, E/n); with a
+    capacity factor at most n * E/n * C (C per expert and source); with `buffer_factor` at
+    most n times the assignment exchange's slot (`slot`)."""
+    e_loc = self.num_experts // self.n
+    rows = self.n * self.token_slot(t, k) * min(k, e_loc)
+    if self.factor:
+      rows = min(rows, self.n * e_loc * capacity(t, k, self.num_experts, self.factor))
+    if self.buffer_factor:
+      rows = min(rows, self.n * self.slot(t, k))
+    return rows
+
+  def rows_per_token(self, k: int) -> int:
+    """Rows one token adds to a device's dropless receive buffer (n sources): n by token
+    rows, n * min(k, E/n) by assignment rows (`dispatch.token_chunks`)."""
+    if self.rows == 'token':
+      return self.n
+    return self.n * dispatch_lib.dropless_rows(1, k, self.num_experts, self.n)
 
 
 def _local_moe(x_TD, experts_Tk, weights_Tk, params, body: Body):
@@ -153,11 +184,13 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, params, body: Body):
   the exchange runs whole."""
   t, k = experts_Tk.shape
   chunks = (1 if body.factor or body.buffer_factor else
-            dispatch_lib.token_chunks(t, k, body.num_experts, body.n, body.block_rows))
+            dispatch_lib.token_chunks(t, k, body.num_experts, body.n, body.block_rows,
+                                      per_token=body.rows_per_token(k)))
+  whole = _local_moe_tokens if body.rows == 'token' else _local_moe_whole
   if chunks == 1:
-    y_TD, dropped = _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, body)
+    y_TD, dropped = whole(x_TD, experts_Tk, weights_Tk, params, body)
     return y_TD, jax.lax.psum(dropped, body.batch_axes)
-  run = lambda p, x, e, w: _local_moe_whole(x, e, w, p, body, name_exchange=False)
+  run = lambda p, x, e, w: whole(x, e, w, p, body, name_exchange=False)
   y_ctD, dropped_c = dispatch_lib.in_token_chunks(run, chunks, params, x_TD, experts_Tk,
                                                   weights_Tk)
   # the dropped count summed over the chunks here, over the shards once (not per chunk)
@@ -194,7 +227,7 @@ def _permute(x_TD, experts_Tk, weights_Tk, body: Body, slot: int, e_loc: int):
     inverse = dispatch_lib.inverse_permutation(order)
     x_send = dispatch_lib.gather_tokens(x_TD, order, inverse, k)
     counts_E = jnp.bincount(key, length=num_experts).astype(jnp.int32)
-    send_off = _exclusive_cumsum(counts_E.reshape(n, e_loc).sum(1))
+    send_off = exclusive_cumsum(counts_E.reshape(n, e_loc).sum(1))
     raw_counts = jax.lax.all_gather(counts_E, 'expert')                   # [n_src, E]
     all_counts = _kept_counts(raw_counts, n, slot)                        # what is sent
     kept_E = all_counts[me]
@@ -232,12 +265,12 @@ def _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, body: Body,
       recv = named(recv)
       block_start = jnp.arange(n, dtype=jnp.int32) * slot
     else:  # each source's first dest_counts rows per destination
-      out_off = _exclusive_cumsum(sent.c_nn, 0)[me]
+      out_off = exclusive_cumsum(sent.c_nn, 0)[me]
       recv = jax.lax.ragged_all_to_all(sent.x_send, jnp.zeros((n * slot, d), x_TD.dtype),
                                        sent.send_off, sent.dest_counts, out_off, c_in,
                                        axis_name='expert')
       recv = named(recv)
-      block_start = _exclusive_cumsum(c_in)
+      block_start = exclusive_cumsum(c_in)
 
   out_recv = _local_experts(recv, block_start, sent.recv_nE, params, body)
 
@@ -249,7 +282,7 @@ def _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, body: Body,
     else:  # rows a slot dropped are never written: they stay zero
       # where each source's rows for this device begin in its send buffer (offsets of the
       # whole sorted rows, dropped ones included)
-      src_off = _exclusive_cumsum(sent.raw_counts.reshape(n, n, e_loc).sum(-1), 1)[:, me]
+      src_off = exclusive_cumsum(sent.raw_counts.reshape(n, n, e_loc).sum(-1), 1)[:, me]
       out_sorted = jax.lax.ragged_all_to_all(out_recv, jnp.zeros((m, d), out_recv.dtype),
                                              block_start, c_in, src_off, sent.dest_counts,
                                              axis_name='expert')
@@ -263,12 +296,61 @@ def _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, body: Body,
   return y_TD, sent.dropped  # this device's: `_local_moe` sums it over the shards
 
 
+def _local_moe_tokens(x_TD, experts_Tk, weights_Tk, params, body: Body,
+                      name_exchange: bool = True):
+  """`_local_moe` by token rows (token_exchange.py): a token's hidden state goes once to each
+  device holding one of its experts and comes back as that device's weighted sum. Returns
+  (y_TD float32, this device's dropped count)."""
+  t, k = experts_Tk.shape
+  named = (lambda v: checkpoint_name(v, 'exchange')) if name_exchange else (lambda v: v)
+  d, e_loc, n = x_TD.shape[1], params['gate'].shape[0], body.n
+  me, slot = jax.lax.axis_index('expert'), body.token_slot(t, k)
+  weights_Tk, keep_Tk, dropped = apply_capacity(experts_Tk, weights_Tk, body.num_experts,
+                                                body.factor)
+  p = token_exchange.pairs(x_TD, experts_Tk, weights_Tk, keep_Tk, n, e_loc, slot)
+  with jax.named_scope('permute'):
+    raw_nn = jax.lax.all_gather(p.counts_n, 'expert')        # [src, dest] pairs
+  kept_nn = jnp.minimum(raw_nn, slot)
+  c_in = kept_nn[:, me]
+  with jax.named_scope('exchange'):
+    if body.kind == 'padded':
+      put = lambda v: jax.lax.all_to_all(
+          jnp.zeros((n, slot, v.shape[1]), v.dtype).at[p.dest_M, p.rank_M].set(v, mode='drop'),
+          'expert', 0, 0, tiled=True).reshape(n * slot, v.shape[1])
+      valid_R = (jnp.arange(slot) < c_in[:, None]).reshape(-1)
+    else:
+      send_off, out_off = exclusive_cumsum(p.counts_n), exclusive_cumsum(kept_nn, 0)[me]
+      put = lambda v: jax.lax.ragged_all_to_all(
+          v, jnp.zeros((n * slot, v.shape[1]), v.dtype), send_off, kept_nn[me], out_off, c_in,
+          axis_name='expert')
+      valid_R = jnp.arange(n * slot) < jnp.sum(c_in)
+    x_RD, meta_Rk2 = named(put(p.x_MD)), named(put(p.meta_Mk2))
+  y_RD, dropped_x = token_exchange.expand_and_combine(
+      x_RD, meta_Rk2, valid_R, params, body.expand_rows(t, k), body.runtime)
+  y_RD = y_RD.astype(x_TD.dtype)
+  with jax.named_scope('exchange_back'):
+    if body.kind == 'padded':
+      back = jax.lax.all_to_all(y_RD.reshape(n, slot, d), 'expert', 0, 0, tiled=True)
+      back_MD = back.at[p.dest_M, p.rank_M].get(mode='fill', fill_value=0)
+    else:
+      src_off = exclusive_cumsum(raw_nn, 1)[:, me]
+      back_MD = jax.lax.ragged_all_to_all(
+          y_RD, jnp.zeros((p.x_MD.shape[0], d), y_RD.dtype), exclusive_cumsum(c_in), c_in,
+          src_off, kept_nn[me], axis_name='expert')
+    back_MD = named(back_MD)
+  with jax.named_scope('combine'):
+    y_TD = token_exchange.collect(back_MD, p.src_M, p.slots_Tc)
+  if body.tensor > 1:
+    y_TD = jax.lax.psum(y_TD, 'tensor')
+  return y_TD, dropped + p.dropped + dropped_x
+
+
 def _local_experts(recv, block_start, recv_nE, params, body: Body):
   """The received rows through this device's experts: regrouped by local expert, the grouped
   SwiGLU (the runtime's dispatch backend), and back in received order."""
   e_loc = recv_nE.shape[1]
   with jax.named_scope('regroup'):
-    seg_start = (block_start[:, None] + _exclusive_cumsum(recv_nE, 1)).reshape(-1)
+    seg_start = (block_start[:, None] + exclusive_cumsum(recv_nE, 1)).reshape(-1)
     seg_count = recv_nE.reshape(-1)
     q = jnp.arange(recv.shape[0])
     seg = jnp.searchsorted(seg_start, q, side='right') - 1

@@ -475,7 +475,7 @@ def test_dry_run_reads_bytes_and_exchanges_from_the_program():
   parameter bytes are a quarter of every param (expert weights by their expert dimension, the
   rest by their width: nothing is copied over `expert`); the step as a GPU runs it (ragged
   exchange, Pallas kernels lowered compiled) sends, with loop trip counts, exactly the
-  analytic 2 x (1 + 1) x M x D bytes per MoE visit (8 visits: the core's 2 layers run 3
+  analytic 2 x (1 + 1) x M x D bytes per MoE visit, and the pairs' routing twice (8 visits: the core's 2 layers run 3
   times inside a loop); no activation is all-gathered; the CPU program's temporaries are
   read."""
   from loopmoe_jax import dry_run
@@ -489,36 +489,46 @@ def test_dry_run_reads_bytes_and_exchanges_from_the_program():
     want += nbytes // 4 if {'experts', 'embed'} & set(box.names) else nbytes
   assert report['params_bytes_per_device'] == want < report['params_bytes_total']
   local_tokens = cfg.data.batch_size * cfg.data.seq_len // 8
-  exchange = local_tokens * cfg.model.top_k * cfg.model.d_model * 4  # M * D * 4 bytes
+  k = cfg.model.top_k
+  exchange = local_tokens * k * cfg.model.d_model * 4  # M * D * 4 bytes
+  routing = local_tokens * k * 2 * k * 4  # each pair's routing (token rows; k <= n here)
   visits = cfg.model.prelude_layers + cfg.model.core_layers * cfg.model.num_loops + 1
   coll = report['collective_bytes_per_step']
-  assert coll['ragged-all-to-all'] == visits * 4 * exchange
-  assert report['analytic_collective_bytes_per_step']['all-to-all'] == visits * 4 * exchange
+  want = visits * (4 * exchange + 2 * routing)
+  assert coll['ragged-all-to-all'] == want
+  assert report['analytic_collective_bytes_per_step']['all-to-all'] == want
   assert coll.get('all-to-all', 0) < exchange / 100  # no padded exchange left
   assert report['lowered_for']['ragged_all_to_all'] > 0
   assert report['act_allgather_bytes_per_step'] == 0
   assert report['temp_bytes_per_device'] > 0
 
 
-@pytest.mark.parametrize('remat', ['full', 'attention'])
-def test_dry_run_counts_the_token_chunks_exchanges(remat):
+@pytest.mark.parametrize('remat,rows', [('full', 'token'), ('attention', 'token'),
+                                         ('full', 'assignment')])
+def test_dry_run_counts_the_token_chunks_exchanges(remat, rows):
   """With token chunks (run.expert_block_rows at half a device's receive buffer: 2 chunks)
   each chunk's backward reruns its exchange: the GPU step sends 2 x (R + 1) x M x D bytes per
   MoE visit, exactly the analytic column's (dry_run.exchange_forwards): R = 3 under full
   (forward, the stack's recompute, the chunk's) but 2 for a stack's last layer (prelude, coda
   and the core's second layer: no backward in the stack reads its expert output), and 2 under
-  attention (it keeps the expert output: no stack recompute of the MoE)."""
+  attention (it keeps the expert output: no stack recompute of the MoE). By token rows M
+  counts a token's min(k, n) pairs, each send carries their routing (2k float32), and the
+  chunk's rerun skips the return trip (no backward reads it: the weights were applied where
+  the experts ran)."""
   from loopmoe_jax import dry_run
   from loopmoe_jax.experiment import load_config
   cfg = _on(load_config('configs/default.py:smoke'), MESHES['data2_expert4'])
   local_tokens = cfg.data.batch_size * cfg.data.seq_len // 8
   n, k, e = 4, cfg.model.top_k, cfg.model.core_experts
-  cfg.run.remat = remat
-  cfg.run.expert_block_rows = n * dispatch_lib.dropless_rows(local_tokens, k, e, n) // 2
+  cfg.run.remat, cfg.run.exchange_rows = remat, rows
+  per_token = n if rows == 'token' else n * dispatch_lib.dropless_rows(1, k, e, n)
+  cfg.run.expert_block_rows = per_token * local_tokens // 2
   report = dry_run.dry_run(cfg, 'cuda')
-  exchange = local_tokens * k * cfg.model.d_model * 4
-  last = 2 * (2 + 1) * exchange  # R = 2
-  inner = 2 * (3 + 1) * exchange if remat == 'full' else last
+  exchange = local_tokens * min(k, n) * cfg.model.d_model * 4
+  routing = local_tokens * min(k, n) * 2 * k * 4 if rows == 'token' else 0
+  skip = exchange if rows == 'token' else 0  # a chunk's rerun needs no return trip
+  last = 2 * (2 + 1) * exchange + 3 * routing - skip  # R = 2
+  inner = 2 * (3 + 1) * exchange + 4 * routing - skip if remat == 'full' else last
   m = cfg.model
   assert m.prelude_layers == m.coda_layers == 1 and m.core_layers == 2
   want = 2 * last + m.num_loops * (inner + last)
@@ -619,7 +629,7 @@ def test_exchange_buffer_factor_drops_what_a_direct_count_drops(monkeypatch, kin
   assert slot == 4  # ceil(8 tokens * 2 / 4 devices)
   keep = _buffer_reference(ids, 8, 8, 4, slot)
   y, dropped = _ep(MESHES['data2_expert4'], x, ids, w, params, expert_exchange=kind,
-                   exchange_buffer_factor=1.0)
+                   exchange_buffer_factor=1.0, exchange_rows='assignment')
   assert dropped == int((~keep).sum()) > 0
   np.testing.assert_allclose(y, dispatch_lib.dispatch_reference(x, ids, np.where(keep, w, 0),
                                                                 params), rtol=1e-5, atol=1e-5)
@@ -627,6 +637,70 @@ def test_exchange_buffer_factor_drops_what_a_direct_count_drops(monkeypatch, kin
   assert dropped0 == 0
   np.testing.assert_allclose(y0, dispatch_lib.dispatch_reference(x, ids, w, params),
                              rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('kind', ['padded', 'ragged'])
+@pytest.mark.parametrize('factor', [0.0, 0.75])
+def test_token_rows_equal_assignment_rows(monkeypatch, kind, factor):
+  """The exchange by token rows (once per device, expanded and combined there) against the
+  assignment exchange and the per-expert reference: top-6 of 8 experts over 4 devices (k >
+  n: every token touches several devices with two experts each), a skewed batch (a third of
+  the tokens on device 0's experts), with and without capacity; outputs, drops and every
+  gradient (x, the routing weights, the experts)."""
+  monkeypatch.setattr(jax.lax, 'ragged_all_to_all', _emulated_ragged_all_to_all)
+  x, ids, w, params = _moe_inputs(k=6, seed=6)
+  rng = np.random.default_rng(6)
+  ids[:24] = [[0, 1, *rng.choice(np.arange(2, 8), 4, replace=False)] for _ in range(24)]
+  kw = dict(expert_exchange=kind, capacity_factor=factor)
+  tok = _ep(MESHES['data2_expert4'], x, ids, w, params, True, exchange_rows='token', **kw)
+  ref = _ep(MESHES['data2_expert4'], x, ids, w, params, True, exchange_rows='assignment', **kw)
+  assert tok[1] == ref[1] and (tok[1] > 0) == bool(factor)
+  np.testing.assert_allclose(tok[0], ref[0], rtol=1e-5, atol=1e-5)
+  for a, b in zip(jax.tree.leaves(tok[2]), jax.tree.leaves(ref[2])):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  if not factor:
+    np.testing.assert_allclose(tok[0], dispatch_lib.dispatch_reference(x, ids, w, params),
+                               rtol=1e-5, atol=1e-5)
+
+
+def _token_buffer_reference(ids, experts, shards, n, slot, expand):
+  """Token rows with bounded buffers, per expert group of n shards (data2 x expert4: shards
+  g*n .. g*n+n-1 exchange among themselves): a source sends a device its first `slot`
+  (token, device) pairs in token order; a device expands what it received (sources in order,
+  rows in order) and runs the first `expand` entries in local-expert order."""
+  keep = np.zeros(ids.shape, bool)
+  t, e_loc = ids.shape[0] // shards, experts // n
+  for g in range(shards // n):
+    for dev in range(n):
+      entries = []
+      for src in range(g * n, g * n + n):
+        toks = [i for i in range(src * t, (src + 1) * t) if any(ids[i] // e_loc == dev)]
+        for i in toks[:slot]:
+          entries += [(ids[i, c] % e_loc, len(entries), i, c) for c in range(ids.shape[1])
+                      if ids[i, c] // e_loc == dev]
+      for _, _, i, c in sorted(entries)[:expand]:
+        keep[i, c] = True
+  return keep
+
+
+@pytest.mark.parametrize('kind', ['padded', 'ragged'])
+def test_token_rows_buffer_factor_drops_what_a_direct_count_drops(monkeypatch, kind):
+  """model.exchange_buffer_factor=1 by token rows: a source sends one device at most
+  Body.token_slot pairs and a device expands at most Body.expand_rows; the assignments past
+  either are dropped (zero output) and counted, as a direct simulation says."""
+  monkeypatch.setattr(jax.lax, 'ragged_all_to_all', _emulated_ragged_all_to_all)
+  x, ids, w, params = _moe_inputs(seed=4)
+  ids[:24] = [0, 1]
+  cfg, rt = _ep_config(params, dict(exchange_buffer_factor=1.0))
+  body = expert_parallel.Body(8, 4, 0.0, 1.0, kind, ('data', 'expert'), 1, 0, rt)
+  slot, expand = body.token_slot(8, 2), body.expand_rows(8, 2)
+  assert (slot, expand) == (4, 16)  # ceil(8 x 1.75 / 4); 4 x the assignment slot of 4
+  keep = _token_buffer_reference(ids, 8, 8, 4, slot, expand)
+  y, dropped = _ep(MESHES['data2_expert4'], x, ids, w, params, expert_exchange=kind,
+                   exchange_buffer_factor=1.0)
+  assert dropped == int((~keep).sum()) > 0
+  np.testing.assert_allclose(y, dispatch_lib.dispatch_reference(x, ids, np.where(keep, w, 0),
+                                                                params), rtol=1e-5, atol=1e-5)
 
 
 def test_dropless_slot_is_bounded_by_local_experts():

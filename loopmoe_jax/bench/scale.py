@@ -58,9 +58,9 @@ def _layer_inputs(tokens, d, f, experts, k, dtype):
   return x, ids, w, params
 
 
-def _exchange(cfg, mesh, args, exchange: str, platform=None):
+def _exchange(cfg, mesh, args, exchange: str, platform=None, rows: str = 'assignment'):
   runtime = (Runtime.for_platform(platform) if platform else HERE).with_run(
-      dispatch='xla', expert_exchange=exchange)
+      dispatch='xla', expert_exchange=exchange, exchange_rows=rows)
   fn = jax.jit(lambda *a: expert_parallel.moe_dispatch(*a, cfg, mesh.abstract_mesh,
                                                                runtime=runtime))
   shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
@@ -72,15 +72,16 @@ def _exchange(cfg, mesh, args, exchange: str, platform=None):
 
 
 def _ragged_bytes(stablehlo: str) -> int:
-  """Forward operand plus return output of the ragged exchanges (the moved rows)."""
+  """Forward operands plus the return's output of the ragged exchanges (the moved rows):
+  the last call is the return; by token rows the rows and their routing go out in two."""
   calls = [l for l in stablehlo.splitlines() if 'ragged_all_to_all' in l and '->' in l]
-  if len(calls) != 2:
-    raise RuntimeError(f'expected 2 ragged_all_to_all calls, found {len(calls)}')
+  if len(calls) not in (2, 3):
+    raise RuntimeError(f'expected 2 or 3 ragged_all_to_all calls, found {len(calls)}')
   size = lambda dims, dt: int(np.prod([int(v) for v in dims.split('x')])) * (
       4 if dt == 'f32' else 2)
-  fwd_operand = _TENSOR.search(calls[0].split(':')[-1]).groups()
-  back_output = _TENSOR.search(calls[1].split('->')[-1]).groups()
-  return size(*fwd_operand) + size(*back_output)
+  sent = [_TENSOR.search(c.split(':')[-1]).groups() for c in calls[:-1]]
+  back_output = _TENSOR.search(calls[-1].split('->')[-1]).groups()
+  return sum(size(*a) for a in sent) + size(*back_output)
 
 
 def _exchange_ratios(res, quick):
@@ -101,6 +102,12 @@ def _exchange_ratios(res, quick):
   cf1 = collective_bytes(_exchange(ModelConfig(**base, capacity_factor=1.0), mesh, args,
                                    'padded'))
   res['a2a_padded_cf1_bytes_over_analytic'] = cf1['all-to-all'] / analytic
+  # fine-grained (top-7 of 32 over 4 devices): token rows against assignment rows, bf16
+  fine = dict(prelude_experts=32, core_experts=32, coda_experts=32, top_k=7)
+  args = _layer_inputs(tokens, d, f, 32, 7, jnp.bfloat16)
+  got = {rows: _ragged_bytes(_exchange(ModelConfig(**fine), mesh, args, 'ragged', 'cuda', rows))
+         for rows in ('assignment', 'token')}
+  res['a2a_token_rows_bytes_over_assignment_top7'] = got['token'] / got['assignment']
 
 
 def _experiment():

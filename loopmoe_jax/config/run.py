@@ -12,11 +12,12 @@ LOOP_IMPLS = ('scan', 'unroll')
 CORE_COLLECTIVES = ('once', 'per_pass')
 DISPATCHES = ('reference', 'tiled', 'xla', 'pallas', 'auto')
 EXCHANGES = ('auto', 'padded', 'ragged')
+EXCHANGE_ROWS = ('token', 'assignment')
 
 
 RUN_FIELDS = ('dispatch', 'dispatch_tile', 'expert_exchange', 'remat', 'loop_impl',
               'core_collectives', 'attention_impl', 'attention_block', 'loss_chunk',
-              'expert_block_rows')
+              'expert_block_rows', 'exchange_rows')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,11 @@ class RunConfig:
   dispatch: str = 'auto'         # auto: the Pallas kernel on GPU/TPU, 'tiled' on CPU
   dispatch_tile: int = 128
   expert_exchange: str = 'auto'  # expert parallelism: padded (all_to_all) | ragged | auto
+  exchange_rows: str = 'token'   # what the expert exchange sends: 'token' (a token's hidden
+                                 # state once per device holding its experts, expanded and
+                                 # combined there: token_exchange.py) | 'assignment' (one row
+                                 # per routed expert). Equal up to summation order while
+                                 # nothing drops; which rows bounded buffers drop differs
   remat: str = 'none'            # what the backward recomputes (core.REMAT, docs/results.md):
                                  # the core, prelude and coda layers and the head and loss
   attention_impl: str = 'auto'   # attention_impls.py: auto | xla | chunked | cudnn | splash
@@ -84,7 +90,7 @@ def _validate_run(c: RunConfig):
     if getattr(c, name) < 0:
       _err_run(name, getattr(c, name), 'must be >= 0')
   choices = dict(remat=REMAT_POLICIES, loop_impl=LOOP_IMPLS, dispatch=DISPATCHES,
-                 expert_exchange=EXCHANGES, core_collectives=CORE_COLLECTIVES,
+                 expert_exchange=EXCHANGES, exchange_rows=EXCHANGE_ROWS, core_collectives=CORE_COLLECTIVES,
                  attention_impl=ATTENTION_IMPLS)
   for name, allowed in choices.items():
     if getattr(c, name) not in allowed:
