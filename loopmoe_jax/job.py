@@ -42,10 +42,11 @@ class Job:
   def build(cls, exp: Experiment, devices=None, runtime: Runtime | None = None) -> 'Job':
     """The Job of `exp` on `devices` (default: all of this process's view) for `runtime`'s
     platform (default: this machine's, with the experiment's run settings). A ValueError
-    naming the key when the batch does not divide over the mesh or the runtime cannot run a
-    setting (attention_impls.check)."""
+    naming the key when the batch does not divide over the mesh, the routing limit exceeds
+    the expert axis, or the runtime cannot run a setting (attention_impls.check)."""
     mesh = sharding.make_mesh(exp.mesh, devices)
     sharding.check_batch(exp.data.batch_size, exp.train.microbatches, mesh)
+    sharding.check_device_limit(exp.model, mesh)
     runtime = dispatch.settle(exp.runtime(runtime))
     attention_impls.check(runtime, exp.model)
     tx, schedule = make_optimizer(exp.train)

@@ -27,20 +27,39 @@ from loopmoe_jax.layers import DTYPES, DenseMLP, fan_in_init, param
 from loopmoe_jax.runtime import HERE, Runtime
 
 
-def route(logits_TE, top_k: int, renormalize: bool, bias_E=None, score: str = 'softmax'):
+def limit_groups(select_TE, top_k: int, max_groups: int, groups: int):
+  """DeepSeek-V3's node-limited routing over `groups` contiguous expert groups (devices): a
+  group's score is the sum of its ceil(k / M) highest selection scores; the experts outside
+  a token's best M = `max_groups` groups get -inf, so its top-k stays within them."""
+  t, e = select_TE.shape
+  per_TGe = select_TE.reshape(t, groups, e // groups)
+  best = min(-(-top_k // max_groups), e // groups)
+  score_TG = jnp.sum(jax.lax.top_k(per_TGe, best)[0], axis=-1)
+  _, chosen_TM = jax.lax.top_k(score_TG, max_groups)
+  allowed_TG = jnp.any(chosen_TM[..., None] == jnp.arange(groups), axis=1)
+  return jnp.where(jnp.repeat(allowed_TG, e // groups, axis=1), select_TE, -jnp.inf)
+
+
+def route(logits_TE, top_k: int, renormalize: bool, bias_E=None, score: str = 'softmax',
+          limit: tuple[int, int] = (0, 0)):
   """Top-k of the scores: softmax over all experts, weights renormalised over the k chosen
   (Mixtral) or not; or sigmoid affinities (DeepSeek-V3), weights always normalised over the k.
   `bias_E` (aux-loss-free balancing) is added to the scores for the choice only: the weights
-  are the unbiased scores of the chosen experts, and the bias gets no gradient."""
+  are the unbiased scores of the chosen experts, and the bias gets no gradient. `limit` (M, G)
+  with M > 0: the choice within each token's best M of G expert groups (`limit_groups`)."""
   logits_TE = logits_TE.astype(jnp.float32)
   if score == 'sigmoid':
     probs_TE, renormalize = jax.nn.sigmoid(logits_TE), True
   else:
     probs_TE = jax.nn.softmax(logits_TE, axis=-1)
-  if bias_E is None:
+  if bias_E is None and not limit[0]:
     weights_Tk, experts_Tk = jax.lax.top_k(probs_TE, top_k)
   else:
-    select_TE = jax.lax.stop_gradient(probs_TE) + jax.lax.stop_gradient(bias_E)
+    select_TE = jax.lax.stop_gradient(probs_TE)
+    if bias_E is not None:
+      select_TE = select_TE + jax.lax.stop_gradient(bias_E)
+    if limit[0]:
+      select_TE = limit_groups(select_TE, top_k, *limit)
     _, experts_Tk = jax.lax.top_k(select_TE, top_k)
     weights_Tk = jnp.take_along_axis(probs_TE, experts_Tk, axis=-1)
   if renormalize:
@@ -49,12 +68,13 @@ def route(logits_TE, top_k: int, renormalize: bool, bias_E=None, score: str = 's
 
 
 def route_for(backend: str, logits_TE, top_k: int, renormalize: bool, bias_E=None,
-              score: str = 'softmax', *, runtime: Runtime):
+              score: str = 'softmax', limit: tuple[int, int] = (0, 0), *, runtime: Runtime):
   """(experts_Tk, weights_Tk, probs_TE, plan): the 'pallas' dispatch routes with the routing
   kernel (same choices and weights as `route`, plus the per-expert counts and sorted
-  positions its permute needs, as `plan`); every other backend with `route` (plan None)."""
-  if resolve_backend(backend, runtime=runtime) != 'pallas':
-    return (*route(logits_TE, top_k, renormalize, bias_E, score), None)
+  positions its permute needs, as `plan`); every other backend, and a device-limited
+  routing (`limit`, which the kernel does not do), with `route` (plan None)."""
+  if resolve_backend(backend, runtime=runtime) != 'pallas' or limit[0]:
+    return (*route(logits_TE, top_k, renormalize, bias_E, score, limit), None)
   if bias_E is not None:
     bias_E = jax.lax.stop_gradient(bias_E)
   r = pallas_kernels.route(logits_TE.astype(jnp.float32), top_k,
@@ -120,7 +140,7 @@ def route_local(logits_TE, cfg: ModelConfig, bias_E=None, *, runtime: Runtime):
   def one_shard(logits_TE, bias_E):
     experts_Tk, weights_Tk, probs_TE, plan = route_for(
         runtime.run.dispatch, logits_TE, cfg.top_k, cfg.renormalize, bias_E, cfg.router_score,
-        runtime=runtime)
+        (cfg.max_expert_devices, cfg.expert_devices), runtime=runtime)
     if cfg.router_score == 'sigmoid':  # the load-balance loss's P_i: per-token shares
       probs_TE = probs_TE / jnp.sum(probs_TE, axis=-1, keepdims=True)
     return experts_Tk, weights_Tk, routing_sums(experts_Tk, probs_TE, logits_TE), plan

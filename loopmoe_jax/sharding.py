@@ -167,6 +167,15 @@ def check_batch(batch_size: int, microbatches: int, mesh):
                      'the mesh')
 
 
+def check_device_limit(model, mesh):
+  """model.max_expert_devices must not exceed the expert axis that expert parallelism runs
+  over (one device, mesh.expert=1, runs any model)."""
+  n, m = mesh.shape.get('expert', 1), model.max_expert_devices
+  if n > 1 and m > n:
+    raise ValueError(f'model.max_expert_devices={m} exceeds mesh.expert={n}: a token cannot '
+                     f'reach more devices than the axis has; use at most {n}')
+
+
 # Train-state shardings ---------------------------------------------------------------------
 
 def _is_box(x):

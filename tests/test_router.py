@@ -265,3 +265,89 @@ def test_resume_gives_the_same_biases_and_losses_and_another_layout_is_refused(t
   with pytest.raises(ValueError, match=r"(?s)model\.router_bias: 'shared' in the checkpoint, "
                                        r"'per_pass' now.*Use a new workdir"):
     train(cfg('per_pass', steps=9), a)
+
+
+# Device-limited routing (model.max_expert_devices) -------------------------------------------
+
+def _limited_reference(logits, k, m, g, bias, score):
+  """DeepSeek-V3's node-limited rule, token by token in numpy: a group's score is the sum of
+  its ceil(k/m) best selection scores; the top-k is taken within the m best groups."""
+  z = logits.astype(np.float64)
+  probs = 1 / (1 + np.exp(-z)) if score == 'sigmoid' else np.exp(z) / np.exp(z).sum(-1, keepdims=True)
+  sel = probs + (0 if bias is None else bias)
+  e_loc, best = logits.shape[1] // g, -(-k // m)
+  experts = []
+  for row in sel:
+    groups = row.reshape(g, e_loc)
+    gscore = np.sort(groups, axis=1)[:, ::-1][:, :best].sum(1)
+    allowed = np.argsort(-gscore, kind='stable')[:m]
+    cand = [e for e in range(len(row)) if e // e_loc in allowed]
+    experts.append(sorted(cand, key=lambda e: -row[e])[:k])
+  return np.array(experts), probs
+
+
+@pytest.mark.parametrize('score,biased', [('softmax', False), ('sigmoid', True)])
+@pytest.mark.parametrize('m', [1, 2])
+def test_device_limited_routing_keeps_each_token_within_its_best_groups(score, biased, m):
+  """model.max_expert_devices=M of expert_devices=G: the chosen experts are the numpy rule's
+  (same sets, same weights), each token's experts lie in at most M groups, and M = G changes
+  nothing."""
+  from loopmoe_jax.moe import route
+  rng = np.random.default_rng(7)
+  logits = rng.standard_normal((64, 16)).astype(np.float32) * 2
+  bias = rng.standard_normal(16).astype(np.float32) * 0.1 if biased else None
+  k, g = 3, 4
+  experts, weights, _ = route(jnp.asarray(logits), k, True, bias, score, (m, g))
+  want, probs = _limited_reference(logits, k, m, g, bias, score)
+  experts = np.asarray(experts)
+  assert all(len(set(row // (16 // g))) <= m for row in experts)
+  np.testing.assert_array_equal(np.sort(experts, 1), np.sort(want, 1))
+  chosen = np.take_along_axis(probs, experts, 1)
+  np.testing.assert_allclose(weights, chosen / chosen.sum(1, keepdims=True), rtol=1e-5)
+  same = route(jnp.asarray(logits), k, True, bias, score, (g, g))
+  plain = route(jnp.asarray(logits), k, True, bias, score)
+  for a, b in zip(same, plain):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize('fields, pattern', [
+    (dict(max_expert_devices=2), r'model.expert_devices=0: .*needs the number of device groups'),
+    (dict(max_expert_devices=5, expert_devices=4), r'model.max_expert_devices=5: exceeds'),
+    (dict(max_expert_devices=-1, expert_devices=4), r'model.max_expert_devices=-1: must be'),
+    (dict(max_expert_devices=1, expert_devices=3), r'model.expert_devices=3: does not divide'),
+    (dict(max_expert_devices=1, expert_devices=8, top_k=2), r'leaves 1 x 1 experts'),
+])
+def test_device_limit_errors_name_the_key(fields, pattern):
+  with pytest.raises(ValueError, match=pattern):
+    ModelConfig(**{**dict(prelude_experts=8, core_experts=8, coda_experts=8), **fields})
+
+
+def test_device_limited_tokens_touch_at_most_m_devices():
+  """The token-row exchange under the limit: top-4 of 16 experts on 4 devices, M = 1 sends
+  each token's row to one device (T pairs, not up to 4T)."""
+  from loopmoe_jax import token_exchange
+  from loopmoe_jax.moe import route
+  rng = np.random.default_rng(8)
+  logits = jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)
+  x = jnp.asarray(rng.standard_normal((32, 8)), jnp.float32)
+  for m, most in ((1, 32), (4, 32 * 4)):
+    experts, weights, _ = route(logits, 4, True, None, 'softmax', (m, 4))
+    p = token_exchange.pairs(x, experts, weights, jnp.ones(experts.shape, bool), 4, 4, 32)
+    assert int(p.counts_n.sum()) <= most
+    if m == 1:
+      assert int(p.counts_n.sum()) == 32
+
+
+def test_device_limit_beyond_the_expert_axis_is_refused():
+  """A mesh whose expert axis is smaller than model.max_expert_devices is refused naming the
+  key; one device runs the model."""
+  from loopmoe_jax.experiment import build, load_config
+  from loopmoe_jax.job import Job
+  cfg = load_config('configs/default.py:smoke')
+  cfg.model.core_experts, cfg.model.prelude_experts, cfg.model.coda_experts = 8, 8, 8
+  cfg.model.max_expert_devices, cfg.model.expert_devices = 4, 4
+  cfg.mesh.data, cfg.mesh.expert = 4, 2
+  with pytest.raises(ValueError, match=r'model.max_expert_devices=4 exceeds mesh.expert=2'):
+    Job.build(build(cfg))
+  cfg.mesh.data, cfg.mesh.expert = 1, 1
+  Job.build(build(cfg), jax.devices()[:1])

@@ -49,6 +49,16 @@ class ModelConfig:
                                  # scores (never on the weights), moved by train.bias_rate after
                                  # each step; 'shared' one per MoE layer, 'per_pass' one per
                                  # (pass, layer) in the core
+  max_expert_devices: int = 0    # > 0: device-limited routing (DeepSeek-V3's node-limited
+                                 # routing over devices): a token's top-k is taken among the
+                                 # experts of its best M device groups, a group scored by the
+                                 # sum of its ceil(k / M) highest selection scores (moe.py,
+                                 # limit_groups). A change of the model (other choices), never
+                                 # made by a planner; 0: off
+  expert_devices: int = 0        # the device groups that rule counts: each MoE segment's
+                                 # experts in this many contiguous groups, the devices of
+                                 # mesh.expert when it is this size (then a token's rows go to
+                                 # at most M devices)
   num_shared_experts: int = 0
   shared_expert_width: int = 0   # 0: expert_width
   capacity_factor: float = 0.0   # 0: dropless; else each expert takes at most
@@ -213,9 +223,30 @@ def _validate(c: ModelConfig):
          "attend to keys and values another pass's projections made: use "
          "model.kv_cache='per_pass' (or a model trained with model.tie_attention=True)")
   _validate_exit(c)
+  _validate_device_limit(c)
   if c.router_bias == 'per_pass' and not (c.core_layers and c.core_experts and c.num_loops > 1):
     _err('router_bias', c.router_bias, 'needs a looped MoE core (model.core_layers >= 1, '
          "model.core_experts >= 1, model.num_loops >= 2); use model.router_bias='shared'")
+
+
+def _validate_device_limit(c: ModelConfig):
+  m, g = c.max_expert_devices, c.expert_devices
+  for name, v in (('max_expert_devices', m), ('expert_devices', g)):
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+      _err(name, v, 'must be an integer >= 0 (0: off)')
+  if not m:
+    return
+  if not g:
+    _err('expert_devices', g, f'model.max_expert_devices={m} needs the number of device groups '
+         'it counts (the size of mesh.expert the model trains on, e.g. 8)')
+  if m > g:
+    _err('max_expert_devices', m, f'exceeds the device groups, model.expert_devices={g}')
+  for seg, _, experts, _ in c.segments:
+    if experts and experts % g:
+      _err('expert_devices', g, f'does not divide model.{seg}_experts={experts}')
+    if experts and m * (experts // g) < c.top_k:
+      _err('max_expert_devices', m, f'leaves {m} x {experts // g} experts of model.{seg}_experts '
+           f'for model.top_k={c.top_k}')
 
 
 def _validate_exit(c: ModelConfig):
