@@ -16,6 +16,7 @@ the async and overlapped collectives with and without):
 | tpu | xla_tpu_enable_async_collective_fusion (+ _fuse_all_gather, _multiple_steps) | runs a collective inside a fusion beside compute |
 | tpu | xla_tpu_overlap_compute_collective_tc | lets the TensorCore compute while a collective is in flight |
 | tpu | xla_enable_async_all_gather, xla_enable_async_collective_permute | start/done pairs for those |
+| tpu | xla_tpu_enable_async_all_to_all, xla_tpu_enable_async_ragged_all_to_all | start/done pairs for the expert exchange, so compute can run while it is in flight |
 | tpu | xla_tpu_enable_data_parallel_all_reduce_opt (+ _different_sized_ops) | overlaps gradient all-reduces with the backward |
 | cuda | xla_gpu_enable_latency_hiding_scheduler | schedules compute between collective start and done |
 | cuda | xla_gpu_enable_pipelined_all_gather / _reduce_scatter / _all_reduce | pipelines loop collectives with the next iteration |
@@ -54,6 +55,8 @@ PRESETS = {
             'xla_tpu_overlap_compute_collective_tc': True,
             'xla_enable_async_all_gather': 'true',
             'xla_enable_async_collective_permute': 'true',
+            'xla_tpu_enable_async_all_to_all': True,
+            'xla_tpu_enable_async_ragged_all_to_all': True,
             'xla_tpu_enable_data_parallel_all_reduce_opt': True,
             'xla_tpu_data_parallel_opt_different_sized_ops': True},
     'cuda': {'xla_gpu_enable_latency_hiding_scheduler': True,

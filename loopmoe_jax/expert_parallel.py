@@ -113,7 +113,8 @@ class Body:
   """The per-device body's settings: `num_experts` of the layer over `n` devices of the
   `expert` axis, the capacity `factor` and exchange `buffer_factor` (0: none), the transport
   `kind` ('padded' or 'ragged'), the mesh's batch axes and `tensor` size, the token chunks'
-  `block_rows`, and the runtime (its dispatch backend and tile)."""
+  `block_rows`, the runtime (its dispatch backend and tile), what a row is (`rows`: 'token'
+  or 'assignment') and the independent token `streams` (dropless only)."""
   num_experts: int
   n: int
   factor: float
@@ -124,6 +125,7 @@ class Body:
   block_rows: int
   runtime: Runtime
   rows: str = 'token'
+  streams: int = 1
 
   @classmethod
   def of(cls, cfg, mesh, num_experts: int, runtime: Runtime) -> 'Body':
@@ -133,7 +135,8 @@ class Body:
     buffer_factor = 0.0 if runtime.exchange_dropless else cfg.exchange_buffer_factor
     return cls(num_experts, mesh.shape['expert'], cfg.capacity_factor, buffer_factor,
                exchange_kind(run.expert_exchange, runtime=runtime), sharding.batch_axes(mesh),
-               mesh.shape['tensor'], run.ffn_block_rows, runtime, run.exchange_rows)
+               mesh.shape['tensor'], run.ffn_block_rows, runtime, run.exchange_rows,
+               run.exchange_streams)
 
   def slot(self, t: int, k: int) -> int:
     """`slot_rows` of `t` tokens routed to `k` experts each."""
@@ -187,6 +190,8 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, params, body: Body):
             dispatch_lib.token_chunks(t, k, body.num_experts, body.n, body.block_rows,
                                       per_token=body.rows_per_token(k)))
   whole = _local_moe_tokens if body.rows == 'token' else _local_moe_whole
+  if body.streams > 1 and not (body.factor or body.buffer_factor):
+    whole = _in_streams(whole, body.streams)
   if chunks == 1:
     y_TD, dropped = whole(x_TD, experts_Tk, weights_Tk, params, body)
     return y_TD, jax.lax.psum(dropped, body.batch_axes)
@@ -196,6 +201,23 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, params, body: Body):
   # the dropped count summed over the chunks here, over the shards once (not per chunk)
   return y_ctD.reshape(-1, y_ctD.shape[-1])[:t], jax.lax.psum(jnp.sum(dropped_c),
                                                               body.batch_axes)
+
+
+def _in_streams(whole, streams: int):
+  """`whole` over `streams` consecutive equal slices of the tokens, each with its own exchange
+  and experts, none depending on another: the compiler may run one slice's exchange while
+  another's experts compute (the exchange hidden behind compute). A token's rows go to the
+  same experts whatever its slice, so the outputs are the whole's. Token counts that do not
+  split evenly run whole."""
+  def run(x_TD, experts_Tk, weights_Tk, params, body, **kw):
+    t = x_TD.shape[0]
+    if t % streams:
+      return whole(x_TD, experts_Tk, weights_Tk, params, body, **kw)
+    parts = [whole(*(a[i * (t // streams):(i + 1) * (t // streams)]
+                     for a in (x_TD, experts_Tk, weights_Tk)), params, body, **kw)
+             for i in range(streams)]
+    return jnp.concatenate([y for y, _ in parts]), sum(d for _, d in parts)
+  return run
 
 
 class _Sent(NamedTuple):

@@ -663,6 +663,26 @@ def test_token_rows_equal_assignment_rows(monkeypatch, kind, factor):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize('kind,rows', [('padded', 'token'), ('ragged', 'token'),
+                                       ('ragged', 'assignment')])
+def test_exchange_streams_equal_one_stream(monkeypatch, kind, rows):
+  """run.exchange_streams=2 (two independent token slices, each its own exchange) and 2 with
+  token chunks under remat full: outputs and gradients equal one stream's on a skewed batch;
+  the program has twice the exchanges."""
+  monkeypatch.setattr(jax.lax, 'ragged_all_to_all', _emulated_ragged_all_to_all)
+  x, ids, w, params = _moe_inputs(k=3, seed=9)
+  ids[:24] = [0, 1, 2]
+  kw = dict(expert_exchange=kind, exchange_rows=rows)
+  one = _ep(MESHES['data2_expert4'], x, ids, w, params, True, **kw)
+  for extra in (dict(), dict(remat='full', expert_block_rows=16)):
+    two = _ep(MESHES['data2_expert4'], x, ids, w, params, True, exchange_streams=2,
+              **kw, **extra)
+    assert two[1] == one[1] == 0
+    np.testing.assert_allclose(two[0], one[0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(two[2]), jax.tree.leaves(one[2])):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
 def _token_buffer_reference(ids, experts, shards, n, slot, expand):
   """Token rows with bounded buffers, per expert group of n shards (data2 x expert4: shards
   g*n .. g*n+n-1 exchange among themselves): a source sends a device its first `slot`

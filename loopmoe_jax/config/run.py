@@ -17,7 +17,7 @@ EXCHANGE_ROWS = ('token', 'assignment')
 
 RUN_FIELDS = ('dispatch', 'dispatch_tile', 'expert_exchange', 'remat', 'loop_impl',
               'core_collectives', 'attention_impl', 'attention_block', 'loss_chunk',
-              'expert_block_rows', 'exchange_rows')
+              'expert_block_rows', 'exchange_rows', 'exchange_streams')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +34,10 @@ class RunConfig:
                                  # combined there: token_exchange.py) | 'assignment' (one row
                                  # per routed expert). Equal up to summation order while
                                  # nothing drops; which rows bounded buffers drop differs
+  exchange_streams: int = 1      # > 1: a device's tokens in this many independent slices, each
+                                 # with its own exchange, so one slice's exchange can run while
+                                 # another's experts compute (dropless exchanges; tokens that do
+                                 # not split evenly run whole); more collective ops
   remat: str = 'none'            # what the backward recomputes (core.REMAT, docs/results.md):
                                  # the core, prelude and coda layers and the head and loss
   attention_impl: str = 'auto'   # attention_impls.py: auto | xla | chunked | cudnn | splash
@@ -83,7 +87,7 @@ def _err_run(field: str, value: Any, why: str):
 
 
 def _validate_run(c: RunConfig):
-  for name in ('dispatch_tile', 'attention_block'):
+  for name in ('dispatch_tile', 'attention_block', 'exchange_streams'):
     if getattr(c, name) < 1:
       _err_run(name, getattr(c, name), 'must be >= 1')
   for name in ('loss_chunk', 'expert_block_rows'):
