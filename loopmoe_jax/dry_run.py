@@ -35,6 +35,9 @@ pass_input and attention, `exchange_forwards`):
   by token rows (run.exchange_rows='token') M = local tokens x min(k, expert devices) pairs,
   plus the pairs' routing (2k float32 each) with every send, and the return trip skipped by
   the reruns that only feed a backward (`exchanges`);
+  `all-to-all-uniform`: the token rows' figure for the rows a token sends on average when its
+  experts fall on the devices alike (`touched_devices`: 4.86 of 8 for top-7), where the
+  buffers, and the compiled program's count, allow min(k, n);
 - activation all-gather: 0 (routing and lookups are local);
 - gradient reduction: every parameter's gradient reduced once into its sharding: one
   reduce-scatter per parameter whose result is the device's shard, i.e. the per-device
@@ -259,7 +262,19 @@ def analytic(exp, mesh, params) -> dict[str, int]:
                   for i in range(layers)]
         a2a += passes * sum(s * there + r * row for s, r in counts)
   grads = sharding.bytes_per_device(params, jax.tree.map(lambda s: s.sharding, params))
-  return {'all-to-all': a2a, 'act-all-gather': 0, 'grad-reduce': grads}
+  uniform = a2a
+  if exp.run.exchange_rows == 'token' and n > 1:
+    uniform = int(a2a * touched_devices(mc.top_k, n, mc.max_expert_devices) / min(mc.top_k, n))
+  return {'all-to-all': a2a, 'all-to-all-uniform': uniform, 'act-all-gather': 0,
+          'grad-reduce': grads}
+
+
+def touched_devices(k: int, n: int, limit: int = 0) -> float:
+  """The devices a token's k experts lie on, on average, when each choice falls on any of
+  n devices (or of its `limit` allowed ones) alike: d (1 - (1 - 1/d)^k), d = limit or n. The
+  token-row exchange sends that many rows a token where its buffers allow min(k, n)."""
+  d = min(limit, n) if limit else n
+  return d * (1 - (1 - 1 / d) ** k)
 
 
 def param_groups(params) -> dict[str, int]:

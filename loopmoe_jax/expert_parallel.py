@@ -11,6 +11,13 @@ run on the global batch outside. Per device:
            (`dispatch.grouped_ffn`; expert width sharded over `tensor`, summed at the end),
   exchange back, unpermute, combine with the routing weights.
 
+What a row is (`run.exchange_rows`): 'token' (the default) sends a token's hidden state once
+to each device holding one of its experts and combines that device's experts there
+(token_exchange.py: `_local_moe_tokens`); 'assignment' sends one row per routed expert, the
+steps above (`_local_moe_whole`). Equal results while nothing drops. `run.exchange_streams`
+S > 1 runs the tokens in S independent slices, each with its own exchange (`_in_streams`), so
+the compiler can overlap one slice's exchange with another's experts.
+
 Two transports (`run.expert_exchange`, 'auto' picks per platform):
 Both transports size their buffers by the slot S (`slot_rows`): the most rows one device may
 send one other device. Dropless, S = T * min(k, E/n) (a token sends one row per chosen expert,
@@ -47,7 +54,7 @@ from loopmoe_jax import dispatch as dispatch_lib
 from loopmoe_jax import sharding
 from loopmoe_jax import token_exchange
 from loopmoe_jax.token_exchange import exclusive_cumsum
-from loopmoe_jax.runtime import HERE, Runtime
+from loopmoe_jax.runtime import Runtime
 
 
 def capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:

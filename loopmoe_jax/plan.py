@@ -10,8 +10,8 @@ screened without compiling: their memory floor (train/preflight.py's estimate wi
 shardings) against the device's memory, and an analytic step time (the train FLOPs at peak,
 plus the analytic exchange and gradient-reduction bytes over the links). The `compile_meshes`
 best by that estimate are compiled: for each the fit finder (fit.find) searches remat,
-microbatches and loss chunk cheapest first, a candidate the compiler refuses being a row that
-does not fit; the mesh's plan is its cheapest fitting candidate, whose compiled program gives
+microbatches and loss chunk cheapest first and the exchange's streams (PLAN_SEARCH), a
+candidate the compiler refuses being a row that does not fit; the mesh's plan is its cheapest fitting candidate, whose compiled program gives
 the estimated step time (aot.time_bounds). The best plan is the fitting one of least estimated
 step time.
 """
@@ -24,6 +24,8 @@ from loopmoe_jax.runtime import Runtime
 from loopmoe_jax.train import preflight
 
 MESH_AXES = ('data', 'fsdp', 'expert', 'tensor')
+# the fit finder's search plus the exchange's streams (ranked by estimated step: fit.find)
+PLAN_SEARCH = {**fit.SEARCH, 'run.exchange_streams': (1, 2)}
 
 
 def _divisors(n: int) -> list[int]:
@@ -91,7 +93,7 @@ def plan(cfg_dict, target: targets.Target, search: dict | None = None, preset: s
          compile_meshes: int = 3, log=print):
   """(candidate rows, index of the best or None): every mesh screened (module docstring), the
   `compile_meshes` best by the analytic estimate planned by real compiles."""
-  search = dict(fit.SEARCH if search is None else search)
+  search = dict(PLAN_SEARCH if search is None else search)
   rows = [screen(cfg_dict, target, m) for m in meshes(target.num_devices)]
   for r in rows:
     log(line(r))

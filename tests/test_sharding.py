@@ -991,3 +991,16 @@ def test_the_dropped_count_is_reduced_once_per_moe_call_not_per_token_chunk():
   few, many = ops(128), ops(64)
   assert many['all-to-all']['ops'] > few['all-to-all']['ops']  # more chunks, more exchanges
   assert many['all-reduce']['ops'] == few['all-reduce']['ops']
+
+
+def test_touched_devices_is_the_mean_of_an_enumeration():
+  """dry_run.touched_devices: the mean number of distinct devices over every equally likely
+  assignment of k choices to n (or to `limit`) devices; k = 1 touches one, n = 1 one."""
+  import itertools
+  from loopmoe_jax import dry_run
+  for k, n in ((3, 3), (2, 4), (4, 2), (1, 5)):
+    outcomes = list(itertools.product(range(n), repeat=k))
+    want = sum(len(set(o)) for o in outcomes) / len(outcomes)
+    assert dry_run.touched_devices(k, n) == pytest.approx(want)
+  assert dry_run.touched_devices(7, 8, limit=2) == pytest.approx(2 - 2 * 0.5 ** 7)
+  assert dry_run.touched_devices(5, 1) == 1

@@ -371,6 +371,32 @@ def test_fit_finder_marks_the_cheapest_candidate_that_fits_and_reruns_from_its_c
   assert [r['bytes_per_device'] for r in again] == [r['bytes_per_device'] for r in rows]
 
 
+def test_fit_finder_ranks_exchange_variants_by_their_estimated_step(monkeypatch):
+  """Candidates that differ only in the exchange's settings (fit.EXCHANGE_KEYS, the same
+  FLOPs) are all compiled once one fits and the shortest estimated step wins; the next
+  candidate that differs otherwise is not compiled. The compiler is a stand-in here: the
+  settings and their order are fit.find's own."""
+  from loopmoe_jax import fit
+  steps = {(1, 'full'): 0.3, (2, 'full'): 0.2, (1, 'none'): None, (2, 'none'): None}
+  compiled = []
+
+  def candidate(cfg, target, settings, preset, flops):
+    key = (settings['run.exchange_streams'], settings['run.remat'])
+    compiled.append(key)
+    fits = steps[key] is not None
+    return {'bytes_per_device': {'total': 1 if fits else 1 << 50}, 'fits': fits,
+            'time_bounds_s': {'estimated_step': steps[key] or 1.0}, 'cached': True}
+  monkeypatch.setattr(aot, 'candidate', candidate)
+  cfg = _tiny_cfg('tpu')
+  search = {'run.remat': ('none', 'full', 'attention'), 'run.exchange_streams': (1, 2)}
+  monkeypatch.setattr(fit.dry_run, 'step_flops', lambda cfg, n: {
+      'none': 1.0, 'full': 2.0, 'attention': 3.0}[cfg['run']['remat']])
+  rows, best = fit.find(cfg, targets.get(TINY['tpu'][0]), search, log=lambda _: None)
+  assert rows[best]['run'] == {'run.remat': 'full', 'run.exchange_streams': 2}
+  assert compiled == [(1, 'none'), (2, 'none'), (1, 'full'), (2, 'full')]
+  assert all(r['bytes_per_device'] is None for r in rows if r['run']['run.remat'] == 'attention')
+
+
 def test_the_estimated_step_adds_what_the_program_does_not_overlap():
   """time_bounds by hand on three collectives of an 8-GPU node (450 GB/s links, 15 us an op):
   the latency counts every op; the exposed time is the ops that overlap nothing, bytes and
