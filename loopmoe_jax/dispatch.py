@@ -224,16 +224,14 @@ def dropless_rows(t: int, k: int, num_experts: int, n: int = 1) -> int:
   return t * min(k, num_experts // n)
 
 
-def token_chunks(t: int, k: int, num_experts: int, n: int, block_rows: int,
-                 per_token: int = 0) -> int:
+def token_chunks(t: int, k: int, num_experts: int, n: int, block_rows: int) -> int:
   """How many consecutive token chunks t tokens run in so that one chunk's dropless buffer
   (n * dropless_rows: the routed rows on one device, the receive buffer under expert
   parallelism over n) holds at most `block_rows` rows: ceil(t / c_t) for the c_t =
   block_rows // (n * min(k, E/n)) tokens such a buffer holds (at least 1); 1 when block_rows
   is 0 or the whole buffer already fits. `in_token_chunks` pads t up to a multiple of it. A
-  `block_rows` under one token's rows is refused (ValueError naming run.expert_block_rows).
-  `per_token` > 0: a token's rows in that buffer, given (the token-row exchange's n)."""
-  per_token = per_token or n * dropless_rows(1, k, num_experts, n)
+  `block_rows` under one token's rows is refused (ValueError naming run.expert_block_rows)."""
+  per_token = n * dropless_rows(1, k, num_experts, n)
   if not block_rows or t * per_token <= block_rows:
     return 1
   if block_rows < per_token:
@@ -255,6 +253,19 @@ def in_token_chunks(body, chunks: int, params, x_TD, experts_Tk, weights_Tk):
   once."""
   (t, k), rows = experts_Tk.shape, -(-experts_Tk.shape[0] // chunks)
   pad = chunks * rows - t
+  if pad:
+    x_TD = jnp.pad(x_TD, ((0, pad), (0, 0)))
+    fill = jnp.broadcast_to(jnp.arange(k, dtype=experts_Tk.dtype), (pad, k))
+    experts_Tk = jnp.concatenate([experts_Tk, fill])
+    weights_Tk = jnp.pad(weights_Tk, ((0, pad), (0, 0)))
+  return scan_chunks(body, chunks, params, x_TD, experts_Tk, weights_Tk)
+
+
+def scan_chunks(body, chunks: int, params, *xs):
+  """body(params, *slices) over `chunks` equal slices of each of `xs` (leading dimensions a
+  multiple of it), in a scan, each under `jax.checkpoint`, outputs stacked [chunks, ...];
+  `params` enter in float32 and are cast back inside, so their gradients sum over the
+  chunks in float32."""
   dtypes = jax.tree.map(lambda p: p.dtype, params)
   wide = jax.tree.map(lambda p: p.astype(jnp.promote_types(p.dtype, jnp.float32)), params)
 
@@ -262,14 +273,9 @@ def in_token_chunks(body, chunks: int, params, x_TD, experts_Tk, weights_Tk):
   def chunk(wide, *xs):
     return body(jax.tree.map(lambda w, dt: w.astype(dt), wide, dtypes), *xs)
 
-  if pad:
-    x_TD = jnp.pad(x_TD, ((0, pad), (0, 0)))
-    fill = jnp.broadcast_to(jnp.arange(k, dtype=experts_Tk.dtype), (pad, k))
-    experts_Tk = jnp.concatenate([experts_Tk, fill])
-    weights_Tk = jnp.pad(weights_Tk, ((0, pad), (0, 0)))
-  split = lambda a: a.reshape(chunks, rows, *a.shape[1:])
+  split = lambda a: a.reshape(chunks, a.shape[0] // chunks, *a.shape[1:])
   _, out = jax.lax.scan(lambda _, xs: (None, chunk(wide, *xs)), None,
-                        (split(x_TD), split(experts_Tk), split(weights_Tk)))
+                        tuple(split(a) for a in xs))
   return out
 
 

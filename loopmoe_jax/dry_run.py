@@ -214,10 +214,11 @@ EXCHANGE_SAVED = ('none', 'pass_input', 'attention', 'named')
 
 
 def _chunked(mc, run, n: int, tokens: int, num_experts: int) -> bool:
-  per_token = n if run.exchange_rows == 'token' else 0
-  return (not mc.capacity_factor and not mc.exchange_buffer_factor and
-          dispatch.token_chunks(tokens, mc.top_k, num_experts, n, run.ffn_block_rows,
-                                per_token=per_token) > 1)
+  """Whether the exchange runs in token chunks: assignment rows on a dropless exchange whose
+  receive buffer exceeds run.expert_block_rows (token rows chunk only their experts)."""
+  return (run.exchange_rows != 'token' and not mc.capacity_factor and
+          not mc.exchange_buffer_factor and
+          dispatch.token_chunks(tokens, mc.top_k, num_experts, n, run.ffn_block_rows) > 1)
 
 
 def exchange_forwards(mc, run, n: int, tokens: int, num_experts: int, last: bool = False) -> int:
@@ -235,13 +236,12 @@ def exchange_forwards(mc, run, n: int, tokens: int, num_experts: int, last: bool
 def exchanges(mc, run, n: int, tokens: int, num_experts: int, last: bool = False):
   """(sends, returns) of one MoE visit: R + 1 of each (`exchange_forwards`), except that by
   token rows no backward reads what the return trip delivered (the weights were applied where
-  the experts ran), so a rerun that only feeds a backward skips it: a chunk's own rerun, and
-  a stack's recompute of its last layer."""
+  the experts ran), so a stack's recompute of its last layer, which only feeds a backward,
+  skips it."""
   f = exchange_forwards(mc, run, n, tokens, num_experts, last)
   if run.exchange_rows != 'token':
     return f + 1, f + 1
-  skip = _chunked(mc, run, n, tokens, num_experts) or (last and run.remat not in EXCHANGE_SAVED)
-  return f + 1, f + (0 if skip else 1)
+  return f + 1, f + (0 if last and run.remat not in EXCHANGE_SAVED else 1)
 
 
 def analytic(exp, mesh, params) -> dict[str, int]:

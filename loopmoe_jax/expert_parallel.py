@@ -174,12 +174,6 @@ class Body:
       rows = min(rows, self.n * self.slot(t, k))
     return rows
 
-  def rows_per_token(self, k: int) -> int:
-    """Rows one token adds to a device's dropless receive buffer (n sources): n by token
-    rows, n * min(k, E/n) by assignment rows (`dispatch.token_chunks`)."""
-    if self.rows == 'token':
-      return self.n
-    return self.n * dispatch_lib.dropless_rows(1, k, self.num_experts, self.n)
 
 
 def _local_moe(x_TD, experts_Tk, weights_Tk, params, body: Body):
@@ -193,9 +187,8 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, params, body: Body):
   unchunked ones. With a capacity or buffer factor (which rank rows across the whole shard)
   the exchange runs whole."""
   t, k = experts_Tk.shape
-  chunks = (1 if body.factor or body.buffer_factor else
-            dispatch_lib.token_chunks(t, k, body.num_experts, body.n, body.block_rows,
-                                      per_token=body.rows_per_token(k)))
+  chunks = (1 if body.factor or body.buffer_factor or body.rows == 'token' else
+            dispatch_lib.token_chunks(t, k, body.num_experts, body.n, body.block_rows))
   whole = _local_moe_tokens if body.rows == 'token' else _local_moe_whole
   if body.streams > 1 and not (body.factor or body.buffer_factor):
     whole = _in_streams(whole, body.streams)
@@ -355,7 +348,7 @@ def _local_moe_tokens(x_TD, experts_Tk, weights_Tk, params, body: Body,
       valid_R = jnp.arange(n * slot) < jnp.sum(c_in)
     x_RD, meta_Rk2 = named(put(p.x_MD)), named(put(p.meta_Mk2))
   y_RD, dropped_x = token_exchange.expand_and_combine(
-      x_RD, meta_Rk2, valid_R, params, body.expand_rows(t, k), body.runtime)
+      x_RD, meta_Rk2, valid_R, params, body.expand_rows(t, k), body.runtime, body.block_rows)
   y_RD = y_RD.astype(x_TD.dtype)
   with jax.named_scope('exchange_back'):
     if body.kind == 'padded':

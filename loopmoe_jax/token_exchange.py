@@ -133,9 +133,31 @@ def pairs(x_TD, experts_Tk, weights_Tk, keep_Tk, n: int, e_loc: int, slot: int) 
                dropped.astype(jnp.int32))
 
 
-def expand_and_combine(x_RD, meta_Rk2, valid_R, params, expand_rows: int, runtime):
+def expand_and_combine(x_RD, meta_Rk2, valid_R, params, expand_rows: int, runtime,
+                       block_rows: int = 0):
   """The destination: received rows through their local experts, each row's experts weighted
-  and summed (float32 [R, D]); and the expanded rows dropped past `expand_rows`."""
+  and summed (float32 [R, D]); and the expanded rows dropped past `expand_rows`.
+
+  `block_rows` r > 0 with dropless bounds (`expand_rows` = R min(k, E/n)) larger than r: the
+  received rows run in consecutive chunks whose expansion holds at most r rows, each chunk
+  recomputed in its own backward (`dispatch.scan_chunks`): the exchange stays whole (one set
+  of collectives), only the experts' buffers are chunked. A row's experts are the same
+  whatever its chunk, so the outputs are the whole's."""
+  r, k = meta_Rk2.shape[0], meta_Rk2.shape[1] // 2
+  kk = min(k, params['gate'].shape[0])
+  per = max(1, block_rows // kk)
+  if not block_rows or expand_rows <= block_rows or expand_rows < r * kk or r <= per:
+    return _expand_whole(x_RD, meta_Rk2, valid_R, params, expand_rows, runtime)
+  chunks = -(-r // per)
+  pad = chunks * per - r
+  xs = [jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)) for a in (x_RD, meta_Rk2, valid_R)]
+  run = lambda p, x, m, v: _expand_whole(x, m, v, p, per * kk, runtime)
+  y_cRD, dropped_c = dispatch_lib.scan_chunks(run, chunks, params, *xs)
+  return y_cRD.reshape(-1, y_cRD.shape[-1])[:r], jnp.sum(dropped_c)
+
+
+def _expand_whole(x_RD, meta_Rk2, valid_R, params, expand_rows: int, runtime):
+  """`expand_and_combine` over all the received rows at once."""
   r, k = meta_Rk2.shape[0], meta_Rk2.shape[1] // 2
   e_loc = params['gate'].shape[0]
   with jax.named_scope('expand'):

@@ -511,24 +511,28 @@ def test_dry_run_counts_the_token_chunks_exchanges(remat, rows):
   MoE visit, exactly the analytic column's (dry_run.exchange_forwards): R = 3 under full
   (forward, the stack's recompute, the chunk's) but 2 for a stack's last layer (prelude, coda
   and the core's second layer: no backward in the stack reads its expert output), and 2 under
-  attention (it keeps the expert output: no stack recompute of the MoE). By token rows M
-  counts a token's min(k, n) pairs, each send carries their routing (2k float32), and the
-  chunk's rerun skips the return trip (no backward reads it: the weights were applied where
-  the experts ran)."""
+  attention (it keeps the expert output: no stack recompute of the MoE). By token rows the
+  exchange stays whole (only the experts run in chunks), M counts a token's min(k, n) pairs,
+  each send carries their routing (2k float32), and a stack's recompute of its last layer
+  skips the return trip (no backward reads it: the weights were applied where the experts
+  ran)."""
   from loopmoe_jax import dry_run
   from loopmoe_jax.experiment import load_config
   cfg = _on(load_config('configs/default.py:smoke'), MESHES['data2_expert4'])
   local_tokens = cfg.data.batch_size * cfg.data.seq_len // 8
   n, k, e = 4, cfg.model.top_k, cfg.model.core_experts
   cfg.run.remat, cfg.run.exchange_rows = remat, rows
-  per_token = n if rows == 'token' else n * dispatch_lib.dropless_rows(1, k, e, n)
-  cfg.run.expert_block_rows = per_token * local_tokens // 2
+  cfg.run.expert_block_rows = n * dispatch_lib.dropless_rows(local_tokens, k, e, n) // 2
   report = dry_run.dry_run(cfg, 'cuda')
   exchange = local_tokens * min(k, n) * cfg.model.d_model * 4
-  routing = local_tokens * min(k, n) * 2 * k * 4 if rows == 'token' else 0
-  skip = exchange if rows == 'token' else 0  # a chunk's rerun needs no return trip
-  last = 2 * (2 + 1) * exchange + 3 * routing - skip  # R = 2
-  inner = 2 * (3 + 1) * exchange + 4 * routing - skip if remat == 'full' else last
+  if rows == 'token':  # the exchange stays whole (only the experts run in chunks): R = 2
+    routing = local_tokens * min(k, n) * 2 * k * 4  # under full, 1 under attention
+    r = 2 if remat == 'full' else 1
+    inner = (r + 1) * (2 * exchange + routing)
+    last = inner - exchange if remat == 'full' else inner  # no return in the last's rerun
+  else:
+    last = 2 * (2 + 1) * exchange  # R = 2
+    inner = 2 * (3 + 1) * exchange if remat == 'full' else last
   m = cfg.model
   assert m.prelude_layers == m.coda_layers == 1 and m.core_layers == 2
   want = 2 * last + m.num_loops * (inner + last)
