@@ -216,7 +216,7 @@ EXCHANGE_SAVED = ('none', 'pass_input', 'attention', 'named')
 def _chunked(mc, run, n: int, tokens: int, num_experts: int) -> bool:
   """Whether the exchange runs in token chunks: assignment rows on a dropless exchange whose
   receive buffer exceeds run.expert_block_rows (token rows chunk only their experts)."""
-  return (run.exchange_rows != 'token' and not mc.capacity_factor and
+  return (run.exchange_unit != 'token' and not mc.capacity_factor and
           not mc.exchange_buffer_factor and
           dispatch.token_chunks(tokens, mc.top_k, num_experts, n, run.ffn_block_rows) > 1)
 
@@ -239,7 +239,7 @@ def exchanges(mc, run, n: int, tokens: int, num_experts: int, last: bool = False
   the experts ran), so a stack's recompute of its last layer, which only feeds a backward,
   skips it."""
   f = exchange_forwards(mc, run, n, tokens, num_experts, last)
-  if run.exchange_rows != 'token':
+  if run.exchange_unit != 'token':
     return f + 1, f + 1
   return f + 1, f + (0 if last and run.remat not in EXCHANGE_SAVED else 1)
 
@@ -251,9 +251,9 @@ def analytic(exp, mesh, params) -> dict[str, int]:
   local_tokens = exp.data.batch_size * exp.data.seq_len // n_batch
   act = np.dtype(jnp.dtype(mc.dtype)).itemsize
   a2a, n = 0, mesh.shape['expert']
-  rows = local_tokens * (min(mc.top_k, n) if exp.run.exchange_rows == 'token' else mc.top_k)
+  rows = local_tokens * (min(mc.top_k, n) if exp.run.exchange_unit == 'token' else mc.top_k)
   row = rows * mc.d_model * act
-  there = row + (rows * 2 * mc.top_k * 4 if exp.run.exchange_rows == 'token' else 0)
+  there = row + (rows * 2 * mc.top_k * 4 if exp.run.exchange_unit == 'token' else 0)
   call_tokens = local_tokens // exp.train.microbatches  # the tokens one MoE call sees
   if n > 1:
     for _, layers, experts, passes in mc.segments:
@@ -263,7 +263,7 @@ def analytic(exp, mesh, params) -> dict[str, int]:
         a2a += passes * sum(s * there + r * row for s, r in counts)
   grads = sharding.bytes_per_device(params, jax.tree.map(lambda s: s.sharding, params))
   uniform = a2a
-  if exp.run.exchange_rows == 'token' and n > 1:
+  if exp.run.exchange_unit == 'token' and n > 1:
     uniform = int(a2a * touched_devices(mc.top_k, n, mc.max_expert_devices) / min(mc.top_k, n))
   return {'all-to-all': a2a, 'all-to-all-uniform': uniform, 'act-all-gather': 0,
           'grad-reduce': grads}

@@ -11,7 +11,7 @@ run on the global batch outside. Per device:
            (`dispatch.grouped_ffn`; expert width sharded over `tensor`, summed at the end),
   exchange back, unpermute, combine with the routing weights.
 
-What a row is (`run.exchange_rows`): 'token' (the default) sends a token's hidden state once
+What a row is (`run.exchange_rows`, resolved by `RunConfig.exchange_unit`): 'token' sends a token's hidden state once
 to each device holding one of its experts and combines that device's experts there
 (token_exchange.py: `_local_moe_tokens`); 'assignment' sends one row per routed expert, the
 steps above (`_local_moe_whole`). Equal results while nothing drops. `run.exchange_streams`
@@ -142,7 +142,7 @@ class Body:
     buffer_factor = 0.0 if runtime.exchange_dropless else cfg.exchange_buffer_factor
     return cls(num_experts, mesh.shape['expert'], cfg.capacity_factor, buffer_factor,
                exchange_kind(run.expert_exchange, runtime=runtime), sharding.batch_axes(mesh),
-               mesh.shape['tensor'], run.ffn_block_rows, runtime, run.exchange_rows,
+               mesh.shape['tensor'], run.ffn_block_rows, runtime, run.exchange_unit,
                run.exchange_streams)
 
   def slot(self, t: int, k: int) -> int:

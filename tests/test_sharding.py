@@ -481,6 +481,7 @@ def test_dry_run_reads_bytes_and_exchanges_from_the_program():
   from loopmoe_jax import dry_run
   from loopmoe_jax.experiment import load_config
   cfg = _on(load_config('configs/default.py:smoke'), MESHES['data2_expert4'])
+  cfg.run.exchange_rows = 'token'
   report = dry_run.dry_run(cfg, 'cuda')
   boxed = steps.boxed_params(LoopedMoE(ModelConfig.from_dict(cfg.model)))
   want = 0
@@ -721,7 +722,7 @@ def test_token_rows_buffer_factor_drops_what_a_direct_count_drops(monkeypatch, k
   assert (slot, expand) == (4, 16)  # ceil(8 x 1.75 / 4); 4 x the assignment slot of 4
   keep = _token_buffer_reference(ids, 8, 8, 4, slot, expand)
   y, dropped = _ep(MESHES['data2_expert4'], x, ids, w, params, expert_exchange=kind,
-                   exchange_buffer_factor=1.0)
+                   exchange_buffer_factor=1.0, exchange_rows='token')
   assert dropped == int((~keep).sum()) > 0
   np.testing.assert_allclose(y, dispatch_lib.dispatch_reference(x, ids, np.where(keep, w, 0),
                                                                 params), rtol=1e-5, atol=1e-5)
@@ -981,20 +982,24 @@ def test_the_dropped_count_is_reduced_once_per_moe_call_not_per_token_chunk():
   """Under remat full the expert-parallel MoE runs in token chunks; each chunk's dropped count
   is summed locally and reduced over the shards once per MoE call, so the program's
   all-reduces do not grow with the number of chunks (they did: one per chunk, in its forward,
-  recompute and transposes), while its all-to-alls (the exchanges, per chunk) do."""
+  recompute and transposes), while its all-to-alls (the exchanges, per chunk) do; by token
+  rows neither grows."""
   from loopmoe_jax import dry_run, hlo as hlo_lib
   from loopmoe_jax.experiment import load_config
 
-  def ops(block_rows):
+  def ops(block_rows, rows='assignment'):
     cfg = load_config('configs/default.py:smoke')
     cfg.mesh.data, cfg.mesh.expert = 2, 4
     cfg.run.remat, cfg.run.expert_block_rows, cfg.run.dispatch = 'full', block_rows, 'xla'
+    cfg.run.exchange_rows = rows
     job = dry_run.job_of(cfg)
     text, _ = dry_run.partitioned_compile(job.train_step().lower(*job.step_args()))
     return hlo_lib.collective_ops(hlo_lib.collectives(text))
   few, many = ops(128), ops(64)
   assert many['all-to-all']['ops'] > few['all-to-all']['ops']  # more chunks, more exchanges
   assert many['all-reduce']['ops'] == few['all-reduce']['ops']
+  # token rows chunk only their experts: the exchanges do not grow with the chunks either
+  assert ops(64, 'token') == ops(128, 'token') == ops(0, 'token')
 
 
 def test_touched_devices_is_the_mean_of_an_enumeration():

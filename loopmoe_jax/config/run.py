@@ -12,7 +12,7 @@ LOOP_IMPLS = ('scan', 'unroll')
 CORE_COLLECTIVES = ('once', 'per_pass')
 DISPATCHES = ('reference', 'tiled', 'xla', 'pallas', 'auto')
 EXCHANGES = ('auto', 'padded', 'ragged')
-EXCHANGE_ROWS = ('token', 'assignment')
+EXCHANGE_ROWS = ('auto', 'token', 'assignment')
 
 
 RUN_FIELDS = ('dispatch', 'dispatch_tile', 'expert_exchange', 'remat', 'loop_impl',
@@ -29,11 +29,12 @@ class RunConfig:
   dispatch: str = 'auto'         # auto: the Pallas kernel on GPU/TPU, 'tiled' on CPU
   dispatch_tile: int = 128
   expert_exchange: str = 'auto'  # expert parallelism: padded (all_to_all) | ragged | auto
-  exchange_rows: str = 'token'   # what the expert exchange sends: 'token' (a token's hidden
+  exchange_rows: str = 'auto'    # what the expert exchange sends: 'token' (a token's hidden
                                  # state once per device holding its experts, expanded and
                                  # combined there: token_exchange.py) | 'assignment' (one row
-                                 # per routed expert). Equal up to summation order while
-                                 # nothing drops; which rows bounded buffers drop differs
+                                 # per routed expert) | 'auto' (`exchange_unit`). Equal up to
+                                 # summation order while nothing drops; which rows bounded
+                                 # buffers drop differs
   exchange_streams: int = 1      # > 1: a device's tokens in this many independent slices, each
                                  # with its own exchange, so one slice's exchange can run while
                                  # another's experts compute (dropless exchanges; tokens that do
@@ -73,6 +74,15 @@ class RunConfig:
     (nothing recomputed) nor dots / named, which keep values inside the layer that a chunk's
     recompute would hide."""
     return self.expert_block_rows if self.remat in ('full', 'pass_input', 'attention') else 0
+
+  @property
+  def exchange_unit(self) -> str:
+    """exchange_rows resolved: 'auto' is 'token', except under remat 'none', where the token
+    rows' backward would keep every expert output of the worst-case expansion (n x the
+    assignment rows' T*k rows, for the routing weights' gradient) and 'assignment' is used."""
+    if self.exchange_rows != 'auto':
+      return self.exchange_rows
+    return 'assignment' if self.remat == 'none' else 'token'
 
   def replace(self, **kw) -> 'RunConfig':
     return dataclasses.replace(self, **kw)
