@@ -131,3 +131,17 @@ def test_each_policy_saves_exactly_its_named_checkpoints(policy, names, capsys):
   if 'attention' in names:  # the output [B, T, H, K] and the log-sum-exp [B, G, Q, T]
     shapes = set(re.findall(r"(\S+) named 'attention'", saved))
     assert len(shapes) == 2, shapes
+
+
+def test_exchange_rows_auto_and_run_errors_name_the_key():
+  """run.exchange_rows 'auto' is token rows under every remat policy but none (whose
+  backward would keep the worst-case expansion's outputs); a given value stays; bad values
+  and streams below 1 are refused naming the key."""
+  from loopmoe_jax.config import RunConfig
+  assert RunConfig(remat='none').exchange_unit == 'assignment'
+  assert {RunConfig(remat=p).exchange_unit for p in ('full', 'attention', 'pass_input')} == {'token'}
+  assert RunConfig(remat='none', exchange_rows='token').exchange_unit == 'token'
+  with pytest.raises(ValueError, match=r"run.exchange_rows='rows': must be one of"):
+    RunConfig(exchange_rows='rows')
+  with pytest.raises(ValueError, match=r'run.exchange_streams=0: must be >= 1'):
+    RunConfig(exchange_streams=0)

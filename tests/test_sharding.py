@@ -53,6 +53,10 @@ CONFIGS = {
     'gate': ModelConfig(**SMALL, exit='gate', exit_threshold=0.5, exit_entropy=0.05),
     # the MoE dispatch in recomputed token chunks (run settings: RUNS)
     'block_rows': ModelConfig(**SMALL, tie_attention=False),
+    # the token-row exchange, top-5 of 8 experts over 4 expert devices (k > n), in two
+    # streams, its experts in recomputed chunks (run settings: RUNS)
+    'token_streams': ModelConfig(**{**SMALL, 'top_k': 5, 'prelude_experts': 8,
+                                    'core_experts': 8, 'coda_experts': 8}),
 }
 # Each config's run settings beyond XLA's (dispatch 'xla')
 RUNS = {
@@ -60,6 +64,8 @@ RUNS = {
     # under a remat policy): 4 chunks a device on the mesh (receive buffers of 64 rows), 16
     # on one device (256 routed rows)
     'block_rows': dict(remat='full', expert_block_rows=24),
+    'token_streams': dict(remat='full', exchange_rows='token', exchange_streams=2,
+                          expert_block_rows=64),
 }
 BATCH, SEQ, STEPS = 8, 16, 3
 
@@ -123,7 +129,7 @@ def assert_grads_close(got, want):
 @pytest.mark.parametrize('mesh_name,config_name', [
     ('data2_expert4', 'tied_injection'), ('fsdp2_expert2_data2', 'untied'),
     ('fsdp4_tensor2', 'untied'), ('fsdp4_tensor2', 'tied_injection'), ('data2_expert4', 'gate'),
-    ('fsdp2_expert2_data2', 'block_rows')])
+    ('fsdp2_expert2_data2', 'block_rows'), ('data2_expert4', 'token_streams')])
 def test_sharded_training_equals_one_device(config_name, mesh_name):
   (m_one, g_one), (m_mesh, g_mesh) = run(config_name, 'one'), run(config_name, mesh_name)
   for key in ('loss', 'load_balance', 'z_loss'):  # every step's values
