@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from loopmoe_jax import dispatch as dispatch_lib
 
@@ -206,3 +207,51 @@ def _expand_whole(x_RD, meta_Rk2, valid_R, params, expand_rows: int, runtime):
   with jax.named_scope('combine'):
     y_RD = weighted_collect(out_XD, w_X, src_X, slots)
   return y_RD, dropped.astype(jnp.int32)
+
+
+def exchange(x_TD, experts_Tk, weights_Tk, keep_Tk, params, body, name_exchange: bool = True):
+  """A device's MoE by token rows (module docstring) with `body`'s settings (an
+  expert_parallel.Body: devices, transport, bounds, chunks, runtime): pairs, the exchange
+  there (rows and routing, named 'exchange' for the remat policies unless `name_exchange` is
+  off), the experts, the exchange back, the sum per token. Returns (y_TD float32, the
+  assignments dropped past a slot or the expansion)."""
+  t, k = experts_Tk.shape
+  named = (lambda v: checkpoint_name(v, 'exchange')) if name_exchange else (lambda v: v)
+  d, e_loc, n = x_TD.shape[1], params['gate'].shape[0], body.n
+  me, slot = jax.lax.axis_index('expert'), body.token_slot(t, k)
+  p = pairs(x_TD, experts_Tk, weights_Tk, keep_Tk, n, e_loc, slot)
+  with jax.named_scope('permute'):
+    raw_nn = jax.lax.all_gather(p.counts_n, 'expert')        # [src, dest] pairs
+  kept_nn = jnp.minimum(raw_nn, slot)
+  c_in = kept_nn[:, me]
+  with jax.named_scope('exchange'):
+    if body.kind == 'padded':
+      put = lambda v: jax.lax.all_to_all(
+          jnp.zeros((n, slot, v.shape[1]), v.dtype).at[p.dest_M, p.rank_M].set(v, mode='drop'),
+          'expert', 0, 0, tiled=True).reshape(n * slot, v.shape[1])
+      valid_R = (jnp.arange(slot) < c_in[:, None]).reshape(-1)
+    else:
+      send_off, out_off = exclusive_cumsum(p.counts_n), exclusive_cumsum(kept_nn, 0)[me]
+      put = lambda v: jax.lax.ragged_all_to_all(
+          v, jnp.zeros((n * slot, v.shape[1]), v.dtype), send_off, kept_nn[me], out_off, c_in,
+          axis_name='expert')
+      valid_R = jnp.arange(n * slot) < jnp.sum(c_in)
+    x_RD, meta_Rk2 = named(put(p.x_MD)), named(put(p.meta_Mk2))
+  y_RD, dropped_x = expand_and_combine(x_RD, meta_Rk2, valid_R, params, body.expand_rows(t, k),
+                                       body.runtime, body.block_rows)
+  y_RD = y_RD.astype(x_TD.dtype)
+  with jax.named_scope('exchange_back'):
+    if body.kind == 'padded':
+      back = jax.lax.all_to_all(y_RD.reshape(n, slot, d), 'expert', 0, 0, tiled=True)
+      back_MD = back.at[p.dest_M, p.rank_M].get(mode='fill', fill_value=0)
+    else:
+      src_off = exclusive_cumsum(raw_nn, 1)[:, me]
+      back_MD = jax.lax.ragged_all_to_all(
+          y_RD, jnp.zeros((p.x_MD.shape[0], d), y_RD.dtype), exclusive_cumsum(c_in), c_in,
+          src_off, kept_nn[me], axis_name='expert')
+    back_MD = named(back_MD)
+  with jax.named_scope('combine'):
+    y_TD = collect(back_MD, p.src_M, p.slots_Tc)
+  if body.tensor > 1:
+    y_TD = jax.lax.psum(y_TD, 'tensor')
+  return y_TD, p.dropped + dropped_x
