@@ -33,11 +33,11 @@ from loopmoe_jax.moe import SUM_KEYS, losses_from_sums
 from loopmoe_jax.runtime import split_inside
 
 
-def _gather_specs(boxed, mesh):
+def _gather_specs(boxed, mesh, min_bytes: int = 0):
   """Per weight of a boxed tree: (its PartitionSpec under the rules table, per dimension the
   mesh axes to gather it over inside the shard_map: all of them but those LOCAL_SPLIT keeps,
-  runtime.split_inside)."""
-  specs = sharding.param_specs(boxed, mesh)
+  runtime.split_inside); weights under `min_bytes` (run.min_shard_bytes) whole."""
+  specs = sharding.param_specs(boxed, mesh, min_bytes=min_bytes)
   is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)
 
   def gather_axes(box, spec):
@@ -56,13 +56,14 @@ def layouts(stack: nn.Module, inputs: CoreInputs, per_pass: bool):
   whole = stack.clone(parent=None, runtime=dataclasses.replace(stack.runtime, local=False))
   shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                         tuple(inputs.one_pass(0, per_pass)))
+  min_bytes = stack.runtime.run.min_shard_bytes
   params = _gather_specs(jax.eval_shape(
-      lambda *a: whole.init(jax.random.key(0), *a), *shapes)['params'], mesh)
+      lambda *a: whole.init(jax.random.key(0), *a), *shapes)['params'], mesh, min_bytes)
   if inputs.pass_attn is None:
     return params, None
   layer = jax.eval_shape(lambda: AttentionWeights(stack.cfg, stack=stack.cfg.num_loops)
                          .init(jax.random.key(0)))['params']
-  attn_spec, attn_gather = _gather_specs(layer, mesh)
+  attn_spec, attn_gather = _gather_specs(layer, mesh, min_bytes)
   n = len(inputs.pass_attn)
   return params, ([attn_spec] * n, [attn_gather] * n)
 

@@ -39,7 +39,7 @@ import pallas_kernels
 from pallas_kernels.metadata import group_bounds
 
 from loopmoe_jax.gmm_tiled import accumulation_dtype, gmm_tiled
-from loopmoe_jax.runtime import HERE, Runtime, platform_name
+from loopmoe_jax.runtime import Runtime, platform_name
 
 
 def _swiglu(gate, up):

@@ -182,13 +182,16 @@ def _is_box(x):
   return isinstance(x, nn.LogicallyPartitioned)
 
 
-def param_specs(boxed_params, mesh, zero_data: bool = False):
+def param_specs(boxed_params, mesh, zero_data: bool = False, min_bytes: int = 0):
   """PartitionSpecs of a boxed (logically partitioned) param tree, checking that every
   sharded dimension divides over its mesh axis (a ValueError naming the param, the numbers
-  and the config key to change)."""
+  and the config key to change). A param of fewer than `min_bytes` bytes (run.min_shard_bytes)
+  is whole on every device: no step gathers it."""
   def one(path, box):
     names = box.names if _is_box(box) else (None,) * len(box.shape)
     value = box.value if _is_box(box) else box
+    if math.prod(value.shape) * np.dtype(value.dtype).itemsize < min_bytes:
+      return P()
     out = []
     extra = ZERO_DATA if zero_data else None
     for dim, (name, axes) in enumerate(zip(names, _rule_axes(names, mesh.axis_names, extra))):
@@ -210,18 +213,18 @@ def param_specs(boxed_params, mesh, zero_data: bool = False):
   return jax.tree_util.tree_map_with_path(one, boxed_params, is_leaf=_is_box)
 
 
-def param_shardings(mesh, boxed_params, zero_data: bool = False):
+def param_shardings(mesh, boxed_params, zero_data: bool = False, min_bytes: int = 0):
   """NamedShardings of the params (param_specs on `mesh`)."""
   return jax.tree.map(lambda s: NamedSharding(mesh, s),
-                      param_specs(boxed_params, mesh, zero_data),
+                      param_specs(boxed_params, mesh, zero_data, min_bytes),
                       is_leaf=lambda x: isinstance(x, P))
 
 
-def state_shardings(mesh, boxed_params, tx, zero_data: bool = False):
+def state_shardings(mesh, boxed_params, tx, zero_data: bool = False, min_bytes: int = 0):
   """NamedShardings of {'params', 'opt_state', 'step'}: optimizer moments follow their
   params (optax.tree_map_params), counters and other scalars are replicated."""
   params = nn.unbox(boxed_params)
-  named = param_shardings(mesh, boxed_params, zero_data)
+  named = param_shardings(mesh, boxed_params, zero_data, min_bytes)
   rep = NamedSharding(mesh, P())
   opt_shapes = jax.eval_shape(tx.init, params)
   opt = optax.tree_map_params(tx, lambda _, sh: sh, opt_shapes, named,

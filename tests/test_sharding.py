@@ -54,7 +54,7 @@ CONFIGS = {
     # the MoE dispatch in recomputed token chunks (run settings: RUNS)
     'block_rows': ModelConfig(**SMALL, tie_attention=False),
     # the token-row exchange, top-5 of 8 experts over 4 expert devices (k > n), in two
-    # streams, its experts in recomputed chunks (run settings: RUNS)
+    # streams, its experts in recomputed chunks, params under 4 KiB whole (run settings: RUNS)
     'token_streams': ModelConfig(**{**SMALL, 'top_k': 5, 'prelude_experts': 8,
                                     'core_experts': 8, 'coda_experts': 8}),
 }
@@ -65,7 +65,7 @@ RUNS = {
     # on one device (256 routed rows)
     'block_rows': dict(remat='full', expert_block_rows=24),
     'token_streams': dict(remat='full', exchange_rows='token', exchange_streams=2,
-                          expert_block_rows=64),
+                          expert_block_rows=64, min_shard_bytes=4096),
 }
 BATCH, SEQ, STEPS = 8, 16, 3
 
@@ -1019,3 +1019,28 @@ def test_touched_devices_is_the_mean_of_an_enumeration():
     assert dry_run.touched_devices(k, n) == pytest.approx(want)
   assert dry_run.touched_devices(7, 8, limit=2) == pytest.approx(2 - 2 * 0.5 ** 7)
   assert dry_run.touched_devices(5, 1) == 1
+
+
+def test_params_under_min_shard_bytes_are_whole_and_never_gathered():
+  """run.min_shard_bytes: the README main job's smoke model on fsdp=4 x expert=2 keeps its
+  params under the threshold (attention, norms, routers) whole on every device, the rest split
+  as before; its train step gathers fewer params."""
+  from loopmoe_jax import dry_run, hlo as hlo_lib
+  from loopmoe_jax.experiment import build, load_config
+  from loopmoe_jax.job import Job
+
+  def specs_and_gathers(min_bytes):
+    cfg = load_config('configs/default.py:smoke')
+    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert = 1, 4, 2
+    cfg.run.min_shard_bytes, cfg.run.dispatch = min_bytes, 'xla'
+    job = Job.build(build(cfg))
+    text, _ = dry_run.partitioned_compile(job.train_step().lower(*job.step_args()))
+    specs = [s.spec for s in jax.tree.leaves(job.state_sh['params'])]
+    sizes = [a.size * a.dtype.itemsize for a in jax.tree.leaves(job.abstract_state['params'])]
+    return specs, sizes, hlo_lib.collective_ops(hlo_lib.collectives(text))['all-gather']['ops']
+  split, sizes, gathers_split = specs_and_gathers(0)
+  whole, _, gathers_whole = specs_and_gathers(8192)
+  small = [n < 8192 for n in sizes]
+  assert any(a != P() for a, s in zip(split, small) if s) and not all(small)
+  assert whole == [P() if s else a for a, s in zip(split, small)]
+  assert gathers_whole < gathers_split

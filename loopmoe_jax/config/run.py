@@ -17,7 +17,7 @@ EXCHANGE_ROWS = ('auto', 'token', 'assignment')
 
 RUN_FIELDS = ('dispatch', 'dispatch_tile', 'expert_exchange', 'remat', 'loop_impl',
               'core_collectives', 'attention_impl', 'attention_block', 'loss_chunk',
-              'expert_block_rows', 'exchange_rows', 'exchange_streams')
+              'expert_block_rows', 'exchange_rows', 'exchange_streams', 'min_shard_bytes')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +35,10 @@ class RunConfig:
                                  # per routed expert) | 'auto' (`exchange_unit`). Equal up to
                                  # summation order while nothing drops; which rows bounded
                                  # buffers drop differs
+  min_shard_bytes: int = 0       # under a mesh, a parameter of fewer bytes is kept whole on
+                                 # every device (its optimizer moments too): no step gathers
+                                 # it, its gradient is all-reduced once. 0: every parameter
+                                 # split by the rules table (sharding.py)
   exchange_streams: int = 1      # > 1: a device's tokens in this many independent slices, each
                                  # with its own exchange, so one slice's exchange can run while
                                  # another's experts compute (dropless exchanges; tokens that do
@@ -100,7 +104,7 @@ def _validate_run(c: RunConfig):
   for name in ('dispatch_tile', 'attention_block', 'exchange_streams'):
     if getattr(c, name) < 1:
       _err_run(name, getattr(c, name), 'must be >= 1')
-  for name in ('loss_chunk', 'expert_block_rows'):
+  for name in ('loss_chunk', 'expert_block_rows', 'min_shard_bytes'):
     if getattr(c, name) < 0:
       _err_run(name, getattr(c, name), 'must be >= 0')
   choices = dict(remat=REMAT_POLICIES, loop_impl=LOOP_IMPLS, dispatch=DISPATCHES,

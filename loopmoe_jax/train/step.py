@@ -29,7 +29,7 @@ from loopmoe_jax import sharding
 from loopmoe_jax.moe import max_vio
 from loopmoe_jax.model import ROUTER_BIAS, bias_shapes, for_init, variables
 from loopmoe_jax.objective import loss_fn, token_nll
-from loopmoe_jax.runtime import HERE, Runtime
+from loopmoe_jax.runtime import Runtime
 
 
 def init_key(seed: int):
@@ -78,9 +78,10 @@ def update_router_bias(collection, loads, rate: float):
 
 def shardings(mesh, model, tx, seq_len: int, zero_data: bool = False):
   """(state shardings, batch sharding) on `mesh`, from the params' logical axis names
-  (`zero_data`: mesh.zero_data)."""
+  (`zero_data`: mesh.zero_data; params under the model's run.min_shard_bytes whole)."""
   boxed = boxed_params(model, seq_len)
-  state_sh = sharding.state_shardings(mesh, boxed, tx, zero_data)
+  state_sh = sharding.state_shardings(mesh, boxed, tx, zero_data,
+                                      model.runtime.run.min_shard_bytes)
   segments = bias_shapes(model.cfg)
   if segments:  # small: replicated
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
