@@ -140,8 +140,10 @@ class Body:
     when the runtime is `exchange_dropless`) with the runtime's run settings on `mesh`."""
     run = runtime.run
     buffer_factor = 0.0 if runtime.exchange_dropless else cfg.exchange_buffer_factor
-    return cls(num_experts, mesh.shape['expert'], cfg.capacity_factor, buffer_factor,
-               exchange_kind(run.expert_exchange, runtime=runtime), sharding.batch_axes(mesh),
+    n = mesh.shape['expert']  # one expert device: the padded layout, no collective
+    return cls(num_experts, n, cfg.capacity_factor, buffer_factor,
+               'padded' if n == 1 else exchange_kind(run.expert_exchange, runtime=runtime),
+               sharding.batch_axes(mesh),
                mesh.shape['tensor'], run.ffn_block_rows, runtime, run.exchange_unit,
                run.exchange_streams)
 
@@ -283,7 +285,7 @@ def _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, body: Body,
     pos = jnp.arange(m) - sent.send_off[jnp.minimum(dest, n - 1)]
     if body.kind == 'padded':  # rows past a slot fall off the buffer (mode='drop')
       buf = jnp.zeros((n, slot, d), x_TD.dtype).at[dest, pos].set(sent.x_send, mode='drop')
-      recv = jax.lax.all_to_all(buf, 'expert', 0, 0, tiled=True).reshape(n * slot, d)
+      recv = token_exchange.all_to_all(buf, n).reshape(n * slot, d)
       recv = named(recv)
       block_start = jnp.arange(n, dtype=jnp.int32) * slot
     else:  # each source's first dest_counts rows per destination
@@ -298,8 +300,7 @@ def _local_moe_whole(x_TD, experts_Tk, weights_Tk, params, body: Body,
 
   with jax.named_scope('exchange_back'):
     if body.kind == 'padded':
-      back = named(jax.lax.all_to_all(out_recv.reshape(n, slot, d), 'expert', 0, 0,
-                                      tiled=True))
+      back = named(token_exchange.all_to_all(out_recv.reshape(n, slot, d), n))
       out_sorted = back.at[dest, pos].get(mode='fill', fill_value=0)
     else:  # rows a slot dropped are never written: they stay zero
       # where each source's rows for this device begin in its send buffer (offsets of the

@@ -209,6 +209,13 @@ def _expand_whole(x_RD, meta_Rk2, valid_R, params, expand_rows: int, runtime):
   return y_RD, dropped.astype(jnp.int32)
 
 
+def all_to_all(buf_nSD, n: int):
+  """The padded exchange of [n, slot, ...] over `expert` (slot j to device j); with one
+  expert device the buffer itself (no collective: a compiler may refuse one over groups of
+  one, as libtpu's async ragged all-to-all does)."""
+  return buf_nSD if n == 1 else jax.lax.all_to_all(buf_nSD, 'expert', 0, 0, tiled=True)
+
+
 def exchange(x_TD, experts_Tk, weights_Tk, keep_Tk, params, body, name_exchange: bool = True):
   """A device's MoE by token rows (module docstring) with `body`'s settings (an
   expert_parallel.Body: devices, transport, bounds, chunks, runtime): pairs, the exchange
@@ -226,9 +233,9 @@ def exchange(x_TD, experts_Tk, weights_Tk, keep_Tk, params, body, name_exchange:
   c_in = kept_nn[:, me]
   with jax.named_scope('exchange'):
     if body.kind == 'padded':
-      put = lambda v: jax.lax.all_to_all(
+      put = lambda v: all_to_all(
           jnp.zeros((n, slot, v.shape[1]), v.dtype).at[p.dest_M, p.rank_M].set(v, mode='drop'),
-          'expert', 0, 0, tiled=True).reshape(n * slot, v.shape[1])
+          n).reshape(n * slot, v.shape[1])
       valid_R = (jnp.arange(slot) < c_in[:, None]).reshape(-1)
     else:
       send_off, out_off = exclusive_cumsum(p.counts_n), exclusive_cumsum(kept_nn, 0)[me]
@@ -242,7 +249,7 @@ def exchange(x_TD, experts_Tk, weights_Tk, keep_Tk, params, body, name_exchange:
   y_RD = y_RD.astype(x_TD.dtype)
   with jax.named_scope('exchange_back'):
     if body.kind == 'padded':
-      back = jax.lax.all_to_all(y_RD.reshape(n, slot, d), 'expert', 0, 0, tiled=True)
+      back = all_to_all(y_RD.reshape(n, slot, d), n)
       back_MD = back.at[p.dest_M, p.rank_M].get(mode='fill', fill_value=0)
     else:
       src_off = exclusive_cumsum(raw_nn, 1)[:, me]

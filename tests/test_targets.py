@@ -584,3 +584,19 @@ def test_an_attention_the_target_cannot_run_is_refused_before_tracing(platform, 
   from loopmoe_jax.experiment import build  # pylint: disable=import-outside-toplevel
   from loopmoe_jax.runtime import Runtime  # pylint: disable=import-outside-toplevel
   attention_impls.check(Runtime.for_platform(platform), build(cfg).model)
+
+
+@needs('tpu')
+def test_tiny_step_without_expert_devices_compiles_with_no_exchange():
+  """A mesh without an expert axis (fsdp=4 on v5p:2x2x1), pod preset (async ragged
+  all-to-alls) and the ragged exchange asked for: the step compiles and moves no tokens
+  (one expert device keeps its rows; libtpu refuses an async ragged all-to-all over groups
+  of one: 'Operand 2 to ragged all-to-all must be a pointer!'), by token rows and by
+  assignment rows."""
+  for rows, remat in (('token', 'full'), ('assignment', 'none')):
+    cfg = _tiny_cfg('tpu')
+    cfg.mesh.fsdp, cfg.mesh.expert = 4, 1
+    cfg.run.expert_exchange, cfg.run.exchange_rows, cfg.run.remat = 'ragged', rows, remat
+    report = aot.target_report(cfg, targets.get('v5p:2x2x1'), use_cache=False)
+    assert report['fits'], rows
+    assert not {'all-to-all', 'ragged-all-to-all'} & set(report['collective_ops']), rows
