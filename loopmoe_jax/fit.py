@@ -8,7 +8,7 @@ Each candidate's matmul FLOPs per step (dry_run.step_flops: a trace, no compile)
 search: candidates are compiled from the cheapest (fewest FLOPs; then fewer microbatches, a
 larger loss chunk, the config's own attention) until one fits the device's memory; that one is
 `best`, unless a candidate differing from it only in the expert exchange's settings
-(EXCHANGE_KEYS: the same FLOPs, compiled next) fits with a shorter estimated step
+and the parameters' layout (STEP_KEYS: the same FLOPs, compiled next) fits with a shorter estimated step
 (aot.time_bounds). `exhaustive` compiles every candidate. Compiles are kept on disk (aot.compile_summary),
 so a rerun reads them back. A per-device batch other than the config's changes what is trained
 (the global batch) and is searched only when asked (`data.batch_size` values given per device).
@@ -27,10 +27,11 @@ SEARCH = {'run.remat': ('none', 'attention', 'pass_input', 'full'),
           'run.loss_chunk': (8192, 2048)}  # the default chunk, then a smaller one
 SEARCHABLE = ('run.remat', 'train.microbatches', 'run.loss_chunk', 'run.attention_impl',
               'data.batch_size_per_device', 'run.exchange_streams', 'run.expert_block_rows',
-              'run.exchange_rows')
-# the expert exchange's settings: the same FLOPs, so candidates that differ only in these are
-# all compiled once one of them fits, and ranked by their estimated step time
-EXCHANGE_KEYS = ('run.exchange_streams', 'run.exchange_rows')
+              'run.exchange_rows', 'run.min_shard_bytes')
+# settings that keep the FLOPs and change the step time (the expert exchange's, the params'
+# layout): candidates that differ only in these are all compiled once one of them fits, and
+# ranked by their estimated step time
+STEP_KEYS = ('run.exchange_streams', 'run.exchange_rows', 'run.min_shard_bytes')
 
 
 def parse_search(items) -> dict[str, tuple]:
@@ -100,21 +101,21 @@ def find(cfg_dict, target: targets.Target, search: dict, preset: str = 'pod',
   rows.sort(key=lambda r: r.pop('_order'))
   best = None
   for i, row in enumerate(rows):
-    if best is not None and not exhaustive and not _exchange_variant(row, rows[best]):
+    if best is not None and not exhaustive and not _step_variant(row, rows[best]):
       break
     over_none = row['flops_over_none']
     row.update(aot.candidate(cfg_dict, target, row['run'], preset,
                              flops=row['flops_per_step_per_device']), flops_over_none=over_none)
     log(line(row, target))
-    if row['fits'] and (best is None or (_exchange_variant(row, rows[best]) and
+    if row['fits'] and (best is None or (_step_variant(row, rows[best]) and
                                          _step(row) < _step(rows[best]))):
       best = i
   return rows, best
 
 
-def _exchange_variant(row: dict, other: dict) -> bool:
-  """Whether two candidates differ in the exchange's settings only (EXCHANGE_KEYS)."""
-  rest = lambda r: {k: v for k, v in r['run'].items() if k not in EXCHANGE_KEYS}
+def _step_variant(row: dict, other: dict) -> bool:
+  """Whether two candidates differ in STEP_KEYS only."""
+  rest = lambda r: {k: v for k, v in r['run'].items() if k not in STEP_KEYS}
   return rest(row) == rest(other)
 
 

@@ -10,7 +10,8 @@ screened without compiling: their memory floor (train/preflight.py's estimate wi
 shardings) against the device's memory, and an analytic step time (the train FLOPs at peak,
 plus the analytic exchange and gradient-reduction bytes over the links). The `compile_meshes`
 best by that estimate are compiled: for each the fit finder (fit.find) searches remat,
-microbatches and loss chunk cheapest first and the exchange's streams (PLAN_SEARCH), a
+microbatches and loss chunk cheapest first, the exchange's streams and the small params'
+layout (PLAN_SEARCH), a
 candidate the compiler refuses being a row that does not fit; the mesh's plan is its cheapest fitting candidate, whose compiled program gives
 the estimated step time (aot.time_bounds). The best plan is the fitting one of least estimated
 step time.
@@ -24,8 +25,9 @@ from loopmoe_jax.runtime import Runtime
 from loopmoe_jax.train import preflight
 
 MESH_AXES = ('data', 'fsdp', 'expert', 'tensor')
-# the fit finder's search plus the exchange's streams (ranked by estimated step: fit.find)
-PLAN_SEARCH = {**fit.SEARCH, 'run.exchange_streams': (1, 2)}
+# the fit finder's search plus the exchange's streams and small params whole (16 MiB), ranked
+# by estimated step (fit.find)
+PLAN_SEARCH = {**fit.SEARCH, 'run.exchange_streams': (1, 2), 'run.min_shard_bytes': (0, 1 << 24)}
 
 
 def _divisors(n: int) -> list[int]:

@@ -372,7 +372,7 @@ def test_fit_finder_marks_the_cheapest_candidate_that_fits_and_reruns_from_its_c
 
 
 def test_fit_finder_ranks_exchange_variants_by_their_estimated_step(monkeypatch):
-  """Candidates that differ only in the exchange's settings (fit.EXCHANGE_KEYS, the same
+  """Candidates that differ only in the exchange's settings (fit.STEP_KEYS, the same
   FLOPs) are all compiled once one fits and the shortest estimated step wins; the next
   candidate that differs otherwise is not compiled. The compiler is a stand-in here: the
   settings and their order are fit.find's own."""
