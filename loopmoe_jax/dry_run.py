@@ -251,7 +251,9 @@ def analytic(exp, mesh, params) -> dict[str, int]:
   local_tokens = exp.data.batch_size * exp.data.seq_len // n_batch
   act = np.dtype(jnp.dtype(mc.dtype)).itemsize
   a2a, n = 0, mesh.shape['expert']
-  rows = local_tokens * (min(mc.top_k, n) if exp.run.exchange_unit == 'token' else mc.top_k)
+  limit = mc.max_expert_devices if mc.max_expert_devices and mc.expert_devices == n else n
+  rows = local_tokens * (min(mc.top_k, n, limit) if exp.run.exchange_unit == 'token'
+                         else mc.top_k)
   row = rows * mc.d_model * act
   there = row + (rows * 2 * mc.top_k * 4 if exp.run.exchange_unit == 'token' else 0)
   call_tokens = local_tokens // exp.train.microbatches  # the tokens one MoE call sees
@@ -264,7 +266,7 @@ def analytic(exp, mesh, params) -> dict[str, int]:
   grads = sharding.bytes_per_device(params, jax.tree.map(lambda s: s.sharding, params))
   uniform = a2a
   if exp.run.exchange_unit == 'token' and n > 1:
-    uniform = int(a2a * touched_devices(mc.top_k, n, mc.max_expert_devices) / min(mc.top_k, n))
+    uniform = int(a2a * touched_devices(mc.top_k, n, min(limit, n)) / min(mc.top_k, n, limit))
   return {'all-to-all': a2a, 'all-to-all-uniform': uniform, 'act-all-gather': 0,
           'grad-reduce': grads}
 

@@ -115,13 +115,21 @@ def _kept_counts(counts_sE, n: int, slot: int):
   return jnp.clip(slot - before, 0, by_dest).reshape(counts_sE.shape)
 
 
+def limited_devices(cfg, n: int) -> int:
+  """The devices a token's experts may lie on under device-limited routing on an expert axis
+  of n: model.max_expert_devices where the rule's groups are these devices
+  (model.expert_devices == n), else 0 (no limit the buffers may count on)."""
+  return cfg.max_expert_devices if cfg.max_expert_devices and cfg.expert_devices == n else 0
+
+
 @dataclasses.dataclass(frozen=True)
 class Body:
   """The per-device body's settings: `num_experts` of the layer over `n` devices of the
   `expert` axis, the capacity `factor` and exchange `buffer_factor` (0: none), the transport
   `kind` ('padded' or 'ragged'), the mesh's batch axes and `tensor` size, the token chunks'
   `block_rows`, the runtime (its dispatch backend and tile), what a row is (`rows`: 'token'
-  or 'assignment') and the independent token `streams` (dropless only)."""
+  or 'assignment'), the independent token `streams` (dropless only) and the devices a token
+  may reach under device-limited routing (`max_devices`, 0: any)."""
   num_experts: int
   n: int
   factor: float
@@ -133,6 +141,7 @@ class Body:
   runtime: Runtime
   rows: str = 'token'
   streams: int = 1
+  max_devices: int = 0
 
   @classmethod
   def of(cls, cfg, mesh, num_experts: int, runtime: Runtime) -> 'Body':
@@ -145,7 +154,7 @@ class Body:
                'padded' if n == 1 else exchange_kind(run.expert_exchange, runtime=runtime),
                sharding.batch_axes(mesh),
                mesh.shape['tensor'], run.ffn_block_rows, runtime, run.exchange_unit,
-               run.exchange_streams)
+               run.exchange_streams, limited_devices(cfg, n))
 
   def slot(self, t: int, k: int) -> int:
     """`slot_rows` of `t` tokens routed to `k` experts each."""

@@ -130,10 +130,14 @@ class Pairs(NamedTuple):
   dropped: jax.Array
 
 
-def pairs(x_TD, experts_Tk, weights_Tk, keep_Tk, n: int, e_loc: int, slot: int) -> Pairs:
-  """The send side: which (token, device) pairs go out, their rows and routing."""
+def pairs(x_TD, experts_Tk, weights_Tk, keep_Tk, n: int, e_loc: int, slot: int,
+          max_devices: int = 0) -> Pairs:
+  """The send side: which (token, device) pairs go out, their rows and routing; at most
+  min(k, n) pairs a token, or `max_devices` where the routing limits a token to that many
+  devices (model.max_expert_devices over this mesh's expert axis)."""
   t, k = experts_Tk.shape
-  kk, m = min(k, n), t * min(k, n)
+  kk = min(k, n, max_devices or n)
+  m = t * kk
   with jax.named_scope('pairs'):
     dev_Tk = experts_Tk // e_loc
     hit_Tkn = keep_Tk[..., None] & (dev_Tk[..., None] == jnp.arange(n))
@@ -226,7 +230,7 @@ def exchange(x_TD, experts_Tk, weights_Tk, keep_Tk, params, body, name_exchange:
   named = (lambda v: checkpoint_name(v, 'exchange')) if name_exchange else (lambda v: v)
   d, e_loc, n = x_TD.shape[1], params['gate'].shape[0], body.n
   me, slot = jax.lax.axis_index('expert'), body.token_slot(t, k)
-  p = pairs(x_TD, experts_Tk, weights_Tk, keep_Tk, n, e_loc, slot)
+  p = pairs(x_TD, experts_Tk, weights_Tk, keep_Tk, n, e_loc, slot, body.max_devices)
   with jax.named_scope('permute'):
     raw_nn = jax.lax.all_gather(p.counts_n, 'expert')        # [src, dest] pairs
   kept_nn = jnp.minimum(raw_nn, slot)

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from loopmoe_jax.core_plan import Path
 from loopmoe_jax.train.run import RunDir
 from loopmoe_jax import dispatch as dispatch_lib
-from loopmoe_jax import core, expert_parallel, sharding
+from loopmoe_jax import core, expert_parallel, sharding, token_exchange
 from loopmoe_jax.config import RUN_FIELDS, ModelConfig
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.runtime import Runtime
@@ -692,6 +692,30 @@ def test_exchange_streams_equal_one_stream(monkeypatch, kind, rows):
     np.testing.assert_allclose(two[0], one[0], rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.tree.leaves(two[2]), jax.tree.leaves(one[2])):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_token_rows_under_device_limited_routing_size_pairs_by_the_limit(monkeypatch):
+  """model.max_expert_devices=2 of expert_devices=4 on data2_expert4: each token's top-3 lie
+  on at most 2 of the 4 devices, so its send buffer holds 2 pairs a token, not 3; outputs
+  and gradients equal the assignment exchange's (ragged, emulated)."""
+  monkeypatch.setattr(jax.lax, 'ragged_all_to_all', _emulated_ragged_all_to_all)
+  x, ids, w, params = _moe_inputs(k=3, seed=10)
+  rng = np.random.default_rng(10)
+  for i in range(len(ids)):  # 3 experts within 2 devices (2 experts each)
+    devs = rng.choice(4, 2, replace=False)
+    ids[i] = rng.choice(np.concatenate([2 * devs, 2 * devs + 1]), 3, replace=False)
+  kw = dict(expert_exchange='ragged', max_expert_devices=2, expert_devices=4)
+  tok = _ep(MESHES['data2_expert4'], x, ids, w, params, True, exchange_rows='token', **kw)
+  ref = _ep(MESHES['data2_expert4'], x, ids, w, params, True, exchange_rows='assignment', **kw)
+  np.testing.assert_allclose(tok[0], ref[0], rtol=1e-5, atol=1e-5)
+  for a, b in zip(jax.tree.leaves(tok[2]), jax.tree.leaves(ref[2])):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  cfg, _ = _ep_config(params, dict(max_expert_devices=2, expert_devices=4))
+  assert expert_parallel.limited_devices(cfg, 4) == 2
+  assert expert_parallel.limited_devices(cfg, 2) == 0  # groups that are not these devices
+  p = token_exchange.pairs(jnp.asarray(x[:8]), jnp.asarray(ids[:8]), jnp.asarray(w[:8]),
+                           jnp.ones((8, 3), bool), 4, 2, 8, max_devices=2)
+  assert p.x_MD.shape[0] == 8 * 2 and int(p.counts_n.sum()) <= 16
 
 
 def _token_buffer_reference(ids, experts, shards, n, slot, expand):
