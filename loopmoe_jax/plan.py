@@ -8,7 +8,8 @@ One the model or the batch cannot take (experts, heads or widths that do not div
 that does not split over the batch axes) is a row saying why, never an error. The others are
 screened without compiling: their memory floor (train/preflight.py's estimate with the mesh's
 shardings) against the device's memory, and an analytic step time (the train FLOPs at peak,
-plus the analytic exchange and gradient-reduction bytes over the links). The `compile_meshes`
+plus the analytic exchange, gradient-reduction, weight-gather and tensor-reduction bytes over
+the links). The `compile_meshes`
 best by that estimate are compiled: for each the fit finder (fit.find) searches remat,
 microbatches and loss chunk cheapest first, the exchange's streams and the small params'
 layout (PLAN_SEARCH), a
@@ -18,7 +19,13 @@ step time.
 """
 from __future__ import annotations
 
-from loopmoe_jax import aot, dry_run, fit, targets
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from loopmoe_jax import aot, dry_run, fit, sharding, targets
 from loopmoe_jax.experiment import build
 from loopmoe_jax.job import Job
 from loopmoe_jax.runtime import Runtime
@@ -66,9 +73,37 @@ def screen(cfg_dict, target: targets.Target, mesh: dict) -> dict:
   compute_s = dry_run.analytic_flops(job.exp, job.mesh) / target.peak_flops_per_device
   moved = dry_run.analytic(job.exp, job.mesh, state['params'])
   link = target.chip.ici_bytes_per_s / target.devices_per_chip
-  analytic_s = compute_s + (moved['all-to-all'] + moved['grad-reduce']) / link
+  extra = weight_gathers(state['params'], job.state_sh['params']) + tensor_reductions(job.exp,
+                                                                                   job.mesh)
+  analytic_s = compute_s + (moved['all-to-all'] + moved['grad-reduce'] + extra) / link
   return dict(row, compute_s=compute_s, floor_bytes=int(floor),
               floor_fits=floor <= target.hbm_bytes_per_device, analytic_step_s=analytic_s)
+
+
+def weight_gathers(params, shardings) -> int:
+  """Bytes a device gathers of the weights split over the batch axes (fsdp, and dense
+  weights' expert split), twice a step (forward and backward): each weight's whole, less its
+  expert split where its experts are (those stay), less what the device holds."""
+  total = 0
+  for p, sh in zip(jax.tree.leaves(params), jax.tree.leaves(shardings)):
+    held = math.prod(sh.shard_shape(p.shape))
+    first = sh.spec[0] if len(sh.spec) else None
+    experts = 'expert' in (first if isinstance(first, tuple) else (first,)) and p.ndim == 3
+    whole = math.prod(p.shape) // (sh.mesh.shape['expert'] if experts else 1)
+    total += 2 * (whole - held) * p.dtype.itemsize
+  return total
+
+
+def tensor_reductions(exp, mesh) -> int:
+  """Bytes a device reduces over `tensor` a step: each executed layer's attention and
+  feed-forward outputs ([its tokens, d_model] in the compute dtype), forward and backward."""
+  n = mesh.shape['tensor']
+  if n == 1:
+    return 0
+  m = exp.model
+  tokens = exp.data.batch_size * exp.data.seq_len // sharding.batch_size_of(mesh)
+  act = np.dtype(jnp.dtype(m.dtype)).itemsize
+  return int(2 * 2 * m.executed_layers * tokens * m.d_model * act * 2 * (n - 1) / n)
 
 
 def _planned(row: dict, cfg_dict, target, search, preset, log) -> dict:
