@@ -600,3 +600,22 @@ def test_tiny_step_without_expert_devices_compiles_with_no_exchange():
     report = aot.target_report(cfg, targets.get('v5p:2x2x1'), use_cache=False)
     assert report['fits'], rows
     assert not {'all-to-all', 'ragged-all-to-all'} & set(report['collective_ops']), rows
+
+
+def test_planner_screen_counts_the_weight_gathers_by_hand():
+  """plan.weight_gathers on fsdp=4 x expert=2: a dense weight split over both axes is
+  gathered whole, twice a step; an expert weight only over fsdp (its experts stay put); a
+  replicated weight not at all. plan.tensor_reductions is zero without a tensor axis."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from loopmoe_jax import plan, sharding
+  from loopmoe_jax.sharding import MeshConfig
+  mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=4, expert=2))
+  params = [jax.ShapeDtypeStruct((8, 16), jnp.float32), jax.ShapeDtypeStruct((4, 8, 8), jnp.float32),
+            jax.ShapeDtypeStruct((16,), jnp.float32)]
+  shardings = [NamedSharding(mesh, P(('fsdp', 'expert'), None)),
+               NamedSharding(mesh, P('expert', 'fsdp', None)), NamedSharding(mesh, P())]
+  dense = 2 * (8 * 16 - 16) * 4       # 128 elements, 16 held
+  expert = 2 * (4 * 8 * 8 // 2 - 32) * 4  # 128 of this device's experts, 32 held
+  assert plan.weight_gathers(params, shardings) == dense + expert
+  from loopmoe_jax.experiment import build, load_config
+  assert plan.tensor_reductions(build(load_config('configs/default.py:smoke')), mesh) == 0
