@@ -29,6 +29,10 @@ def main(argv):
   if argv[1] == 'scale' and 'JAX_NUM_CPU_DEVICES' not in os.environ:
     import jax
     jax.config.update('jax_num_cpu_devices', 8)  # fake devices when the platform is CPU
+    if 'JAX_PLATFORMS' not in os.environ:
+      # the 8 fake CPU devices, as the dry run: a CUDA plugin left to start without a GPU
+      # fails, and then cannot give the compile-only GPU topology the benchmark compiles for
+      jax.config.update('jax_platforms', 'cpu')
   bench.run(argv[1], quick=_QUICK.value, json_path=_JSON.value)
 
 
