@@ -84,32 +84,6 @@ def _collect_bwd(res, g_ND):
 collect.defvjp(_collect_fwd, _collect_bwd)
 
 
-@jax.custom_vjp
-def weighted_collect(y_MD, w_M, src_M, slots_NC):
-  """out[n] = sum_c w[m] y[m] over m = slots[n, c], in float32: `collect` of the weighted
-  rows without a float32 copy of them; the backward keeps y as it came (its dtype) and
-  gathers: dy[m] = w[m] g[src[m]], dw[m] = <g[src[m]], y[m]>."""
-  del src_M
-  rows = _pad_row(y_MD)[slots_NC].astype(jnp.float32)
-  w = jnp.concatenate([w_M.astype(jnp.float32), jnp.zeros((1,), jnp.float32)])[slots_NC]
-  return jnp.einsum('ncd,nc->nd', rows, w)
-
-
-def _weighted_fwd(y_MD, w_M, src_M, slots_NC):
-  return weighted_collect(y_MD, w_M, src_M, slots_NC), (y_MD, w_M, src_M)
-
-
-def _weighted_bwd(res, g_ND):
-  y_MD, w_M, src_M = res
-  g_MD = _pad_row(g_ND)[src_M]  # float32, zero where src is N
-  dy = (g_MD * w_M.astype(jnp.float32)[:, None]).astype(y_MD.dtype)
-  dw = jnp.einsum('md,md->m', g_MD, y_MD.astype(jnp.float32)).astype(w_M.dtype)
-  return dy, dw, None, None
-
-
-weighted_collect.defvjp(_weighted_fwd, _weighted_bwd)
-
-
 def _compact(slots_NX, width: int, sentinel: int):
   """The first `width` valid positions of each row (ascending; `sentinel` marks none)."""
   return jnp.sort(jnp.where(slots_NX < sentinel, slots_NX, sentinel), axis=1)[:, :width]
@@ -206,10 +180,10 @@ def _expand_whole(x_RD, meta_Rk2, valid_R, params, expand_rows: int, runtime):
     w_X = jnp.where(live_X, meta_Rk2[:, :k].reshape(-1)[order_X], 0.0)
     x_XD = spread(x_RD, src_X, slots)
   run = runtime.run
-  out_XD = dispatch_lib.grouped_ffn(x_XD, kept, params, run.dispatch, run.dispatch_tile,
-                                    runtime=runtime)
+  out_XD = dispatch_lib.grouped_ffn_weighted(x_XD, w_X, kept, params, run.dispatch,
+                                             run.dispatch_tile, runtime=runtime)
   with jax.named_scope('combine'):
-    y_RD = weighted_collect(out_XD, w_X, src_X, slots)
+    y_RD = collect(out_XD, src_X, slots)
   return y_RD, dropped.astype(jnp.int32)
 
 
