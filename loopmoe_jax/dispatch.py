@@ -184,8 +184,8 @@ def _ffn_reference(x_MD, group_sizes_G, params, tile=None, runtime=None):
 
 def _ffn_gmm(gmm):
   def ffn(x_MD, group_sizes_G, params, tile, runtime):
-    mm = lambda x, w: gmm(x, w, group_sizes_G, tile, runtime=runtime)
-    return mm(_swiglu(mm(x_MD, params['gate']), mm(x_MD, params['up'])), params['down'])
+    h_MF, down = _hidden_gmm(gmm)(x_MD, group_sizes_G, params, tile, runtime)
+    return down(h_MF, params['down'])
   return ffn
 
 
@@ -233,24 +233,6 @@ def _hidden_pallas(x_MD, group_sizes_G, params, tile=None, *, runtime: Runtime):
 
 HIDDEN = {'tiled': _hidden_gmm(_gmm_tiled), 'xla': _hidden_gmm(gmm_xla), 'pallas': _hidden_pallas,
           'pallas_gmm_only': _hidden_gmm(gmm_pallas)}
-
-
-def grouped_ffn_weighted(x_MD, w_M, group_sizes_G, params, backend: str = 'tiled',
-                         tile: int = 64, *, runtime: Runtime):
-  """`grouped_ffn` with each row's output scaled by w (float32 [M]): the scale is applied to
-  the SwiGLU hidden state before the down projection (the same product, rounded once in the
-  hidden dtype), so the backward takes w's gradient from the hidden state the projection
-  keeps anyway rather than from a kept copy of every output row [M, D]. The 'reference'
-  backend scales its outputs."""
-  backend = resolve_backend(backend, runtime=runtime)
-  sizes = group_sizes_G.astype(jnp.int32)
-  with jax.named_scope('grouped_matmul'):
-    if backend not in HIDDEN:
-      out = FFNS[backend](x_MD, sizes, params, tile, runtime=runtime)
-      return (out.astype(jnp.float32) * w_M[:, None]).astype(out.dtype)
-    h_MF, down = HIDDEN[backend](x_MD, sizes, params, tile, runtime=runtime)
-    hw_MF = (h_MF.astype(jnp.float32) * w_M[:, None].astype(jnp.float32)).astype(h_MF.dtype)
-    return down(hw_MF, params['down'])
 
 
 def dropless_rows(t: int, k: int, num_experts: int, n: int = 1) -> int:

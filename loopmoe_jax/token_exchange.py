@@ -161,6 +161,23 @@ def expand_and_combine(x_RD, meta_Rk2, valid_R, params, expand_rows: int, runtim
   return y_cRD.reshape(-1, y_cRD.shape[-1])[:r], jnp.sum(dropped_c)
 
 
+def _ffn_weighted(x_MD, w_M, sizes_G, params, backend: str, tile: int, runtime):
+  """The grouped SwiGLU with each row's output scaled by w (float32 [M]), the scale applied to
+  the hidden state before the down projection (the same product, rounded once in the hidden
+  dtype): the backward takes w's gradient from the hidden state the projection keeps anyway,
+  not from a kept copy of every output row [M, D]. A backend without a split hidden state
+  ('reference') scales its outputs."""
+  backend = dispatch_lib.resolve_backend(backend, runtime=runtime)
+  sizes_G = sizes_G.astype(jnp.int32)
+  with jax.named_scope('grouped_matmul'):
+    if backend not in dispatch_lib.HIDDEN:
+      out = dispatch_lib.FFNS[backend](x_MD, sizes_G, params, tile, runtime=runtime)
+      return (out.astype(jnp.float32) * w_M[:, None]).astype(out.dtype)
+    h_MF, down = dispatch_lib.HIDDEN[backend](x_MD, sizes_G, params, tile, runtime=runtime)
+    hw_MF = (h_MF.astype(jnp.float32) * w_M[:, None].astype(jnp.float32)).astype(h_MF.dtype)
+    return down(hw_MF, params['down'])
+
+
 def _expand_whole(x_RD, meta_Rk2, valid_R, params, expand_rows: int, runtime):
   """`expand_and_combine` over all the received rows at once."""
   r, k = meta_Rk2.shape[0], meta_Rk2.shape[1] // 2
@@ -180,8 +197,7 @@ def _expand_whole(x_RD, meta_Rk2, valid_R, params, expand_rows: int, runtime):
     w_X = jnp.where(live_X, meta_Rk2[:, :k].reshape(-1)[order_X], 0.0)
     x_XD = spread(x_RD, src_X, slots)
   run = runtime.run
-  out_XD = dispatch_lib.grouped_ffn_weighted(x_XD, w_X, kept, params, run.dispatch,
-                                             run.dispatch_tile, runtime=runtime)
+  out_XD = _ffn_weighted(x_XD, w_X, kept, params, run.dispatch, run.dispatch_tile, runtime)
   with jax.named_scope('combine'):
     y_RD = collect(out_XD, src_X, slots)
   return y_RD, dropped.astype(jnp.int32)
