@@ -11,7 +11,7 @@ import threading
 from absl import app
 from ml_collections import config_flags
 
-from loopmoe_jax import DEFAULT_CONFIG, distributed
+from loopmoe_jax import DEFAULT_CONFIG, distributed, storage
 from loopmoe_jax.config import RUN_FIELDS
 from loopmoe_jax.experiment import load_config
 
@@ -34,6 +34,33 @@ def pass_counts(values) -> list:
     return [int(n) for n in values] or [None]
   except ValueError:
     raise ValueError(f'--num_loops={",".join(values)}: pass counts must be integers') from None
+
+
+def check_output_dir(flag: str, path: str) -> None:
+  """Before any work: a ValueError naming the flag when `path` cannot become an output
+  directory (an existing file there or above it); a missing directory is made later."""
+  if not path or storage.is_url(path):  # a URL is written through storage.py
+    return
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise ValueError(f'{flag}={path} is a file: expected a directory (made when missing)')
+  above = os.path.dirname(os.path.abspath(path))
+  while not os.path.exists(above):
+    above = os.path.dirname(above)
+  if not os.path.isdir(above):
+    raise ValueError(f'{flag}={path}: {above} is a file, so no directory can be made there')
+
+
+def check_output_file(flag: str, path: str) -> None:
+  """Before any work: a ValueError naming the flag when `path` cannot be written as a file
+  (it is a directory, or its directory does not exist)."""
+  if not path or storage.is_url(path):  # a URL is written through storage.py
+    return
+  if os.path.isdir(path):
+    raise ValueError(f'{flag}={path} is a directory: expected a file name')
+  parent = os.path.dirname(os.path.abspath(path))
+  if not os.path.isdir(parent):
+    what = 'is a file' if os.path.exists(parent) else 'does not exist'
+    raise ValueError(f'{flag}={path}: its directory {parent} {what}')
 
 
 INTERRUPTED = 130  # the shell's status for a command stopped by SIGINT

@@ -32,7 +32,7 @@ import os
 
 from absl import flags
 
-from loopmoe_jax.cli import run
+from loopmoe_jax.cli import check_output_dir, run
 
 _RUNS = flags.DEFINE_list('runs', None, 'Two run directories A,B (difference A - B).',
                           required=True)
@@ -47,9 +47,10 @@ _METRIC = flags.DEFINE_string('metric', 'loss', 'metrics.jsonl key compared (tra
 
 def main(argv):
   del argv
-  from loopmoe_jax.analysis.paired import compare_runs, plot_comparison
   if len(_RUNS.value) != 2:
     raise ValueError(f'--runs={",".join(_RUNS.value)}: expected two run directories A,B')
+  check_output_dir('--out', _OUT.value)
+  from loopmoe_jax.analysis.paired import compare_runs, plot_comparison
   a, b = _RUNS.value
   res = compare_runs(a, b, _WINDOW.value, _METRIC.value, _GAPS.value)
   os.makedirs(_OUT.value, exist_ok=True)

@@ -152,3 +152,36 @@ def test_compare_cli_writes_json_and_png(tmp_path):
   # the last line (a CUDA plugin installed on a machine without a GPU logs at jax's import)
   last = r.stderr.strip().splitlines()[-1]
   assert r.returncode == 1 and last.startswith('error: ') and 'data.batch_size' in last
+
+
+def test_a_torn_last_line_is_skipped_with_a_note_naming_the_file(tmp_path, caplog):
+  """What a crash leaves (a last row cut short) does not block the comparison: the rows before
+  it are compared and a note names the file and line; the same damage mid-file is an error
+  naming both."""
+  steps = range(1, 41)
+  a = make_run(tmp_path / 'a', {s: 3.0 - 0.01 * s for s in steps})
+  b = make_run(tmp_path / 'b', {s: 3.0 - 0.012 * s for s in steps})
+  metrics = os.path.join(a, 'metrics.jsonl')
+  with open(metrics, 'a') as f:
+    f.write('{"step": 41, "loss": 2.5, ')
+  with caplog.at_level('INFO', logger='loopmoe_jax'):
+    res = paired.compare_runs(a, b, window=0.5)
+  assert res['shared_steps'] == 40 and res['window_steps'] == [21, 40]
+  assert f'{metrics}: line 41 is not a whole row' in caplog.text
+  lines = open(metrics).read().splitlines()
+  lines[9] = lines[9][:12]
+  with open(metrics, 'w') as f:
+    f.write('\n'.join(lines[:40]) + '\n')
+  with pytest.raises(ValueError, match=f'{metrics}: line 10 is not a JSON row'):
+    paired.compare_runs(a, b, window=0.5)
+
+
+def test_compare_refuses_a_file_as_out_before_reading_the_runs(tmp_path):
+  afile = tmp_path / 'afile'
+  afile.write_text('x')
+  r = subprocess.run([sys.executable, os.path.join(ROOT, 'scripts', 'compare.py'),
+                      f'--runs={tmp_path / "none_a"},{tmp_path / "none_b"}', f'--out={afile}'],
+                     capture_output=True, text=True, timeout=120)
+  last = r.stderr.strip().splitlines()[-1]
+  assert r.returncode == 1 and last == (f'error: --out={afile} is a file: expected a directory '
+                                        '(made when missing)')

@@ -27,6 +27,7 @@ import os
 
 import numpy as np
 
+from loopmoe_jax.analysis import run_logs
 from loopmoe_jax.plotting import pyplot
 from loopmoe_jax.train.run import RunDir
 
@@ -35,8 +36,9 @@ NOT_DATA_ORDER = ('num_threads', 'prefetch')
 
 
 def load_losses(workdir: str, key: str = 'loss') -> dict[int, float]:
-  """{step: value} from workdir/metrics.jsonl (train/run.RunDir.series)."""
-  return RunDir(workdir).series(key)
+  """{step: value} from workdir/metrics.jsonl (a torn last line skipped with a note;
+  run_logs.series)."""
+  return run_logs.series(workdir, key)
 
 
 def run_config(workdir: str) -> dict:
@@ -96,13 +98,15 @@ def compare_runs(dir_a: str, dir_b: str, window: float | None = None, key: str =
   A window with skipped steps (coarse logging) is refused unless `allow_gaps`."""
   if window is not None and not 0 < window <= 1:
     raise ValueError(f'window={window}: must be in (0, 1]')
-  check_same_data_order(dir_a, dir_b, run_config(dir_a), run_config(dir_b))
+  config_a, config_b = run_config(dir_a), run_config(dir_b)
+  check_same_data_order(dir_a, dir_b, config_a, config_b)
   la, lb = load_losses(dir_a, key), load_losses(dir_b, key)
   shared = sorted(set(la) & set(lb))
   if not shared:
     raise ValueError(f'runs {dir_a!r} (steps {_span(la)}) and {dir_b!r} (steps {_span(lb)}) '
                      f'share no logged step of {key!r}')
-  fa, fb = (RunDir(dir_a).final_steps(), RunDir(dir_b).final_steps()) \
+  fa, fb = (run_logs.final_steps(dir_a, config_a.get('train', {})),
+            run_logs.final_steps(dir_b, config_b.get('train', {}))) \
       if window is None and key == 'loss' else ({}, {})
   per_step = sorted(set(fa) & set(fb))
   if per_step:
