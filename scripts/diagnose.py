@@ -17,7 +17,8 @@ import tempfile
 
 from absl import flags
 
-from loopmoe_jax.cli import distributed_flags, initialize_distributed, main_process, run
+from loopmoe_jax.cli import (check_output_dir, distributed_flags, initialize_distributed,
+                             main_process, run)
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory.', required=True)
 _OUT = flags.DEFINE_string('out', None, 'Output directory (diagnostics.json, PNGs).',
@@ -46,6 +47,7 @@ def main(argv):
   # started on every host of a multi-process run, each process analyses the checkpoint on its
   # own devices (the same figures); process 0 alone writes --out and prints, the others write
   # into a temporary directory removed at the end
+  check_output_dir('--out', _OUT.value)  # before any work (every process: the same answer)
   initialize_distributed(_DISTRIBUTED)
   from loopmoe_jax.analysis.diagnose import diagnose, summary_lines
   with tempfile.TemporaryDirectory() as scratch:

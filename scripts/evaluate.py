@@ -13,8 +13,8 @@ import json
 
 from absl import flags
 
-from loopmoe_jax.cli import (distributed_flags, initialize_distributed, main_process,
-                             pass_counts, run)
+from loopmoe_jax.cli import (check_output_file, distributed_flags, initialize_distributed,
+                             main_process, pass_counts, run)
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory.', required=True)
 _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step (default: latest readable).')
@@ -34,14 +34,15 @@ _DISTRIBUTED = distributed_flags()
 
 def main(argv):
   del argv
-  initialize_distributed(_DISTRIBUTED)  # every process evaluates; process 0 prints
-  from loopmoe_jax.train.evaluation import evaluate_checkpoint
   loops = pass_counts(_LOOPS.value)
   if _EXIT.value and (_KV.value or _SCALE.value):  # flags that would be ignored are refused
     raise ValueError(f'--exit={_EXIT.value} takes neither --kv_cache nor --scale_passes: run them '
                      'separately')
   if not _EXIT.value and (_THRESH.value or _OUT.value):
     raise ValueError('--thresholds and --out belong to --exit=kl|gate: add --exit or drop them')
+  check_output_file('--out', _OUT.value)  # before the evaluation, not after it
+  initialize_distributed(_DISTRIBUTED)  # every process evaluates; process 0 prints
+  from loopmoe_jax.train.evaluation import evaluate_checkpoint
   if _EXIT.value:
     from loopmoe_jax.train import depth_eval
     out = depth_eval.exit_tradeoff(_WORKDIR.value, _EXIT.value, _THRESH.value, loops,

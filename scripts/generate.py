@@ -3,6 +3,8 @@
     python scripts/generate.py --workdir=/tmp/run --prompt='def ' --tokens=200 [--step=300]
         [--kv_cache=last_pass]   # the core's KV cache shared by the passes (decode.py)
 """
+import math
+
 from absl import flags
 
 from loopmoe_jax.cli import distributed_flags, initialize_distributed, main_process, run
@@ -21,8 +23,17 @@ _KV = flags.DEFINE_string('kv_cache', None, "The core's KV-cache layout, model.k
 _DISTRIBUTED = distributed_flags()
 
 
+def check_sampling(temperature: float, tokens: int) -> None:
+  """The sampling flags, before the checkpoint loads: a ValueError naming the flag."""
+  if not (math.isfinite(temperature) and temperature >= 0):
+    raise ValueError(f'--temperature={temperature}: must be a finite number >= 0 (0: greedy)')
+  if tokens < 1:
+    raise ValueError(f'--tokens={tokens}: must be >= 1')
+
+
 def main(argv):
   del argv
+  check_sampling(_TEMP.value, _TOKENS.value)
   initialize_distributed(_DISTRIBUTED)  # every process samples the same; process 0 prints
   from loopmoe_jax.train.evaluation import sample_text
   text = sample_text(_WORKDIR.value, _PROMPT.value, _TOKENS.value, _TEMP.value, _SEED.value,

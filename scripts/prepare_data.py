@@ -24,7 +24,7 @@ import os
 
 from absl import flags
 
-from loopmoe_jax.cli import run
+from loopmoe_jax.cli import check_output_dir, check_output_file, run
 
 _INPUTS = flags.DEFINE_list('inputs', None, 'Paths or globs of .txt, .jsonl[.gz|.zst], .parquet '
                             'files and save_to_disk dataset directories; '
@@ -52,10 +52,25 @@ def main(argv):
   del argv
   from loopmoe_jax.data.prepare import PrepareConfig, run as prepare
   workers = (os.cpu_count() or 1) if _WORKERS.value is None else _WORKERS.value
-  info = prepare(PrepareConfig(tuple(_INPUTS.value), _OUTPUT.value, _FORMAT.value,
-                               _TOKENIZER.value, _TRAIN_BPE.value, _FIELD.value, workers,
-                               _SHARD_TOKENS.value, _VAL_FRACTION.value, progress=True))
-  print(info)
+  cfg = PrepareConfig(tuple(_INPUTS.value), _OUTPUT.value, _FORMAT.value, _TOKENIZER.value,
+                      _TRAIN_BPE.value, _FIELD.value, workers, _SHARD_TOKENS.value,
+                      _VAL_FRACTION.value, progress=True)
+  check_outputs(cfg)
+  print(prepare(cfg))
+
+
+def check_outputs(cfg) -> None:
+  """The paths written, before any input is read: --output (a directory of shards, a .zarr
+  directory, or a .bin file; a kvstore spec is tensorstore's) and, with --train_bpe, the
+  --tokenizer file the BPE is saved to."""
+  if cfg.output.lstrip().startswith('{'):
+    pass
+  elif cfg.single and cfg.output.rstrip('/').endswith('.bin'):
+    check_output_file('--output', cfg.output)
+  else:
+    check_output_dir('--output', cfg.output)
+  if cfg.train_vocab:
+    check_output_file('--tokenizer', cfg.tokenizer)
 
 
 if __name__ == '__main__':

@@ -1,4 +1,6 @@
 """SMELT three-budget matching: ratios within tolerance and a model that builds with that count."""
+import ast
+import dataclasses
 import importlib.util
 import json
 import os
@@ -82,3 +84,50 @@ def test_constraints_are_honoured():
   assert c.d_model % 32 == 0 and c.expert_width % 32 == 0 and c.resolved_head_dim % 16 == 0
   with pytest.raises(ValueError, match=r"cannot hold \['vocab_size'\] fixed"):
     match(base, fixed={'vocab_size': 10})
+
+
+def _match_cli(*args):
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  r = subprocess.run([sys.executable, os.path.join(ROOT, 'scripts', 'match_budgets.py'), *args],
+                     capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+  return r.returncode, r.stderr.strip().splitlines()[-1] if r.stderr.strip() else '', r.stdout
+
+
+def test_match_budgets_cli_names_the_fix_for_a_looped_baseline_and_a_miss():
+  status, last, _ = _match_cli('--baseline=configs/smelt.py:200m,looped')
+  assert status == 1 and last == (
+      'error: --baseline=configs/smelt.py:200m,looped has model.num_loops=2: the baseline '
+      'must be unlooped; add --baseline.model.num_loops=1 (or give its unlooped variant)')
+  miss = ('--baseline=configs/smelt.py:smoke,baseline', '--span=0.25', '--loops=4')
+  status, last, _ = _match_cli(*miss)
+  assert status == 1 and last.startswith('error: no looped twin within 4%')
+  assert last.endswith('5.4% off (flops 1.054 of the baseline): add --search_expert_width (the '
+                       'expert width is searched too, 0.5x to 1.25x)')
+  status, last, out = _match_cli(*miss, '--search_expert_width')
+  assert status == 0 and 'train it:' in out, last
+
+
+def test_the_printed_train_command_builds_the_matched_twin(tmp_path):
+  """The twin's `train.py --config=... --config.X=...` line, overrides of the baseline
+  carried, read back through --config gives the matched model."""
+  from loopmoe_jax.cli import _check_config  # pylint: disable=protected-access
+  from loopmoe_jax.experiment import build, load_config
+  out = tmp_path / 'm.json'
+  status, last, text = _match_cli(
+      '--baseline=configs/default.py', '--baseline.model.num_loops=1',
+      '--baseline.model.prelude_experts=4', '--baseline.model.coda_experts=4',
+      '--baseline.train.steps=250', '--search_expert_width', f'--json={out}')
+  assert status == 0, last
+  command = text.split('train it:\n', 1)[1].strip()
+  words = command.split()
+  assert words[:3] == ['python', 'scripts/train.py', '--config=configs/default.py']
+  assert words[-1] == '--workdir=RUN_DIR' and '--config.train.steps=250' in words
+  cfg = load_config('configs/default.py')
+  _check_config(words[2:-1], 'configs/default.py')  # every key names a field
+  for word in words[3:-1]:
+    key, value = word[len('--config.'):].split('=', 1)
+    section, field = key.split('.')
+    old = cfg[section][field]
+    cfg[section][field] = value if isinstance(old, str) else type(old)(ast.literal_eval(value))
+  assert dataclasses.asdict(build(cfg).model) == json.loads(out.read_text())['model']
+  assert cfg.train.steps == 250
