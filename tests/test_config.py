@@ -11,6 +11,7 @@
 - KV entries per token == k + v elements of a real decode cache per cached token.
 - scripts/describe.py --init prints JSON whose params_total equals params_init.
 """
+import dataclasses
 import functools
 import glob
 import re
@@ -438,6 +439,36 @@ def test_describe_init_matches_accounting():
   assert out['params_total'] == out['params_init']
   assert round(out['params_init'] / 1e6, 1) == 553.7
   assert out['flops_per_token'] == count(model_of(FOIL, 'foil1'))['flops_per_token']
+
+
+def test_field_listing_gives_every_field_a_value_and_a_meaning():
+  """describe.py --fields: every field of every section of the default config, its value in
+  that config and a one-line meaning (the dataclass comment, a heading above a block of
+  fields not taken for one field's, or the listing's NOTES)."""
+  from loopmoe_jax import DEFAULT_CONFIG
+  from loopmoe_jax.config import listing
+  from loopmoe_jax.experiment import SECTIONS, load_config
+  cfg = load_config(DEFAULT_CONFIG)
+  rows = {key: (value, meaning) for key, value, meaning in listing.field_rows(cfg)}
+  want = [f'{name}.{f.name}' for name, cls in SECTIONS.items()
+          for f in dataclasses.fields(cls)]
+  assert sorted(rows) == sorted(want)
+  empty = [key for key, (_, meaning) in rows.items() if not meaning.strip()]
+  assert not empty, f'fields without a meaning (a comment in config/*.py or listing.NOTES): {empty}'
+  assert all('\n' not in m and len(m) <= 114 for _, m in rows.values())
+  assert rows['model.d_model'][0] == cfg.model.d_model == 128  # the config's value, not 64
+  assert rows['train.steps'][0] == 400
+  assert 'SwiGLU expert' in rows['model.expert_width'][1]  # from the field's comment
+  assert rows['model.exchange_buffer_factor'][1].startswith('0: exchange buffers')
+  assert not rows['model.prelude_layers'][1].startswith('Layout')  # a heading, not its meaning
+  assert rows['data.val_path'][1].startswith('validation source')  # the comment above it
+  proc = subprocess.run([sys.executable, 'scripts/describe.py', '--fields',
+                         '--config=configs/foil.py:foil1'], cwd=ROOT, capture_output=True,
+                        text=True, timeout=300, env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  lines = proc.stdout.splitlines()
+  assert len(lines) == len(want)
+  assert re.match(r'model\.d_model +=\s+1024\s+width of the residual stream', lines[1])
 
 
 def test_readme_generate_line_stays_within_the_trained_context():
