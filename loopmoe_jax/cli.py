@@ -11,7 +11,7 @@ import threading
 from absl import app
 from ml_collections import config_flags
 
-from loopmoe_jax import DEFAULT_CONFIG, distributed, storage
+from loopmoe_jax import DEFAULT_CONFIG, cli_usage, distributed, storage
 from loopmoe_jax.config import RUN_FIELDS
 from loopmoe_jax.experiment import load_config
 
@@ -269,6 +269,8 @@ def run(main):
   log_to_stderr()
   from absl import flags, logging as absl_logging
   flags.DEFINE_bool('debug', False, 'Show tracebacks of errors.')
+  cli_usage.show_cli_flags(flags.FLAGS)  # --help lists --config, --debug, ... beside its own
+  cli_usage.render_usage()  # the docstring's `\` line continuations as written
 
   def quiet_main(argv):
     # imported here: Orbax and jax load after the interrupt handler is in place
@@ -299,6 +301,10 @@ def run(main):
   def parse(argv):  # a flag value of the wrong type: one line, not absl's "FATAL ..." two
     try:
       return flags.FLAGS(argv)
+    except flags.UnrecognizedFlagError as e:  # a usage error: status 2, the near names
+      print(f'error: {cli_usage.unknown_flag_line(e.flagname, flags.FLAGS)}', file=sys.stderr,
+            flush=True)
+      sys.exit(2)
     except flags.Error as e:
       fail(f'{e} (see --helpshort)')
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -71,3 +72,45 @@ def test_bad_outputs_and_sampling_flags_are_refused_before_any_work(tmp_path):
     assert (status, last) == (1, want), (name, args, last)
     assert 'prepare:' not in out and 'ratios' not in out and 'probe set' not in out  # no work
   assert sorted(os.listdir(tmp_path)) == ['afile', 'in.txt']  # nothing written
+
+
+def test_help_lists_the_shared_flags_and_keeps_line_continuations():
+  for name in ('train', 'sweep'):
+    env = dict(os.environ, JAX_PLATFORMS='cpu')
+    r = subprocess.run([sys.executable, os.path.join(ROOT, 'scripts', f'{name}.py'), '--help'],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert '\nflags:\n' in r.stdout, r.stderr[-2000:]  # (absl's --help exits with status 1)
+    flags_part = r.stdout.split('\nflags:\n', 1)[1]
+    assert '  --config: Config file[:arg].' in flags_part and '  --[no]debug: ' in flags_part
+    usage = r.stdout.split('\nflags:\n', 1)[0]
+    assert ' \\\n        --' in usage, usage  # a continued command on its own lines
+    assert not any(re.search(r'\S {4,}--', line) for line in usage.splitlines()), usage
+
+
+def test_the_docstring_is_read_as_written(tmp_path):
+  from loopmoe_jax.cli_usage import docstring_as_written
+  path = tmp_path / 'tool.py'
+  path.write_text('"""Tool.\n\n    tool --a=1 \\\n        --b=2   # a \\\\ stays\n"""\nx = 1\n')
+  assert docstring_as_written(str(path)) == 'Tool.\n\n    tool --a=1 \\\n        --b=2   # a \\ stays\n'
+  path.write_text('x = 1\n')
+  assert docstring_as_written(str(path)) is None
+
+
+def test_unknown_flags_name_the_near_flags_and_config_fields():
+  from absl import flags
+  from ml_collections import config_flags
+  from loopmoe_jax.cli_usage import unknown_flag_line
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file('config', None, 'Config.', flag_values=values)
+  flags.DEFINE_string('workdir', None, 'Run directory.', flag_values=values)
+  assert unknown_flag_line('steps', values) == ('unknown flag --steps; did you mean '
+                                                '--config.train.steps?')
+  assert unknown_flag_line('seed', values) == ('unknown flag --seed; did you mean '
+                                               '--config.train.seed or --config.data.seed?')
+  assert unknown_flag_line('workdr', values) == 'unknown flag --workdr; did you mean --workdir?'
+  assert unknown_flag_line('model.d_modle', values).endswith('--config.model.d_model?')
+  plain = flags.FlagValues()
+  flags.DEFINE_string('workdir', None, 'Run directory.', flag_values=plain)
+  assert unknown_flag_line('steps', plain) == 'unknown flag --steps (see --helpshort)'
+  status, last, _ = script('train', '--steps=20', '--workdir=/nonexistent/never')
+  assert (status, last) == (2, 'error: unknown flag --steps; did you mean --config.train.steps?')
