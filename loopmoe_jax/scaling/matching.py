@@ -105,7 +105,7 @@ def match(baseline: ModelConfig, span: float = 0.5, loops: int = 2, context: int
     raise ValueError(f'cannot hold {unknown} fixed; fixable fields: {list(FIXABLE)}')
   if baseline.num_loops != 1:
     raise ValueError(f'baseline has model.num_loops={baseline.num_loops}: expected an '
-                     'unlooped baseline')
+                     'unlooped baseline (model.num_loops=1)')
   if not baseline.core_experts:
     raise ValueError('baseline core is dense: matching pays with experts (core_experts >= 1)')
   base = count(baseline, context)
