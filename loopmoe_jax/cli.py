@@ -64,13 +64,19 @@ def check_output_file(flag: str, path: str) -> None:
 
 
 INTERRUPTED = 130  # the shell's status for a command stopped by SIGINT
+_EXITING = threading.Lock()  # one exit line, whichever thread gets there first
 
 
-def interrupted():
-  """Exits with one line and status 130 (a Ctrl-C the training loop did not catch: during
-  imports, set-up or compilation; the loop itself saves and stops, preempt.StopSignals)."""
-  print('interrupted (SIGINT): stopped (a training run resumes from its last checkpoint)',
-        file=sys.stderr, flush=True)
+def interrupted(again: bool = False):
+  """Exits with one line and status 130: a Ctrl-C the training loop did not catch (during
+  imports, set-up or compilation; the loop itself saves and stops, preempt.StopSignals), or
+  a second one (`again`) while a stopped run saves."""
+  if not _EXITING.acquire(blocking=False):  # another thread is printing and exiting
+    threading.Event().wait()
+  what = (' again: stopped without waiting for the save (a training run resumes from its last '
+          'complete checkpoint)' if again else
+          ': stopped (a training run resumes from its last checkpoint)')
+  os.write(2, f'interrupted (SIGINT){what}\n'.encode())  # no lock another thread may hold
   os._exit(INTERRUPTED)  # pylint: disable=protected-access  (no interpreter teardown noise)
 
 
@@ -89,14 +95,55 @@ def _on_sigint(signum, frame):
   interrupted()
 
 
+def _watch_interrupts(read_fd: int):
+  """A thread's loop over the signals Python caught (signal.set_wakeup_fd's bytes, written
+  the moment each arrives). The main thread runs a signal's Python handler only between
+  bytecodes, so not while it compiles or waits in native code: this thread exits for it.
+  While the SIGINT handler is `_on_sigint` a SIGINT exits at once; while another handler
+  holds it (the training loop's save-and-stop) the first signal is that handler's and a
+  SIGINT after it exits at once."""
+  caught, holder = 0, None
+  while True:
+    try:
+      data = os.read(read_fd, 64)
+    except OSError:
+      return
+    for signum in data:
+      if signum not in (signal.SIGINT, signal.SIGTERM):
+        continue
+      handler = signal.getsignal(signal.SIGINT)
+      if handler is not holder:
+        caught, holder = 0, handler
+      caught += 1
+      if signum == signal.SIGINT and handler is _on_sigint:
+        interrupted()
+      if signum == signal.SIGINT and caught > 1:
+        interrupted(again=True)
+
+
 def exit_on_interrupt() -> None:
   """A Ctrl-C before the training loop installs its own handler (preempt.StopSignals: save and
-  stop) exits at once with one line, while modules import (jax takes seconds; an import may
-  swallow a KeyboardInterrupt) and while the run is set up and compiled. A script's entry
-  (`run`) installs it; importing this module changes nothing."""
+  stop, from its first step's dispatch) exits at once with one line and status 130: while
+  modules import (jax takes seconds; an import may swallow a KeyboardInterrupt), while the
+  run is set up and while its first program compiles (a thread acts on it, `_watch_interrupts`,
+  as the main thread is busy in native code). A second Ctrl-C while a stopped run saves exits
+  at once too. A script's entry (`run`) installs it; importing this module changes nothing."""
   sys.excepthook = _interrupt_hook(sys.excepthook)
-  if threading.current_thread() is threading.main_thread():
-    signal.signal(signal.SIGINT, _on_sigint)
+  if threading.current_thread() is not threading.main_thread():
+    return
+  signal.signal(signal.SIGINT, _on_sigint)
+  if debug():  # the traceback of where it was, once the main thread gets there
+    return
+  read_fd, write_fd = os.pipe()
+  os.set_blocking(write_fd, False)
+  old = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+  if old != -1:  # one is in place already (installed before, or someone else's): keep it
+    signal.set_wakeup_fd(old)
+    os.close(read_fd)
+    os.close(write_fd)
+    return
+  threading.Thread(target=_watch_interrupts, args=(read_fd,), daemon=True,
+                   name='interrupts').start()
 
 
 def config_flag(default: str = DEFAULT_CONFIG):

@@ -7,6 +7,13 @@
     python scripts/train.py --coordinator_address=HOST:PORT --num_processes=2 --process_id=0 ...
 
 On CPU, JAX_NUM_CPU_DEVICES=N gives N fake devices.
+
+Exit status: 0 when the run reached train.steps (or had already); 130 (SIGINT, Ctrl-C) or 143
+(SIGTERM) when a signal stopped it after it saved its step, on every process of a
+multi-process run ("SIGINT: saved step 22 and stopped (exit 130; re-run to resume)"; the same
+command resumes it), so `train.py ... && evaluate.py ...` stops there too; 130 at once, with
+nothing saved, for a Ctrl-C before the first step is dispatched (set-up, compilation) or a
+second Ctrl-C while the run saves; 1 for an error (one line, `error: ...`).
 """
 from absl import flags
 
@@ -27,8 +34,11 @@ _START_OVER = flags.DEFINE_bool('start_over', False, 'When no checkpoint step of
 def main(argv):
   del argv
   initialize_distributed(_DISTRIBUTED)
+  from loopmoe_jax.train import preempt
   from loopmoe_jax.train.trainer import train
-  train(_CONFIG.value, _WORKDIR.value, force=_FORCE.value, start_over=_START_OVER.value)
+  summary = train(_CONFIG.value, _WORKDIR.value, force=_FORCE.value,
+                  start_over=_START_OVER.value)
+  return preempt.exit_status(summary.get('stopped_by'))  # 130/143 after a signal's save
 
 
 if __name__ == '__main__':

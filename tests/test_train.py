@@ -48,15 +48,17 @@ def test_resume_is_bitwise_identical(tmp_path):
   a, b = losses(tmp_path / 'a'), losses(tmp_path / 'b')
   assert sorted(a) == list(range(1, 7)) and sorted(b) == list(range(1, 7))
   assert a == b                                               # bitwise: same floats
-  # the final window (steps 2..6) spans the resume and is still exact
+  # the final window (train.final_window 5, shrunk to the 4 steps after train.warmup 2: steps
+  # 3..6) spans the resume and is still exact
   assert straight['final_window_loss'] == resumed['final_window_loss']
-  assert straight['final_window_loss'] == pytest.approx(np.mean([a[s] for s in range(2, 7)]))
+  assert straight['final_window'] == 4 and 'train.warmup=2' in straight['final_window_note']
+  assert straight['final_window_loss'] == pytest.approx(np.mean([a[s] for s in range(3, 7)]))
   again = train(tiny('auto', steps=6, final_window=5), str(tmp_path / 'b'))   # finished
   assert again == resumed
   # the per-step record of the final window (final_steps.jsonl) spans the resume too, and
   # equals the logged losses
   rec_a, rec_b = RunDir(tmp_path / 'a').final_steps(), RunDir(tmp_path / 'b').final_steps()
-  assert rec_a == rec_b == {s: a[s] for s in range(2, 7)}
+  assert rec_a == rec_b == {s: a[s] for s in range(3, 7)}
 
 
 def test_resume_from_an_earlier_checkpoint_drops_the_lost_rows(tmp_path, caplog):

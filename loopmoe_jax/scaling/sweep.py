@@ -16,8 +16,12 @@ which resumes from its newest checkpoint. The collected rows -- N_stored (every 
 N_active_pass (active params per token of one pass), N_active_executed (active params per
 token over every executed pass), N_block_stored, N_block_active (the looped block's, one pass),
 D (tokens), C (training FLOPs = 3 x forward FLOPs/token x D), F
-(forward FLOPs/token), S (sparsity), r (passes), E (core experts), k (top-k), loss (final
-window) -- are written to ROOT/sweep.csv, ready for `fit_laws.py`.
+(forward FLOPs/token), S (sparsity), r (passes), E (core experts), k (top-k), loss (the summary's
+final_window_loss: the mean LM loss of the last loss_steps steps, train.final_window or, for
+a run too short for it after train.warmup, the steps after the warmup), loss_steps, steps --
+are written to ROOT/sweep.csv, ready for `fit_laws.py`. A signal that stops a point (it
+saves) stops the sweep: the CSV holds the points that had finished, and the sweep ends with
+the signal's exit status (preempt.Stopped: 130 SIGINT, 143 SIGTERM); re-running resumes.
 
 Memory: in a one-process sweep each point trains in a child process (`isolate`), so what a
 point compiles and allocates -- programs, arrays, the compiler's own heap -- goes when it ends
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import difflib
 import gc
 import importlib.util
 import itertools
@@ -48,6 +53,7 @@ from loopmoe_jax.accounting import count
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.experiment import RUN_SETTINGS, build, config_diff
 from loopmoe_jax.scaling.data import write_csv
+from loopmoe_jax.train import preempt
 from loopmoe_jax.train.run import RunDir
 from loopmoe_jax.train.trainer import train
 
@@ -129,16 +135,34 @@ def apply_point(cfg, point: Mapping[str, Any]):
       for f in fields:
         cfg.model[f] = _convert(cfg.model[f], value, key)
       continue
-    *path, leaf = key.split('.')
-    node = cfg
-    for part in path:
+    parts, node = key.split('.'), cfg
+    for depth, part in enumerate(parts):
+      if not hasattr(node, 'keys'):
+        raise ValueError(f'--sweep {key}: {".".join(parts[:depth])} is a field, not a section')
       if part not in node:
-        raise ValueError(f'--sweep {key}: config has no section {part!r}')
-      node = node[part]
-    if leaf not in node:
-      raise ValueError(f'--sweep {key}: no field {leaf!r}; known {sorted(node.keys())}')
-    node[leaf] = _convert(node[leaf], value, key)
+        what = 'no field' if depth == len(parts) - 1 else 'config has no section'
+        raise ValueError(f'--sweep {key}: {what} {part!r}' + _near(key, cfg))
+      if depth < len(parts) - 1:
+        node = node[part]
+    node[parts[-1]] = _convert(node[parts[-1]], value, key)
   return cfg
+
+
+def _near(key: str, cfg) -> str:
+  """'; did you mean A or B?' for the sweep keys near `key` (difflib over every field of the
+  config and the model.num_experts alias; for a key without its section, the fields of that
+  name), else what a key is."""
+  keys = [EXPERTS_ALIAS]
+  stack = [('', cfg)]
+  while stack:
+    prefix, node = stack.pop()
+    for k, v in node.items():
+      (stack.append((f'{prefix}{k}.', v)) if hasattr(v, 'keys') else keys.append(prefix + k))
+  near = (difflib.get_close_matches(key, keys, n=3, cutoff=0.75) or
+          [k for k in keys if k.rsplit('.', 1)[-1] == key.rsplit('.', 1)[-1]][:3])
+  if near:
+    return f'; did you mean {" or ".join(near)}?'
+  return f' (a sweep key is a config field, SECTION.FIELD, or {EXPERTS_ALIAS})'
 
 
 def grid(sweeps: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
@@ -178,7 +202,8 @@ def block_params(mc: ModelConfig, key: str = 'params_total') -> int:
 
 
 def point_row(cfg, summary: Mapping[str, Any]) -> dict[str, Any]:
-  """The law's columns for one finished point."""
+  """The law's columns for one finished point (`loss`: its final_window_loss, the mean
+  LM loss of its last `loss_steps` steps, metrics.final_window)."""
   mc = ModelConfig.from_dict(cfg.model)
   acct = count(mc, cfg.data.seq_len)
   tokens = summary['steps'] * cfg.data.batch_size * cfg.data.seq_len
@@ -188,7 +213,8 @@ def point_row(cfg, summary: Mapping[str, Any]) -> dict[str, Any]:
           'N_block_active': block_params(mc, 'params_active'), 'D': tokens, 'C': 3 * acct['flops_per_token'] * tokens,
           'F': acct['flops_per_token'], 'S': acct['sparsity'], 'r': mc.num_loops,
           'E': mc.core_experts, 'k': mc.top_k if mc.core_experts else 0,
-          'loss': summary['final_window_loss'], 'steps': summary['steps']}
+          'loss': summary['final_window_loss'], 'loss_steps': summary.get('final_window'),
+          'steps': summary['steps']}
 
 
 def finished(workdir: str, steps: int) -> dict | None:
@@ -220,15 +246,18 @@ INHERITED_JAX_CONFIG = ('jax_platforms', 'jax_num_cpu_devices', 'jax_enable_x64'
 def _train_point(c, workdir: str, jax_config: Mapping[str, Any], conn,
                  log_to_stderr: bool = False) -> None:
   """A child process's work: train one point, send back (summary, peak RSS) or the error. Its
-  library warnings and notes are printed as the sweep's own are (`log_to_stderr`: the sweep
-  ran from a script, cli.run)."""
+  library warnings and notes are printed as the sweep's own are, and a Ctrl-C before its loop
+  exits at once (`log_to_stderr`: the sweep ran from a script, cli.run)."""
   try:
     if log_to_stderr:
       cli.log_to_stderr()
+      cli.exit_on_interrupt()
     import jax  # pylint: disable=import-outside-toplevel
     for name, value in jax_config.items():
       jax.config.update(name, value)
     conn.send(('summary', train(c, workdir), peak_resident_bytes()))
+  except KeyboardInterrupt:  # a Ctrl-C before the loop caught it: nothing saved
+    conn.send(('summary', {'stopped_by': 'SIGINT'}, peak_resident_bytes()))
   except BaseException as e:  # pylint: disable=broad-except
     plain = isinstance(e, (ValueError, RuntimeError, OSError)) and str(e)
     conn.send(('error', str(e) if plain else f'{type(e).__name__}: {e}', peak_resident_bytes()))
@@ -238,8 +267,9 @@ def _train_point(c, workdir: str, jax_config: Mapping[str, Any], conn,
 
 def train_isolated(c, workdir: str) -> tuple[dict, int]:
   """Trains one point in a fresh child process; returns (its summary, the child's peak RSS).
-  A child that dies without a word (killed, out of memory) is a RuntimeError naming its exit
-  status; its checkpoints stay, so re-running the sweep resumes it."""
+  A child that a stop signal ended before it wrote a summary returns {'stopped_by': NAME}.
+  One that dies otherwise without a word (killed, out of memory) is a RuntimeError naming
+  its exit status; its checkpoints stay, so re-running the sweep resumes it."""
   import jax  # pylint: disable=import-outside-toplevel
   jax_config = {name: getattr(jax.config, name) for name in INHERITED_JAX_CONFIG}
   ctx = multiprocessing.get_context('spawn')
@@ -266,6 +296,8 @@ def train_isolated(c, workdir: str) -> tuple[dict, int]:
         signal.signal(signum, handler)
   if kind == 'error':
     raise RuntimeError(value)
+  if kind == 'died' and preempt.stop_signal(child.exitcode):
+    return {'stopped_by': preempt.stop_signal(child.exitcode)}, peak
   if kind == 'died':
     raise RuntimeError(f'the process training {workdir} died (exit status {child.exitcode}); '
                        're-run the sweep to resume it')
@@ -280,8 +312,11 @@ def run_sweep(cfg, sweeps: Mapping[str, Sequence[Any]], root: str,
   the rows and writes sweep.csv. `isolate` (default: with the trainer in a one-process run)
   trains each point in a child process (spawned: a script that calls this needs the usual
   `if __name__ == '__main__':` guard, as the project's scripts have); `run` replaces the
-  trainer (in-process)."""
+  trainer (in-process). A point stopped by a signal stops the sweep: the points that had
+  finished (before it, and after it from an earlier invocation) go to sweep.csv, then
+  preempt.Stopped (its `rows`, and `csv`: the path, or None when none had finished). `root` that cannot be a directory is a ValueError before any work."""
   import jax  # pylint: disable=import-outside-toplevel
+  cli.check_output_dir('--root', root)
   writer = jax.process_index() == 0
   if isolate is None:
     isolate = run is None and jax.process_count() == 1
@@ -298,9 +333,9 @@ def run_sweep(cfg, sweeps: Mapping[str, Sequence[Any]], root: str,
     except ValueError as e:
       raise ValueError(f'sweep point {point_name(point)}: {e}') from None
   storage.makedirs(root)
-  rows = []
+  rows, stopped = [], None  # stopped: (signal name, point name)
   for i, (point, c) in enumerate(zip(points, cfgs)):
-    name = point_name(point)
+    name, at = point_name(point), f'[{i + 1}/{len(points)}]'
     workdir = storage.join(root, name)
     summary = finished(workdir, c.train.steps)
     changes = config_changes(workdir, c)
@@ -308,26 +343,53 @@ def run_sweep(cfg, sweeps: Mapping[str, Sequence[Any]], root: str,
       raise ValueError(f'sweep point {name} in {workdir} ran with another config ('
                        + '; '.join(changes[:8]) + '); use a new --root or remove it')
     if summary:
-      log(f'[{i + 1}/{len(points)}] {name}: finished ({summary["steps"]} steps), skipped')
+      log(f'{at} {name}: finished ({summary["steps"]} steps), skipped')
+    elif stopped:
+      continue
     else:
-      log(f'[{i + 1}/{len(points)}] {name}: running in {workdir}')
-      if writer:
-        storage.makedirs(workdir)
-        storage.write_text(storage.join(workdir, 'point.json'), json.dumps(point))
-        storage.write_text(storage.join(workdir, 'config.json'), c.to_json())
-      if isolate:
-        summary, peak = train_isolated(c, workdir)
-      else:
-        summary, peak = run(c, workdir), None  # its Job, and so its programs, go with it
-        release_jax_caches()
-      if summary.get('stopped_by') or summary.get('final_window_loss') is None:
-        log(f'{name}: stopped before the end; re-run the sweep to resume')
-        break
-      log(f'[{i + 1}/{len(points)}] {name}: loss {summary["final_window_loss"]:.4f}, '
-          f'rss {resident_bytes() / 2**30:.2f} GiB'
-          + (f' (point\'s process peak {peak / 2**30:.2f} GiB)' if peak else ''))
+      log(f'{at} {name}: running in {workdir}')
+      summary = _run_point(point, c, workdir, run if not isolate else None, writer)
+      if summary.get('stopped_by'):
+        stopped = (summary['stopped_by'], name)
+        continue
+      log(f'{at} {name}: loss {summary["final_window_loss"]:.4f} (its last '
+          f'{summary.get("final_window")} steps), rss {resident_bytes() / 2**30:.2f} GiB'
+          + (f' (point\'s process peak {summary["peak"] / 2**30:.2f} GiB)'
+             if summary.get('peak') else ''))
     rows.append({'point': name, **{k: point[k] for k in point}, **point_row(c, summary),
                  'workdir': workdir})
+  csv = storage.join(root, 'sweep.csv') if rows else None
   if rows and writer:
-    write_csv(storage.join(root, 'sweep.csv'), rows)
+    write_csv(csv, rows)
+  if stopped:
+    _stop(stopped, rows, csv, len(points), log)
   return rows
+
+
+def _run_point(point, c, workdir: str, run, writer: bool) -> dict:
+  """Trains one point (in a child process when `run` is None); its summary, with the child's
+  peak RSS as 'peak'. A run that ends without a loss, unstopped, is a RuntimeError."""
+  if writer:
+    storage.makedirs(workdir)
+    storage.write_text(storage.join(workdir, 'point.json'), json.dumps(point))
+    storage.write_text(storage.join(workdir, 'config.json'), c.to_json())
+  if run is None:
+    summary, peak = train_isolated(c, workdir)
+  else:
+    summary, peak = run(c, workdir), None  # its Job, and so its programs, go with it
+    release_jax_caches()
+  if not summary.get('stopped_by') and summary.get('final_window_loss') is None:
+    raise RuntimeError(f'sweep point {point_name(point)} in {workdir} ended without a '
+                       'final-window loss; re-run the sweep')
+  return dict(summary, peak=peak)
+
+
+def _stop(stopped: tuple[str, str], rows: list[dict], csv: str | None, total: int, log):
+  """Says what an interrupted sweep leaves (one line) and raises preempt.Stopped."""
+  signame, name = stopped
+  status = preempt.exit_status(signame)
+  left = (f'wrote {csv} with the {len(rows)} of {total} points that have finished' if csv else
+          'no point has finished: no sweep.csv written')
+  log(f'{signame}: the sweep stopped in point {name} (re-run the sweep to resume it); {left} '
+      f'(exit {status})')
+  raise preempt.Stopped(signame, rows=rows, csv=csv)

@@ -13,7 +13,9 @@ of them is written.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import logging
 import math
 import time
 
@@ -29,6 +31,7 @@ from loopmoe_jax.train.metrics import Writer
 from loopmoe_jax.train.profile import StepProfiler
 from loopmoe_jax.train.run import ROUTING, RunDir
 
+log = logging.getLogger(__name__)
 
 class TrainingDiverged(RuntimeError):
   pass
@@ -85,6 +88,10 @@ class Loop:
     self.replayed, self.val_loss, self.val_step = 0.0, None, None
     self.last_saved = start if mngr.latest_step() is not None else None
     self.pending, self.decision, self.lost = None, preempt.Decision(), False
+    # the steps the summary's final-window loss averages (train.final_window, shrunk for a
+    # run too short for it after its warmup: metrics.final_window)
+    self.final_n, self.final_note = metrics_lib.final_window(self.tc.steps, self.tc.warmup,
+                                                             self.tc.final_window)
 
   def kept(self) -> str:
     return ('no checkpoint has been written yet' if self.last_saved is None else
@@ -95,10 +102,13 @@ class Loop:
     self.profiler = StepProfiler(self.tc.profile_range, storage.join(self.workdir, 'profile'),
                                  quiet=self.proc != 0)
     self.vote = preempt.Vote(self.job.mesh, self.tc.save_every_minutes)
-    caught.arm()  # from here a signal saves and stops (before: the default handlers)
+    if self.final_note and self.proc == 0:
+      log.info(self.final_note)
     try:
       for step in range(self.start, self.tc.steps):
         self.step(step)
+        caught.arm()  # from the first step's dispatch (its program compiled) a signal saves
+        # and stops; before it, the process's own handlers (a script's: exit at once)
         if self.after_step(step + 1, caught.signum):
           break
       final = int(jax.device_get(self.state['step']))
@@ -147,6 +157,8 @@ class Loop:
     """What every process does after `step` (1-based): save on schedule, on the clock, at the
     end or on a stop; True when the run stops here."""
     self.decision = self.vote(signum)
+    if self.decision.stop and step == self.tc.steps:  # the run ends here anyway: finished
+      self.decision = dataclasses.replace(self.decision, stop=None)
     if (step % self.tc.save_every == 0 or self.decision.stop or self.decision.timed_save or
         step == self.tc.steps):
       self.record(self.pending)
@@ -154,7 +166,8 @@ class Loop:
       self.save(step)
     if self.decision.stop:
       by = '' if signum else ' (caught by another process)'
-      print(f'{self.decision.stop}{by}: saved step {step} and stopped', flush=True)
+      print(f'{self.decision.stop}{by}: saved step {step} and stopped (exit '
+            f'{preempt.exit_status(self.decision.stop)}; re-run to resume)', flush=True)
     return bool(self.decision.stop)
 
   def fetch(self, pending) -> tuple[int, dict]:
@@ -234,11 +247,14 @@ class Loop:
     self.writer.close()
 
   def summary(self, final: int) -> dict:
-    """The run's summary.json: steps, final-window and validation losses, throughput, time."""
-    wall, window = time.time() - self.t0, self.losses[-self.tc.final_window:]
+    """The run's summary.json: steps, final-window loss (the mean of the last `final_window`
+    steps' losses; `final_window_note` says why that is not train.final_window, else None),
+    validation loss, throughput, time."""
+    wall, window = time.time() - self.t0, self.losses[-self.final_n:]
     acct = accounting.count(self.job.exp.model, self.dc.seq_len)
     return {'steps': final, 'final_window_loss': float(np.mean(window)) if window else None,
-            'final_window': len(window), 'final_loss': self.losses[-1] if self.losses else None,
+            'final_window': len(window), 'final_window_note': self.final_note,
+            'final_loss': self.losses[-1] if self.losses else None,
             'val_loss': self.val_loss, 'val_step': self.val_step,  # the step val_loss is of
             'tokens_per_s': (final - self.start) * self.dc.batch_size * self.dc.seq_len / wall,
             'wall_s': wall, 'params_total': acct['params_total'],

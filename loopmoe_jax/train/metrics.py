@@ -21,6 +21,25 @@ METRICS, ROUTING, SUMMARY = 'metrics.jsonl', 'routing.jsonl', 'summary.json'
 FINAL_STEPS = 'final_steps.jsonl'  # the LM loss of every step of the final window
 
 
+def final_window(steps: int, warmup: int, window: int) -> tuple[int, str | None]:
+  """How many of a run's last steps its final-window loss averages (summary.json's
+  final_window_loss, a sweep's `loss`), and a note when that is not train.final_window: a
+  window longer than the steps after train.warmup is shrunk to those steps (a short run
+  would otherwise summarise its warmup), or to the last half of the run when it ends inside
+  its warmup. The note is None when the window is train.final_window."""
+  after = steps - warmup
+  if window <= after:
+    return window, None
+  plural = lambda n: f'{n} step{"s" * (n != 1)}'  # noqa: E731
+  if after >= 1:
+    return after, (f'train.final_window={window} is longer than the {plural(after)} after '
+                   f'train.warmup={warmup} in this {steps}-step run: the final-window loss '
+                   + ('averages that step' if after == 1 else f'averages those {plural(after)}'))
+  n = max(1, steps // 2)
+  return n, (f'this {steps}-step run ends inside train.warmup={warmup}: the final-window loss '
+             f'averages its last half ({plural(n)}), not train.final_window={window}')
+
+
 def append_lines(path: str, lines: list[str]):
   """Appends whole lines to `path` in one write: a write cut short (a full disk) is undone, so
   the file never ends in a partial line, and the error names the file. On object storage the

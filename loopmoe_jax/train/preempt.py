@@ -18,6 +18,10 @@ the decision, at once (no program).
         ... dispatch the train step ...
         decision = vote(caught.signum)    # the agreement on the flags posted a step ago
         if decision.stop: save, then break
+
+A run stopped so ends with the signal's exit status (`exit_status`: 130 SIGINT, 143 SIGTERM,
+as a shell reports a command the signal ended) on every process, once it has saved: the
+scripts return it, so `train.py ... && evaluate.py ...` does not go on after a stop.
 """
 from __future__ import annotations
 
@@ -32,10 +36,38 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 
+def exit_status(stopped_by: str | None) -> int:
+  """The exit status of a run stopped by the named signal (a summary's `stopped_by`):
+  128 + its number (SIGINT 130, SIGTERM 143); 0 for None (the run ended)."""
+  return 128 + signal.Signals[stopped_by].value if stopped_by else 0
+
+
+def stop_signal(status: int | None) -> str | None:
+  """The stop signal ('SIGINT', 'SIGTERM') a child process's exit status reports: killed by
+  it (-N), or exited with its shell status (128 + N: a script's exit at once); else None."""
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    if status in (-sig, 128 + sig):
+      return sig.name
+  return None
+
+
+class Stopped(SystemExit):
+  """Work that a signal stopped once it had saved what it had (a sweep: its finished `rows`
+  and `csv`, the keyword arguments): raised, it ends a script with the signal's exit status
+  (`code`, exit_status); a caller may catch it."""
+
+  def __init__(self, signal_name: str, **left):
+    super().__init__(exit_status(signal_name))
+    self.signal = signal_name
+    self.__dict__.update(left)
+
+
 class StopSignals:
-  """Once armed (the training loop starts), catches SIGTERM and SIGINT until the context
-  exits (the run's summary written; main thread only): `signum` is the last one caught (0:
-  none). The previous handlers come back on exit."""
+  """Once armed (the training loop dispatched its first step), catches SIGTERM and SIGINT
+  until the context exits (the run's summary written; main thread only): `signum` is the
+  first one caught (0: none). A SIGINT after a signal was caught (a second Ctrl-C while the
+  run saves) raises KeyboardInterrupt: a script exits at once with status 130 (cli). The
+  previous handlers come back on exit."""
 
   def __init__(self):
     self.signum = 0
@@ -51,7 +83,9 @@ class StopSignals:
 
   def _set(self, signum, frame):
     del frame
-    self.signum = signum
+    if self.signum and signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    self.signum = self.signum or signum
 
   def __exit__(self, *exc):
     for sig, old in self._old.items():

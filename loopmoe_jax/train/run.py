@@ -4,7 +4,8 @@
       checkpoints/<step>/   Orbax steps: train state, data-iterator state, resolved config
       metrics.jsonl         one JSON row per logged step (train/metrics.py)
       final_steps.jsonl     the LM loss of every step of the last train.final_window steps
-                            (the paired comparison's record, whatever train.log_every is)
+                            (the paired comparison's record, whatever train.log_every is;
+                            RunDir.final_steps: the steps the final-window loss averages)
       routing.jsonl         per-visit routing records (train.routing_every)
       summary.json          the run's end: final-window loss, wall time, ...
       (sweep points add config.json and point.json)
@@ -33,6 +34,7 @@ from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.train import checkpoint, checksums
 from loopmoe_jax.train.metrics import FINAL_STEPS, METRICS, ROUTING, SUMMARY  # noqa: F401
+from loopmoe_jax.train.metrics import final_window
 from loopmoe_jax.train.step import boxed_params
 
 log = logging.getLogger(__name__)
@@ -111,14 +113,17 @@ class RunDir:
 
   def final_steps(self) -> dict[int, float]:
     """{step: LM loss} of every step of the run's final window, the last train.final_window
-    steps of train.steps as its newest checkpoint's config says (rows an earlier, shorter
-    invocation recorded before them are left out); {} for a run without the record (one
-    written before it existed, or one that has not reached its window)."""
+    steps of train.steps as its newest checkpoint's config says, shrunk as the summary's
+    final-window loss is for a run too short for it after its warmup (metrics.final_window;
+    rows an earlier, shorter invocation recorded before them are left out); {} for a run
+    without the record (one written before it existed, or one that has not reached its
+    window)."""
     rows = {int(r['step']): float(r['loss']) for r in self._jsonl(FINAL_STEPS)}
     if rows:
       train = self.stored_config().get('train', {})
-      first = train.get('steps', 0) - train.get('final_window', 0)
-      rows = {s: v for s, v in rows.items() if s > first}
+      n, _ = final_window(train.get('steps', 0), train.get('warmup', 0),
+                          train.get('final_window', 0))
+      rows = {s: v for s, v in rows.items() if s > train.get('steps', 0) - n}
     return rows
 
   def summary(self) -> dict | None:
