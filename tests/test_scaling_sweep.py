@@ -1,4 +1,5 @@
-"""Sweeps from configs: grid points, shared seeds, skip-finished and resume with the trainer."""
+"""Sweeps from configs: grid points, shared seeds, skip-finished and resume with the trainer,
+an interrupted sweep, key typos, and the loss over a short run's final window."""
 import json
 import os
 
@@ -106,6 +107,111 @@ def test_skips_finished_and_reruns_unfinished(tmp_path):
   assert csv['D'][0] == 7 * cfg.data.batch_size * cfg.data.seq_len
   assert csv['N_stored'][0] == count(mc)['params_total'] == rows[1]['N_stored']  # passes keep params
   assert csv['C'][1] > csv['C'][0]  # a pass costs compute
+
+
+def test_an_interrupted_sweep_writes_the_finished_points_and_stops_with_the_signal(tmp_path):
+  """A point a signal stopped (its summary's stopped_by) stops the sweep: the points that had
+  finished -- before it, and after it from an earlier invocation -- go to sweep.csv, the rest
+  are not started, one line says what was written, and preempt.Stopped carries the signal's
+  exit status (130 SIGINT, 143 SIGTERM). With none finished no CSV is written."""
+  from loopmoe_jax.train import preempt
+  cfg = _config()
+  cfg.train.steps = 7
+  summary = lambda c, **kw: {'steps': c.train.steps, 'final_window_loss': 3.0 + c.model.num_loops,
+                             'final_window': 5, 'stopped_by': None, **kw}  # noqa: E731
+  finished_before = tmp_path / 'num_loops=3'
+  finished_before.mkdir()
+  c3 = sweep.apply_point(cfg, {'model.num_loops': 3})
+  (finished_before / 'summary.json').write_text(json.dumps(summary(c3)))
+  calls, lines = [], []
+
+  def fake(c, workdir):
+    calls.append(os.path.basename(workdir))
+    if c.model.num_loops == 2:  # stopped at step 4 of 7 (it saved)
+      return summary(c, steps=4, stopped_by='SIGTERM')
+    return summary(c)
+
+  grid = {'model.num_loops': [1, 2, 3, 4]}
+  with pytest.raises(preempt.Stopped) as stop:
+    sweep.run_sweep(cfg, grid, str(tmp_path), run=fake, log=lines.append)
+  assert stop.value.code == 143 and stop.value.signal == 'SIGTERM'
+  assert calls == ['num_loops=1', 'num_loops=2']  # num_loops=4 never started
+  assert [r['point'] for r in stop.value.rows] == ['num_loops=1', 'num_loops=3']
+  csv = read_csv(str(tmp_path / 'sweep.csv'))
+  assert list(csv['r']) == [1, 3] and list(csv['loss']) == [4.0, 6.0]
+  assert lines[-1] == (f'SIGTERM: the sweep stopped in point num_loops=2 (re-run the sweep to '
+                       f'resume it); wrote {tmp_path}/sweep.csv with the 2 of 4 points that '
+                       'have finished (exit 143)'), lines
+  # the first point stopped by Ctrl-C, nothing finished: no CSV, and it says so
+  lines.clear()
+  stopped = lambda c, w: summary(c, steps=2, stopped_by='SIGINT')  # noqa: E731
+  with pytest.raises(preempt.Stopped) as stop:
+    sweep.run_sweep(cfg, {'model.num_loops': [5, 6]}, str(tmp_path / 'none'), run=stopped,
+                    log=lines.append)
+  assert stop.value.code == 130 and stop.value.rows == [] and stop.value.csv is None
+  assert not (tmp_path / 'none' / 'sweep.csv').exists()
+  assert lines[-1].endswith('no point has finished: no sweep.csv written (exit 130)'), lines
+  # a point's child process that a signal ended before it wrote a summary counts as stopped
+  assert [preempt.stop_signal(s) for s in (130, -2, 143, -15, 1, -9, 0)] == [
+      'SIGINT', 'SIGINT', 'SIGTERM', 'SIGTERM', None, None, None]
+
+
+def test_sweep_key_typos_name_the_near_keys_and_root_is_checked_first(tmp_path):
+  """A sweep key that names no field is one line with the near keys (the model.num_experts
+  alias among them), before any point runs; a --root that is a file is refused first."""
+  cfg = _config()
+  for key, near in (('model.num_loop', 'did you mean model.num_loops?'),
+                    ('model.num_expert', 'did you mean model.num_experts or '),
+                    ('num_experts', 'did you mean model.num_experts?'),
+                    ('trian.lr', 'did you mean train.lr?')):
+    with pytest.raises(ValueError) as e:
+      sweep.apply_point(cfg, {key: '2'})
+    assert near in str(e.value) and '\n' not in str(e.value), str(e.value)
+    assert len(str(e.value)) < 200, str(e.value)  # not the section's every field
+  ran = []
+  fake = lambda c, w: ran.append(w) or {'steps': c.train.steps, 'final_window_loss': 1.0}  # noqa: E731
+  with pytest.raises(ValueError, match=r'model\.num_loop: .*did you mean model\.num_loops'):
+    sweep.run_sweep(cfg, {'model.num_loops': [1], 'model.num_loop': [1]}, str(tmp_path / 'a'),
+                    run=fake)
+  a_file = tmp_path / 'file'
+  a_file.write_text('')
+  with pytest.raises(ValueError, match=f'--root={a_file} is a file'):
+    sweep.run_sweep(cfg, {'model.num_loops': [1]}, str(a_file), run=fake)
+  assert not ran
+
+
+def test_a_short_run_averages_the_steps_after_warmup_and_the_sweep_loss_is_it(tmp_path, caplog):
+  """train.final_window 50 in a 5-step run with train.warmup 2: the final-window loss is the
+  mean of steps 3..5 (not of the whole run, warmup included), a note says so and the summary
+  records it; the sweep's `loss` is that same mean, `loss_steps` its 3 steps. A run that ends
+  inside its warmup averages its last half."""
+  import logging  # pylint: disable=import-outside-toplevel
+  from loopmoe_jax.train.metrics import final_window
+  from loopmoe_jax.train.run import RunDir
+  from loopmoe_jax.train.trainer import train
+  assert final_window(500, 30, 50) == (50, None)
+  assert final_window(40, 30, 50)[0] == 10 and final_window(20, 30, 50)[0] == 10
+  assert 'last half' in final_window(20, 30, 50)[1]
+  cfg = _trainer_config(steps=5, seq_len=16)
+  cfg.train.warmup, cfg.train.final_window = 2, 50
+  summaries = []
+  caplog.set_level(logging.INFO, logger='loopmoe_jax')
+  rows = sweep.run_sweep(cfg, {'model.num_loops': [2]}, str(tmp_path),
+                         run=lambda c, w: summaries.append(train(c, w)) or summaries[-1],
+                         log=lambda *_: None)
+  work = str(tmp_path / 'num_loops=2')
+  logged = RunDir(work).series('loss')
+  assert sorted(logged) == [1, 2, 3, 4, 5]
+  s = summaries[0]
+  assert s['final_window'] == 3 and s['final_window_loss'] == pytest.approx(
+      sum(logged[k] for k in (3, 4, 5)) / 3)
+  assert s['final_window_loss'] != pytest.approx(sum(logged.values()) / 5)
+  assert 'train.warmup=2' in s['final_window_note']
+  assert s['final_window_note'] in [r.getMessage() for r in caplog.records]
+  assert rows[0]['loss'] == s['final_window_loss'] and rows[0]['loss_steps'] == 3
+  csv = read_csv(str(tmp_path / 'sweep.csv'))
+  assert csv['loss'][0] == pytest.approx(s['final_window_loss']) and csv['loss_steps'][0] == 3
+  assert sorted(RunDir(work).final_steps()) == [3, 4, 5]  # the paired comparison's window
 
 
 def _trainer_config(steps: int, seq_len: int):
