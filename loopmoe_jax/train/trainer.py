@@ -5,9 +5,13 @@ loop (train/loop.py), the summary and a sample.
 
 Resumes from the newest readable checkpoint in `workdir` (batches and losses continue exactly
 as an uninterrupted run), or starts from `train.init_from` (a continuation with a longer
-schedule), or from scratch. SIGTERM/SIGINT save a checkpoint and return cleanly, on every
-process at the same step whichever process caught them (train/preempt.py); so does the clock,
-every train.save_every_minutes. With
+schedule), or from scratch. From the first step's dispatch SIGTERM/SIGINT save a checkpoint
+and return, on every process at the same step whichever process caught them
+(train/preempt.py), the summary's `stopped_by` naming the signal (scripts/train.py exits with
+its status, 130 or 143); before it a script exits at once (cli.exit_on_interrupt). The clock
+saves too, every train.save_every_minutes. The summary's final_window_loss averages the last
+train.final_window steps, fewer for a run too short for them after train.warmup (a note says
+so; metrics.final_window). With
 train.loops_sampler each step runs the core's pass count drawn for it from (seed, step), in
 the program compiled for that count (train/depth.py; one per count drawn, each printed as it
 is made, their number in the summary as 'compiled_programs'). A non-finite loss or gradient
@@ -95,7 +99,8 @@ def _train(cfg, exp, workdir: str, caught: preempt.StopSignals, force: bool = Fa
   if jax.process_index() == 0:
     storage.write_text(summary_path, json.dumps(summary, indent=1))
     print('summary: ' + json.dumps({k: summary[k] for k in
-                                    ('steps', 'final_window_loss', 'val_loss', 'val_step',
+                                    ('steps', 'final_window_loss', 'final_window',
+                                     'val_loss', 'val_step',
                                      'tokens_per_s', 'compiled_programs')}))
   if tc.sample_tokens and not loop.decision.stop:
     _sample(job, loop.state)
