@@ -70,3 +70,60 @@ def test_a_grid_too_small_for_the_free_parameters_is_refused():
     fitting.rank(['loop_sparse_bounded'], small, [('r', 2.0)], fixed=FIXED)
   with pytest.raises(ValueError, match='free parameters'):
     fitting.compare(['loop_sparse_bounded'], small, [('r', 2.0)], fixed=FIXED)
+
+
+def test_a_refusal_names_the_points_needed_and_the_terms_that_can_be_fixed():
+  data = _grid('loop_bounded', MAPPING_TRUTH['loop_bounded'], seed=4)
+  small = {k: v[(data['r'] <= 2) & (data['E'] == 4)] for k, v in data.items()}  # 12 points
+  held = {**FIXED, 'E_start': 1.0, 'E_max': float('inf')}
+  p = fitting.free_parameters('loop_bounded', held)
+  assert p == len(fitting.free_names('loop_bounded', held)) == 8
+  with pytest.raises(ValueError) as e:
+    fitting.compare(['loop_bounded'], small, [('r', 2.0)], fixed=held)
+  assert str(e.value) == (
+      "cannot rank the forms: holding out r=2 leaves 6 points to fit 'loop_bounded', which "
+      f'has {p} free parameters (need at least {p + 1} points to fit, {p + 7} in the grid with '
+      '6 held out); add points or fix terms (fixable: A, B, E, alpha, beta, delta_e, gamma, '
+      'beta_r)')
+
+
+def test_fixed_names_a_form_lacks_and_holdouts_of_no_point_are_refused():
+  data = _grid('loop_linear', {}, seed=5)
+  with pytest.raises(ValueError, match=r"cannot fix \['phi'\] of law 'loop_linear'; its "
+                                       r'parameters: A, B, E, alpha, beta, delta_e, gamma_e, '
+                                       r'omega_e, zeta_e, E_start, E_max$'):
+    fitting.fit('loop_linear', data, fixed={'phi': 0.5})
+  with pytest.raises(ValueError, match=r"cannot fix \['bta', 'gama'\] of law 'loop_bounded' "
+                                       r'\(did you mean beta, beta_r, gamma, gamma_e\?\)'):
+    fitting.check_fixed('loop_bounded', {'bta': 0.3, 'gama': 1.0})
+  with pytest.raises(ValueError, match=r'^holdout r=16 selects no point: r takes 1, 2, 4, 8$'):
+    fitting.compare(['loop_linear'], data, [('r', 16.0)], fixed=FIXED)
+  with pytest.raises(ValueError, match=r"^holdout R=4: the data have no column 'R' \(columns: "):
+    fitting.rank(['loop_linear'], data, [('R', 4.0)], fixed=FIXED)
+  one_r = {k: v[data['r'] == 2] for k, v in data.items()}
+  with pytest.raises(ValueError, match='holdout r=2 holds out every point'):
+    fitting.compare(['loop_linear'], one_r, [('r', 2.0)], fixed=FIXED)
+
+
+def test_parameters_the_points_leave_unidentified_are_warned(caplog):
+  from helpers import logged  # pylint: disable=import-outside-toplevel
+  flat = {'N': np.full(3, 1e8), 'D': np.full(3, 2e9), 'loss': np.array([3.0, 3.1, 2.9])}
+  rows = fitting.compare(['chinchilla'], flat, fixed={'alpha': 0.3, 'beta': 0.3, 'B': 0.0},
+                         top=2)
+  assert rows[0]['n_params'] == 2
+  assert logged(caplog) == ('chinchilla: column N (1e+08) is constant over the 3 points '
+                            'fitted, so A is not identified: vary N or fix it')
+  # varying N identifies A: no warning
+  caplog.clear()
+  fitting.compare(['chinchilla'], {**flat, 'N': np.array([1e8, 2e8, 4e8])},
+                  fixed={'alpha': 0.3, 'beta': 0.3, 'B': 0.0}, top=2)
+  assert logged(caplog) == ''
+  # one looped count left to fit: the bounded mapping's gamma and beta_r only as a product
+  data = _grid('loop_bounded', MAPPING_TRUTH['loop_bounded'], seed=6)
+  three = {k: v[data['r'] <= 4] for k, v in data.items()}
+  held = {**FIXED, 'E_start': 1.0, 'E_max': float('inf')}
+  warned = fitting.design_warnings(['loop_power', 'loop_bounded'], three, [('r', 4.0)], held)
+  assert len(warned) == 1 and warned[0].startswith(
+      'loop_bounded: the 36 points fitted (holding out r=4) do not identify gamma/beta_r')
+  assert fitting.design_warnings(['loop_power', 'loop_bounded'], data, [('r', 8.0)],
+                                 held) == []

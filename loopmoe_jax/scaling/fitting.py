@@ -14,19 +14,26 @@ grid points; the lowest final objective is kept. Gradients are exact, by the com
 fits without the rows where an axis takes a value and scores those rows; `compare` tabulates
 forms by in-sample and held-out RMSE (in loss units); `rank` adds paired bootstrap intervals
 of the held-out RMSE differences and says when the data cannot tell the best form from
-another; `check_identified` refuses a grid with no more points than a fit's free parameters.
+another. Both first refuse a grid with no more points than a fit's free parameters or a
+holdout that selects no point (`check_identified`), and log a warning for each fitted
+parameter the points leave unidentified (identify.py, `design_warnings`).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import itertools
+import logging
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 from scipy import optimize
 
 from loopmoe_jax.scaling.forms import Form, get_form
+from loopmoe_jax.scaling.identify import (check_fixed, check_identified, design_warnings,  # pylint: disable=unused-import
+                                          free_indices, free_names, free_parameters)
+
+log = logging.getLogger('loopmoe_jax')
 
 _STEP = 1e-30  # complex step
 
@@ -143,10 +150,7 @@ def fit(form, data, *, delta: float = 1e-3, top: int = 16, starts=None,
   form.check(cols)
   if 'loss' not in cols:
     raise ValueError('data needs a `loss` column')
-  fixed_raw = form.raw_of(dict(fixed or {}))
-  unknown = set(fixed or {}) - set(form.named(np.zeros(len(form.raw))))
-  if unknown:
-    raise ValueError(f'cannot fix {sorted(unknown)} of law {form.name!r}')
+  fixed_raw = check_fixed(form, fixed or {})
   obj = _Objective(form, cols, delta, fixed_raw)
   xs = grid_starts(form, fixed_raw) if starts is None else np.atleast_2d(starts)
   vals = obj.batch(xs)
@@ -210,33 +214,14 @@ def heldout_rmse(form, data, axis: str, value: float, **fit_kw) -> float:
   return float(np.sqrt(np.mean((pred - obs) ** 2)))
 
 
-def free_indices(form, fixed: Mapping[str, float] | None = None) -> list[int]:
-  """The raw parameters of `form` a fit with `fixed` named values adjusts (their indices)."""
-  form = get_form(form)
-  held = form.raw_of(dict(fixed or {}))
-  return [i for i, n in enumerate(form.raw) if n not in held]
-
-
-def free_parameters(form, fixed: Mapping[str, float] | None = None) -> int:
-  """How many raw parameters of `form` a fit with `fixed` named values adjusts."""
-  return len(free_indices(form, fixed))
-
-
-def check_identified(forms: Sequence[str], data, holdouts: Sequence[tuple[str, float]],
-                     fixed: Mapping[str, float] | None = None):
-  """Refuses (ValueError naming the counts) a comparison where some fit has no more points
-  than free parameters: the full fit, or the fit left after any holdout."""
+def check_design(forms: Sequence[str], data, holdouts: Sequence[tuple[str, float]],
+                 fixed: Mapping[str, float] | None = None):
+  """check_identified, then one warning (the 'loopmoe_jax' logger) per fitted parameter the
+  points leave unidentified."""
   cols = as_columns(data)
-  n = len(cols['loss'])
-  for name in forms:
-    p = free_parameters(name, fixed)
-    for label, n_fit in [('the full grid', n)] + [
-        (f'holding out {axis}={value:g}', int((~np.isclose(cols[axis], value)).sum()))
-        for axis, value in holdouts]:
-      if n_fit <= p:
-        raise ValueError(f'cannot rank the forms: {label} leaves {n_fit} points to fit '
-                         f'{get_form(name).name!r}, which has {p} free parameters (need at '
-                         f'least {p + 1}); add points or fix terms')
+  check_identified(forms, cols, holdouts, fixed)
+  for line in design_warnings(forms, cols, holdouts, fixed):
+    log.warning(line)
 
 
 def rank(forms: Sequence[str], data, holdouts: Sequence[tuple[str, float]],
@@ -257,7 +242,7 @@ def rank(forms: Sequence[str], data, holdouts: Sequence[tuple[str, float]],
     raise ValueError(f'resamples={resamples}: need >= 1')
   if not 0.0 < level < 1.0:
     raise ValueError(f'level={level}: must lie in (0, 1)')
-  check_identified(forms, data, holdouts, fit_kw.get('fixed'))
+  check_design(forms, data, holdouts, fit_kw.get('fixed'))
   cols = as_columns(data)
   # keyed by the axis (by axis=value when an axis is held out at more than one value)
   axes = [axis for axis, _ in holdouts]
@@ -288,17 +273,21 @@ def rank(forms: Sequence[str], data, holdouts: Sequence[tuple[str, float]],
 
 
 def compare(forms: Sequence[str], data, holdouts: Sequence[tuple[str, float]] = (),
-            parsimony: float = 0.05, **fit_kw) -> list[dict]:
+            parsimony: float = 0.05, fits: Mapping[str, Fit] | None = None,
+            check: bool = True, **fit_kw) -> list[dict]:
   """One row per form: parameters, in-sample RMSE, held-out RMSE per (axis, value) and their
-  mean (in-sample RMSE when there are no holdouts).
+  mean (in-sample RMSE when there are no holdouts). fits: the forms' fits on every point,
+  when already made (by form name; the others are fitted here). check: `check_design` first
+  (False: the caller has).
 
   Ranking: by the mean held-out RMSE, except that forms within a factor (1 + parsimony) of the
   best are tied and ranked by fewer parameters first (a form nested in a larger one, e.g.
   linear in power with phi = 1, otherwise loses to it by noise alone)."""
-  check_identified(forms, data, holdouts, fit_kw.get('fixed'))
+  if check:
+    check_design(forms, data, holdouts, fit_kw.get('fixed'))
   rows = []
   for name in forms:
-    f = fit(name, data, **fit_kw)
+    f = (fits or {}).get(name) or fit(name, data, **fit_kw)
     row = {'form': get_form(name).name, 'n_params': f.n_free, 'rmse': f.rmse,
            'params': f.params}
     for axis, value in holdouts:

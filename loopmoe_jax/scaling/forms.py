@@ -84,9 +84,16 @@ class Form:
   # when the mapping gives no limit).
   n_eff: Callable[[np.ndarray, Columns], np.ndarray] | None = None
   n_eff_limit: Callable[[np.ndarray, Columns], np.ndarray] | None = None
+  # (columns, named params): the params a design identifies only where some of the columns
+  # vary (fitting.design_warnings names them when every column is constant)
+  axes: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()
 
   def loss(self, theta, cols: Columns) -> np.ndarray:
     return np.exp(self.log_loss(np.asarray(theta), cols))
+
+  def param_names(self) -> list[str]:
+    """The named parameters (those `fixed=` and --fix take), in the order of `raw`."""
+    return list(self.named(np.zeros(len(self.raw))))
 
   def check(self, cols: Columns):
     missing = [c for c in self.columns if c not in cols]
@@ -123,7 +130,8 @@ def _chinchilla_log_loss(t, c, n=None):
 
 
 CHINCHILLA = Form('chinchilla', ('N', 'D'), _BASE_RAW, _chinchilla_log_loss, _base_named,
-                  _base_raw, _BASE_GRID)
+                  _base_raw, _BASE_GRID,
+                  axes=((('N',), ('A', 'alpha')), (('D',), ('B', 'beta'))))
 
 
 # Clark et al. (routed) and the expert expansion ---------------------------------------------
@@ -206,7 +214,8 @@ def _clark_raw(p):
 CLARK = Form('clark', ('N', 'E'), ('a', 'b', 'c', 'd') + _CLARK_RAW, _clark_log_loss,
              _clark_named, _clark_raw,
              {'a': (-0.1, -0.03), 'b': (-0.1, -0.01), 'c': (0.0, 0.005), 'd': (1.0, 2.0, 3.0),
-              'log_es': (-1.0, 0.5), 'log_em': (3.0, 6.0)})
+              'log_es': (-1.0, 0.5), 'log_em': (3.0, 6.0)},
+             axes=((('N',), ('a', 'c')), (('E',), ('b', 'c', 'E_start', 'E_max'))))
 
 
 # SMELT ----------------------------------------------------------------------------------
@@ -232,7 +241,8 @@ def _smelt_raw(p):
 SMELT = Form('smelt', ('S', 'F', 'D'), ('e', 'log_A', 'b', 'a', 'log_K', 'c'), _smelt_log_loss,
              _smelt_named, _smelt_raw,
              {'e': (-0.5, 0.5), 'log_A': (0, 5, 10, 15), 'b': (0.0, 0.5, 1.0),
-              'a': (0.1, 0.3, 0.6), 'log_K': (0, 5, 10, 15), 'c': (0.1, 0.3, 0.6)})
+              'a': (0.1, 0.3, 0.6), 'log_K': (0, 5, 10, 15), 'c': (0.1, 0.3, 0.6)},
+             axes=((('S',), ('b',)), (('F',), ('A', 'a')), (('D',), ('K', 'c'))))
 
 
 # The MoE base law ------------------------------------------------------------------------
@@ -311,8 +321,22 @@ def moe_form(name: str, mapping: LoopMapping | None = None, saturating: bool = T
   limit = None
   if mapping and mapping.limit:
     limit = lambda t, c: mapping.limit(t[nx:], c)
-  return Form(name, columns, raw, log_loss, named, raw_of, grid, defaults,
+  form = Form(name, columns, raw, log_loss, named, raw_of, grid, defaults,
               n_eff if mapping else None, limit)
+  return dataclasses.replace(form, axes=_moe_axes(form, mapping))
+
+
+def _moe_axes(form: Form, mapping: LoopMapping | None):
+  """The size term needs N (a loop law: N_active_pass or r) to vary, the data term D, the
+  expert terms E/k, a mapping's own parameters r."""
+  names = form.param_names()
+  experts = tuple(n for n in ('delta_e', 'gamma_e', 'omega_e', 'zeta_e', 'E_start', 'E_max')
+                  if n in names)
+  axes = [(('N_active_pass', 'r') if mapping else ('N',), ('A', 'alpha', 'gamma_e')),
+          (('D',), ('B', 'beta', 'zeta_e')), (('E', 'k'), experts)]
+  if mapping and mapping.raw:
+    axes.append((('r',), tuple(names[-len(mapping.raw):])))
+  return tuple(axes)
 
 
 def _forms_of(name: str, mapping: LoopMapping) -> dict[str, Form]:
