@@ -10,7 +10,7 @@
 N_active_executed, N_block_stored, N_block_active, D, C, F, S, r, E, k, loss); --format=epoch reads Epoch AI's digitisation of Chinchilla's Figure 4
 (D = C / 6N; the five highest-loss points dropped). --n_column picks the column used as the
 law's N for chinchilla/clark (e.g. N_active_pass). --fix holds named parameters (e.g.
---fix=beta=0.3,B=0); every form fitted must have them (--helpfull lists each form's).
+--fix=beta=0.3,B=0); every form fitted must have them (--help lists each form's).
 
 Before any fitting: a form that needs more points than the grid (with its holdouts) has, a
 holdout that selects no point, a missing column, a malformed --fix or --holdout and an
@@ -132,12 +132,25 @@ def main(argv):
   if _PLOT.value:
     loop = any(n.startswith('loop_') for n in fits)
     x = _X.value or ('r' if loop and len(np.unique(data.get('r', [1]))) > 1 else 'N')
-    scaling.plots.plot_fits(data, fits, _PLOT.value, x=x,
+    group = _series(scaling, data, x, fits)
+    scaling.plots.plot_fits(data, fits, _PLOT.value, x=x, group=group,
                             title=f'{", ".join(fits)} on {len(data["loss"])} points')
     print(f'plot: {_PLOT.value}')
   if _JSON.value:
     with open(_JSON.value, 'w') as f:
       json.dump(out, f, indent=1, default=json_default)  # bootstrap samples as lists
+
+
+def _series(scaling, data: dict, x: str, forms) -> str | None:
+  """Numbers the points' combinations of the laws' other columns (a column `series`), so
+  that the plot draws one curve against `x` per combination; None when there is one."""
+  import numpy as np
+  others = sorted({c for name in forms for c in scaling.get_form(name).columns} - {x})
+  keys = np.stack([data[c] for c in others if c in data], axis=1) if others else None
+  if keys is None or len(np.unique(keys, axis=0)) < 2:
+    return None
+  data['series'] = np.unique(keys, axis=0, return_inverse=True)[1].astype(float).ravel()
+  return 'series'
 
 
 def _report_fit(scaling, name: str, f, data, kw) -> dict:

@@ -30,8 +30,10 @@ import numpy as np
 from scipy import optimize
 
 from loopmoe_jax.scaling.forms import Form, get_form
-from loopmoe_jax.scaling.identify import (check_fixed, check_identified, design_warnings,  # pylint: disable=unused-import
-                                          free_indices, free_names, free_parameters)
+# check_fixed .. free_parameters are this module's API too (fitting.free_parameters, ...)
+from loopmoe_jax.scaling.identify import (  # pylint: disable=unused-import
+    check_fixed, check_holdouts, check_identified, design_warnings, free_indices, free_names,
+    free_parameters)
 
 log = logging.getLogger('loopmoe_jax')
 
