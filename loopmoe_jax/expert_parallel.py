@@ -376,11 +376,20 @@ def moe_dispatch(x_TD, experts_Tk, weights_Tk, params, cfg, mesh, *, runtime: Ru
     raise ValueError(f'{num_experts} experts do not divide over mesh.expert={n}; make every '
                      f'model.*_experts a multiple of {n}')
   rows = P(sharding.batch_axes(mesh))
-  w_in = sharding.spec(('experts', None, 'mlp'), mesh.axis_names)
-  w_out = sharding.spec(('experts', 'mlp', None), mesh.axis_names)
+  names = {'gate': ('experts', 'embed', 'mlp'), 'up': ('experts', 'embed', 'mlp'),
+           'down': ('experts', 'mlp', 'embed')}
+  layouts = {k: sharding.gathered_inside(
+      names[k], w.shape, w.dtype.itemsize, mesh,
+      tuple(None if n == 'embed' else n for n in names[k]), runtime.run.min_shard_bytes)
+             for k, w in params.items()}
   settings = Body.of(cfg, mesh, num_experts, runtime)
+
+  def body(x, e, w, p):
+    for k, (_, gathers) in layouts.items():  # the width, split over fsdp in the state
+      for dim, axes in gathers.items():
+        p = dict(p, **{k: jax.lax.all_gather(p[k], axes, axis=dim, tiled=True)})
+    return _local_moe(x, e, w, p, settings)
   y_TD, dropped = jax.shard_map(
-      lambda x, e, w, p: _local_moe(x, e, w, p, settings),
-      in_specs=(rows, rows, rows, {'gate': w_in, 'up': w_in, 'down': w_out}),
+      body, in_specs=(rows, rows, rows, {k: s for k, (s, _) in layouts.items()}),
       out_specs=(rows, P()), check_vma=False)(x_TD, experts_Tk, weights_Tk, params)
   return y_TD.astype(x_TD.dtype), dropped

@@ -246,3 +246,30 @@ def bytes_per_device(shapes, shardings) -> int:
     shard = sh.shard_shape(s.shape)
     total += int(np.prod(shard, dtype=np.int64)) * np.dtype(s.dtype).itemsize
   return total
+
+
+def gathered_inside(names: Sequence[str | None], shape, itemsize: int, mesh,
+                    inside: Sequence[str | None], min_bytes: int = 0):
+  """(in_spec, {dim: mesh axes}) for a weight entering a shard_map: the dimensions named in
+  `inside` as the body uses them (`spec` of `inside`), and the others (None there, a weight's
+  width, e.g. 'embed') in their stored split over the axes of size > 1 that RULES gives them,
+  to be all-gathered in the body. Gathered inside, a weight's gradient leaves the shard_map
+  reduce-scattered over those axes, where a weight gathered before it (its in_spec whole
+  there) comes back all-reduced whole. A weight under `min_bytes` (run.min_shard_bytes, kept
+  whole) gathers nothing."""
+  base = spec(inside, mesh.axis_names)
+  if math.prod(shape) * itemsize < min_bytes:
+    return base, {}
+  used = {a for e in base if e for a in ((e,) if isinstance(e, str) else e)}
+  entries, gathers = list(base), {}
+  for dim, (name, kept) in enumerate(zip(names, inside)):
+    if kept is not None or name is None:
+      continue
+    axes = [a for a in _rule_axes([name], mesh.axis_names)[0]
+            if a not in used and mesh.shape[a] > 1]
+    while axes and shape[dim] % math.prod(mesh.shape[a] for a in axes):
+      axes.pop()
+    if axes:
+      used.update(axes)
+      entries[dim], gathers[dim] = _entry(axes), tuple(axes)
+  return P(*entries), gathers
