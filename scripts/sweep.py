@@ -8,8 +8,9 @@
 Without --sweep the config file's own `get_sweep(arg)` grid is used. `model.num_experts` sets
 every MoE segment's expert count; any other key is a config field (`model.FIELD`,
 `train.FIELD`, ...); a key that names none is refused before any work, with the near names.
-Every point shares the data order and seeds. Finished points are skipped and interrupted ones
-resume, so re-running the command completes a sweep. The CSV (ROOT/sweep.csv) holds N_stored,
+Every point shares the data order and seeds, and one compile cache (ROOT/compile_cache unless
+train.compile_cache names one: points of one program compile once). Finished points are
+skipped and interrupted ones resume, so re-running the command completes a sweep. The CSV (ROOT/sweep.csv) holds N_stored,
 N_active_pass, N_active_executed, N_block_stored, N_block_active, D, C, F, S, r, E, k, loss,
 loss_steps and steps: `loss` is each point's final_window_loss (its summary.json), the mean
 LM loss of its last `loss_steps` steps -- train.final_window, or, for a run too short for it

@@ -109,7 +109,7 @@ def _convert(old: Any, value: Any, key: str):
 # fields that may differ between a point's runs (cadence, length, threads): not a new point
 FREE_FIELDS = tuple(f'train.{k}' for k in (
     'steps', 'log_every', 'eval_every', 'save_every', 'keep', 'async_save', 'routing_every',
-    'sample_tokens', 'sample_prompt', 'peak_flops')) + ('data.num_threads',
+    'sample_tokens', 'sample_prompt', 'peak_flops', 'compile_cache')) + ('data.num_threads',
                                                         'data.prefetch') + RUN_SETTINGS
 
 
@@ -327,6 +327,8 @@ def run_sweep(cfg, sweeps: Mapping[str, Sequence[Any]], root: str,
     run = train
   points = grid(sweeps)
   cfgs = [apply_point(cfg, p) for p in points]
+  for c in cfgs:  # one compile cache for the sweep: points of one program compile once
+    c.train.compile_cache = c.train.compile_cache or storage.join(root, 'compile_cache')
   for point, c in zip(points, cfgs):  # fail on a bad point before any training
     try:
       build(c)
