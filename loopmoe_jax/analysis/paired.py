@@ -27,7 +27,6 @@ import os
 
 import numpy as np
 
-from loopmoe_jax.analysis import run_logs
 from loopmoe_jax.plotting import pyplot
 from loopmoe_jax.train.run import RunDir
 
@@ -36,9 +35,9 @@ NOT_DATA_ORDER = ('num_threads', 'prefetch')
 
 
 def load_losses(workdir: str, key: str = 'loss') -> dict[int, float]:
-  """{step: value} from workdir/metrics.jsonl (a torn last line skipped with a note;
-  run_logs.series)."""
-  return run_logs.series(workdir, key)
+  """{step: value} from workdir/metrics.jsonl (train/run.RunDir.series; a torn last line
+  skipped with a note)."""
+  return RunDir(workdir).series(key)
 
 
 def run_config(workdir: str) -> dict:
@@ -105,8 +104,7 @@ def compare_runs(dir_a: str, dir_b: str, window: float | None = None, key: str =
   if not shared:
     raise ValueError(f'runs {dir_a!r} (steps {_span(la)}) and {dir_b!r} (steps {_span(lb)}) '
                      f'share no logged step of {key!r}')
-  fa, fb = (run_logs.final_steps(dir_a, config_a.get('train', {})),
-            run_logs.final_steps(dir_b, config_b.get('train', {}))) \
+  fa, fb = (RunDir(dir_a).final_steps(), RunDir(dir_b).final_steps()) \
       if window is None and key == 'loss' else ({}, {})
   per_step = sorted(set(fa) & set(fb))
   if per_step:

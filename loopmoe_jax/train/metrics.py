@@ -21,6 +21,36 @@ METRICS, ROUTING, SUMMARY = 'metrics.jsonl', 'routing.jsonl', 'summary.json'
 FINAL_STEPS = 'final_steps.jsonl'  # the LM loss of every step of the final window
 
 
+_NOTED: set[tuple[str, int]] = set()  # (file, line) of the torn lines noted in this process
+
+
+def read_rows(path: str) -> list[dict]:
+  """The JSON objects of a JSON-lines log (metrics.jsonl, routing.jsonl, final_steps.jsonl)
+  in order, for a reader that must not stop at what a crash leaves: a last line cut short
+  (the trainer killed mid-write; it moves such a line aside itself on resume) is skipped with
+  a note naming the file and line. A line that does not parse anywhere else is damage, not a
+  torn write: a ValueError naming the file and the line number."""
+  numbered = [(n, line) for n, line in enumerate(storage.read_text(path).splitlines(), 1)
+              if line.strip()]
+  rows = []
+  for i, (number, line) in enumerate(numbered):
+    try:
+      row = json.loads(line)
+      if not isinstance(row, dict):
+        raise ValueError(f'a JSON {type(row).__name__}, not an object')
+    except ValueError as e:
+      if i < len(numbered) - 1:
+        raise ValueError(f'{path}: line {number} is not a JSON row ({e}): the file is damaged '
+                         'there') from None
+      if (path, number) not in _NOTED:
+        _NOTED.add((path, number))
+        logging.getLogger(__name__).info(
+            f'{path}: line {number} is not a whole row (a write cut short); skipped')
+      break
+    rows.append(row)
+  return rows
+
+
 def final_window(steps: int, warmup: int, window: int) -> tuple[int, str | None]:
   """How many of a run's last steps its final-window loss averages (summary.json's
   final_window_loss, a sweep's `loss`), and a note when that is not train.final_window: a

@@ -34,7 +34,7 @@ from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.train import checkpoint, checksums
 from loopmoe_jax.train.metrics import FINAL_STEPS, METRICS, ROUTING, SUMMARY  # noqa: F401
-from loopmoe_jax.train.metrics import final_window
+from loopmoe_jax.train.metrics import final_window, read_rows
 from loopmoe_jax.train.step import boxed_params
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class RunDir:
       if required:
         raise FileNotFoundError(f'{self.path}: no {name} (not a run directory?)')
       return []
-    return [json.loads(line) for line in storage.read_text(path).splitlines() if line.strip()]
+    return read_rows(path)  # a torn last line (a crash mid-write) skipped with a note
 
   def metrics(self, required: bool = False) -> list[dict]:
     """metrics.jsonl's rows in order ([] when there is none, unless `required`)."""
@@ -106,7 +106,11 @@ class RunDir:
 
   def series(self, key: str = 'loss') -> dict[int, float]:
     """{step: value} of one metrics.jsonl key (the last row of a step wins, as on resume)."""
-    return {int(r['step']): float(r[key]) for r in self.metrics(required=True) if key in r}
+    rows = self.metrics(required=True)
+    try:
+      return {int(r['step']): float(r[key]) for r in rows if key in r}
+    except (KeyError, TypeError, ValueError):
+      raise ValueError(f'{self.file(METRICS)}: a row without a numeric step and {key!r}') from None
 
   def routing(self) -> list[dict]:
     return self._jsonl(ROUTING)
