@@ -1,4 +1,4 @@
-"""Export a workdir's checkpoint and import a Mixtral directory; output directories are
+"""Export a workdir's checkpoint and import a Hugging Face directory; output directories are
 written beside OUT under a temporary name and renamed into place only when complete, so a
 failed run leaves nothing half-written."""
 from __future__ import annotations
@@ -13,12 +13,13 @@ import numpy as np
 
 from loopmoe_jax import storage
 from loopmoe_jax.analysis.probes import validation_inputs
-from loopmoe_jax.export import mixtral, safetensors_io
+from loopmoe_jax.export import hf_looped, looped_io, mixtral, safetensors_io
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.train.metrics import FINAL_STEPS, METRICS, ROUTING, SUMMARY
 from loopmoe_jax.train.run import RunDir, as_loaded
 
-FORMATS = ('safetensors', 'hf-mixtral')
+FORMATS = ('safetensors', 'hf-mixtral', 'hf-looped')
+IMPORTS = ('hf-mixtral', 'hf-looped')
 SHARD_BYTES = 2 << 30  # hub-style shards with an index past this size
 
 
@@ -36,7 +37,7 @@ def is_export(directory: str) -> bool:
           all(known(n) for n in names))
 
 
-EXPORT_EXTRA = ('README.md', 'tokenizer.model')
+EXPORT_EXTRA = ('README.md', 'tokenizer.model') + hf_looped.SOURCE_FILES
 
 
 def check_out(out: str, overwrite: bool = False) -> str:
@@ -138,13 +139,23 @@ def write_hf(directory: str, config: dict, generation: dict, tensors: dict[str, 
 
 
 def read_hf(directory: str) -> tuple[dict, dict[str, np.ndarray]]:
-  """(config.json, tensors) of a Hugging Face directory (one file or an index of shards)."""
+  """(config.json, tensors) of a Mixtral directory (one file or an index of shards)."""
+  config = read_config(directory)
+  mixtral.check_hf_config(config, directory)
+  return config, read_tensors(directory)
+
+
+def read_config(directory: str) -> dict:
+  """config.json of a Hugging Face model directory."""
   path = os.path.join(directory, 'config.json')
   if not os.path.isfile(path):
     raise FileNotFoundError(f'{directory}: no config.json (not a Hugging Face model directory)')
   with open(path) as f:
-    config = json.load(f)
-  mixtral.check_hf_config(config, directory)
+    return json.load(f)
+
+
+def read_tensors(directory: str) -> dict[str, np.ndarray]:
+  """The tensors of a Hugging Face directory (one file, or an index of shards)."""
   index = os.path.join(directory, 'model.safetensors.index.json')
   if os.path.isfile(index):
     with open(index) as f:
@@ -156,11 +167,12 @@ def read_hf(directory: str) -> tuple[dict, dict[str, np.ndarray]]:
   tensors = {}
   for name in files:
     tensors.update(safetensors_io.read_file(os.path.join(directory, name))[0])
-  return config, tensors
+  return tensors
 
 
 def export_workdir(workdir: str, out: str, fmt: str, step: int | None = None,
-                   overwrite: bool = False, verify: bool = False, write: bool = True) -> dict:
+                   overwrite: bool = False, verify: bool = False, write: bool = True,
+                   command: str | None = None) -> dict:
   """Exports a checkpoint of `workdir` (a step, or the latest readable) as `fmt` into `out`;
   returns a summary (step, format, out, bytes, layers, and with `verify` verify_export's
   check of the written export against the same loaded checkpoint). `write` False: the
@@ -173,19 +185,32 @@ def export_workdir(workdir: str, out: str, fmt: str, step: int | None = None,
                      f'(then copy it to {out})')
   if verify and fmt == 'hf-mixtral':
     _verify_packages()  # before anything is written
+  if verify and fmt == 'hf-looped':
+    looped_io.packages()
   check_out(out, overwrite)  # before the checkpoint is read
   run = RunDir(workdir).load(step)
   if not write:  # another process of a multi-process run writes it
     return {}
   cfg, s, config = run.model_cfg, run.step, run.config
+  extra = {}
   if fmt == 'hf-mixtral':
     mixtral.check_exportable(cfg)
+  elif fmt == 'hf-looped':
+    hf_looped.check_exportable(cfg)
   elif cfg.router_bias != 'none':
     raise ValueError(f'model.router_bias={cfg.router_bias!r}: {mixtral.BIAS_REFUSAL}')
   params = safetensors_io.unflatten(safetensors_io.flatten(run.params))  # numpy, one host
   with output_dir(out, overwrite) as tmp:
     if fmt == 'safetensors':
       safetensors_io.save_model(tmp, config, params, s)
+      layers = cfg.executed_layers
+    elif fmt == 'hf-looped':
+      hf_config, generation, tensors = looped_io.to_hf(cfg, params, run.router_bias, config,
+                                                       s, command)
+      write_hf(tmp, hf_config, generation, tensors)
+      extra = looped_io.write_extras(tmp, cfg, s, run.exp.data, command,
+                                     sum(a.nbytes for a in tensors.values()))
+      extra['param_bytes'] = sum(a.nbytes for a in safetensors_io.flatten(params).values())
       layers = cfg.executed_layers
     else:
       seq_len = int((config.get('data') or {}).get('seq_len', 4096))
@@ -194,9 +219,10 @@ def export_workdir(workdir: str, out: str, fmt: str, step: int | None = None,
       layers = hf_config['num_hidden_layers']
   size = sum(storage.size(storage.join(out, n)) for n in storage.listdir(out))
   summary = {'step': s, 'format': fmt, 'out': storage.absolute(out), 'bytes': size,
-             'layers': layers}
+             'layers': layers, **extra}
   if verify:
-    summary['verify'] = verify_export(run, out, fmt)
+    summary['verify'] = (looped_io.verify(run, out) if fmt == 'hf-looped' else
+                         verify_export(run, out, fmt))
   return summary
 
 
@@ -210,6 +236,19 @@ def import_hf(src: str, out: str, span: tuple[int, int, int] | None = None,
     safetensors_io.save_model(tmp, {'model': dataclasses.asdict(cfg)}, params)
   return {'out': os.path.abspath(out), 'layers': cfg.executed_layers,
           'core_layers': cfg.core_layers, 'num_loops': cfg.num_loops}
+
+
+def import_looped(src: str, out: str, overwrite: bool = False) -> dict:
+  """An hf-looped directory back into a run directory (out/checkpoints/<step>/: the params,
+  the router bias and the run's config, as the export kept them) that the scripts read with
+  --workdir; nothing is written when the directory is not an hf-looped export."""
+  run_config, params, bias, step = looped_io.import_run(read_config(src), read_tensors(src),
+                                                        src)
+  with output_dir(out, overwrite) as tmp:
+    looped_io.write_run(tmp, run_config, params, bias, step)
+  return {'out': os.path.abspath(out), 'step': step,
+          'num_loops': run_config['model']['num_loops'],
+          'router_bias': run_config['model'].get('router_bias', 'none')}
 
 
 def _verify_packages():
