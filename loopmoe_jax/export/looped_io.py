@@ -22,10 +22,12 @@ def to_hf(cfg, params, router_bias=None, run_config: dict | None = None,
   refuses what the modeling code does not carry."""
   hf_looped.check_exportable(cfg)
   run_config = run_config or {}
+  # the trained context (what the harness's hf backend cuts contexts to, as our adapter does);
+  # RoPE itself runs at any position
   seq_len = int((run_config.get('data') or {}).get('seq_len', 4096))
   extra = {'model': dataclasses.asdict(cfg), 'step': step, 'config': run_config,
            'command': command}
-  config = hf_looped.hf_config(cfg, max(seq_len, 4096), extra)
+  config = hf_looped.hf_config(cfg, seq_len, extra)
   generation = {'bos_token_id': None, 'eos_token_id': None, 'pad_token_id': None,
                 'do_sample': False}
   return config, generation, hf_looped.to_tensors(params, router_bias)
