@@ -4,6 +4,9 @@
     logits, cache = decode_step(cfg, params, cache, prompt_BT)     # prefill
     logits, cache = decode_step(cfg, params, cache, next_B1)       # one token
     tokens = generate(cfg, params, prompt_BT, steps=32, key=key, temperature=0.8)
+    rows = batched.generate_batch(cfg, params, [[1, 2], [3]], max_new=32, key=key)   # any lengths
+    out = speculative.generate_speculative(cfg, params, prompt_1T, 32, key, draft_loops=1,
+                                           lookahead=4)       # loop-draft, plain greedy's tokens
     nll_BT = decode_nll(cfg, params, inputs_BT, targets_BT)        # fed one token at a time
 
 Prelude and coda layers keep one cache slot each. The looped core's layout is
@@ -58,6 +61,7 @@ from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.model import LoopedMoE, check_loops, for_init, variables
 from loopmoe_jax.objective import token_nll_of_logits
 from loopmoe_jax.runtime import HERE, Runtime
+from loopmoe_jax.sampling import Sampling
 
 CORE = 'core'  # the cache's subtree that the core's scan stacks per pass (core.PER_PASS)
 
@@ -182,16 +186,20 @@ def _check_layout(cfg: ModelConfig, cache, shared: bool) -> None:
 
 
 def sample(logits_BV, key, temperature: float):
-  if temperature <= 0.0:
-    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-  return jax.random.categorical(key, logits_BV / temperature, axis=-1).astype(jnp.int32)
+  """Greedy (temperature 0) or a draw from softmax(logits / temperature) (sampling.Sampling)."""
+  return Sampling(temperature).sample(logits_BV, key)
 
 
 @functools.partial(jax.jit, static_argnames=('cfg', 'steps', 'temperature', 'num_loops',
-                                             'runtime'))
+                                             'runtime', 'top_k', 'top_p'))
 def generate(cfg: ModelConfig, params, prompt_BT, steps: int, key, temperature: float = 0.0,
-             num_loops: int | None = None, router_bias=None, runtime: Runtime = HERE):
-  """Greedy (temperature 0) or sampled continuation; returns [B, P + steps] tokens."""
+             num_loops: int | None = None, router_bias=None, runtime: Runtime = HERE,
+             top_k: int = 0, top_p: float = 1.0):
+  """Greedy (temperature 0) or sampled continuation (sampling.Sampling: temperature, top_k,
+  top_p) of prompts of one length; returns [B, P + steps] tokens. Step i draws with
+  fold_in(key, i), one key for every row. Prompts of different lengths, stop tokens and
+  per-prompt keys: batched.generate_batch; loop-draft speculative decoding (batch 1):
+  speculative.generate_speculative."""
   if steps < 1:
     raise ValueError(f'steps={steps}: must be >= 1')
   if jnp.issubdtype(prompt_BT.dtype, jnp.floating):
@@ -199,13 +207,14 @@ def generate(cfg: ModelConfig, params, prompt_BT, steps: int, key, temperature: 
   batch, plen = prompt_BT.shape
   cache = init_cache(cfg, batch, plen + steps, num_loops)
   logits, cache = decode_step(cfg, params, cache, prompt_BT, num_loops, router_bias, runtime)
-  first = sample(logits[:, -1], jax.random.fold_in(key, 0), temperature)
+  sampling = Sampling(temperature, top_k, top_p)
+  first = sampling.sample(logits[:, -1], jax.random.fold_in(key, 0))
 
   def body(carry, i):
     cache, tok = carry
     logits, cache = decode_step(cfg, params, cache, tok[:, None], num_loops, router_bias,
                                 runtime)
-    nxt = sample(logits[:, -1], jax.random.fold_in(key, i), temperature)
+    nxt = sampling.sample(logits[:, -1], jax.random.fold_in(key, i))
     return (cache, nxt), tok
 
   (_, last), toks = jax.lax.scan(body, (cache, first), jnp.arange(1, steps))
