@@ -87,8 +87,12 @@ def theirs(model, toks, **kw):
     return model(torch.tensor(np.asarray(toks), dtype=torch.long), **kw).logits.numpy()
 
 
+FAST = ('main_job', 'router_bias_per_pass')  # the others 6-9 s each on 2 cores: slow
+
+
 @needs_torch
-@pytest.mark.parametrize('name', sorted(CASES))
+@pytest.mark.parametrize('name', [n if n in FAST else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(CASES)])
 def test_logits_equal_ours_at_every_pass_count(name, tmp_path):
   cfg = ModelConfig(**{**BASE, **CASES[name]})
   params, bias = make_params(cfg), make_bias(cfg)
@@ -106,6 +110,7 @@ def test_logits_equal_ours_at_every_pass_count(name, tmp_path):
 
 
 @needs_torch
+@pytest.mark.slow
 def test_greedy_generate_with_cache_equals_without_and_ours(tmp_path):
   """Greedy tokens with transformers' KV cache (one entry per executed pass and layer) equal
   those without a cache and our cached decode, at the trained and at another pass count;
@@ -229,3 +234,19 @@ def test_import_of_a_mixtral_directory_as_hf_looped_is_refused(tmp_path):
   with pytest.raises(ValueError, match="model_type 'mixtral'.*is not an hf-looped export"):
     files.import_looped(str(tmp_path / 'hf'), str(tmp_path / 'out'))
   assert not os.path.exists(tmp_path / 'out')
+
+
+@pytest.mark.slow
+def test_cli_refuses_loop_span_with_hf_looped_import(tmp_path):
+  """--loop_span belongs to the Mixtral import: with --import=hf-looped it is one line naming
+  it, and nothing is written."""
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  r = subprocess.run([sys.executable, os.path.join(root, 'scripts', 'export.py'),
+                      '--import=hf-looped', f'--src={tmp_path}', '--loop_span=1:3:2',
+                      f'--out={tmp_path / "x"}'], capture_output=True, text=True, timeout=300,
+                     cwd=root)
+  assert r.returncode == 1, r.stderr[-500:]
+  assert r.stderr.strip().splitlines()[-1] == 'error: --import does not take --loop_span'
+  assert not os.path.exists(tmp_path / 'x')

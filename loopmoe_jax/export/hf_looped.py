@@ -95,8 +95,9 @@ def to_tensors(params, router_bias=None) -> dict[str, np.ndarray]:
 
 
 def from_hf(config: dict, tensors: dict[str, np.ndarray], where: str):
-  """(ModelConfig, params, router bias ({'bias': {segment: array}}) or None) of an hf-looped directory's config and
-  tensors; a config or tensor set that is not one is a ValueError naming what."""
+  """(ModelConfig, params, router bias {'bias': {segment: array}} or None) of an hf-looped
+  directory's config and tensors; a config or tensor set that is not one is a ValueError
+  naming what."""
   if config.get('model_type') != MODEL_TYPE or ARCHITECTURE not in (config.get('architectures')
                                                                      or []):
     raise ValueError(f'{where}: model_type {config.get("model_type")!r} / architectures '

@@ -17,9 +17,9 @@ PIP = 'pip install torch==2.13.0 transformers==5.24.0'
 
 def to_hf(cfg, params, router_bias=None, run_config: dict | None = None,
           step: int | None = None, command: str | None = None):
-  """(config.json, generation_config.json, tensors) of a model (`params` numpy, the trained
-  `router_bias` collection {'bias': {segment: array}} or None; `run_config` the run's resolved config, kept for the import);
-  refuses what the modeling code does not carry."""
+  """(config.json, generation_config.json, tensors) of a model: `params` as numpy, the trained
+  `router_bias` collection ({'bias': {segment: array}}) or None, `run_config` the run's
+  resolved config (kept for the import). Refuses what the modeling code does not carry."""
   hf_looped.check_exportable(cfg)
   run_config = run_config or {}
   # the trained context (what the harness's hf backend cuts contexts to, as our adapter does);
@@ -54,8 +54,10 @@ def model_card(c, step: int | None, command: str | None, tokenizer: str | None,
   """README.md: what the model is, the command that made it, the trained pass count and how
   to choose another, the tensor names, and the harness command."""
   made = command or 'python scripts/export.py --workdir=RUN --format=hf-looped --out=DIR'
-  tok = ('`AutoTokenizer.from_pretrained(DIR)` loads the tokenizer the run trained on '
-         f'({tokenizer}).' if tokenizer else
+  tok = ('`AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)` loads the tokenizer '
+         f'the run trained on ({tokenizer}; trust_remote_code only spares the prompt transformers '
+         'shows while reading config.json: the tokenizer is a plain tokenizer.json).'
+         if tokenizer else
          'No tokenizer: the run\'s could not be loaded at export; feed token ids.')
   per_pass = '' if c.tie_attention else (
       f' This model has per-pass attention: at most {c.num_loops} passes.')
@@ -81,7 +83,7 @@ call or at load (1 to {MAX_LOOPS_FACTOR * c.num_loops}, `config.max_loops`).{per
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
 model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True, dtype='float32')
-tok = AutoTokenizer.from_pretrained(DIR)
+tok = AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)
 ids = tok('def ', return_tensors='pt').input_ids
 logits = model(ids, num_loops=6).logits              # 6 passes through the core
 out = model.generate(ids, max_new_tokens=32, do_sample=False, num_loops=6)

@@ -1,27 +1,18 @@
 """A looped Mixture-of-Experts causal LM exported by loopmoe_jax, in plain PyTorch.
 
-embed -> prelude layers -> core layers x num_loops (shared weights) -> coda layers -> RMSNorm
--> head. Every layer is pre-norm attention and a pre-norm SwiGLU feed-forward, routed
-(`*_experts` >= 1) or dense (0), each write added to the residual stream; inside the core each
-write is scaled by 1/r with residual_scale 'inverse_loops' (r the trained pass count, or the
-executed one with scale_passes 'executed'). Routing is recomputed on every visit of a core
-layer: softmax over the experts (weights renormalised over the top-k when `renormalize`) or
-sigmoid affinities (always normalised over the k); a trained router bias (`router_bias`,
-buffers `model.router_bias.<segment>`) is added to the scores for the choice of experts only,
-per (pass, layer) with 'per_pass' (a pass past the trained ones reuses the last pass's). With
-`injection` the core's input is added to (or, 'concat', projected with) the state at the
-start of every pass. With `tie_attention` False every pass has its own attention weights
-(`model.core.pass_attn_<i>.q` ... stacked on a leading pass axis). RoPE is the rotate-half
-form; query head h reads kv head h // (H / G). With `tie_embeddings` the head is the
-embedding table transposed, over sqrt(hidden_size).
-
-Parameter names are `model.` + loopmoe_jax's own dotted names, in its layouts: q/k/v
-[D, heads, K], o [H, K, D], router [D, E], experts gate/up [E, D, F] and down [E, F, D],
-dense gate/up [D, F] and down [F, D], embed [V, D], head [D, V]; shared weights stored once.
-
-KV cache: one entry per executed (pass, layer) (prelude, then pass 0 layers 0..C-1, pass 1,
-..., then coda), in a transformers DynamicCache; a cache filled at one pass count is refused
-at another.
+embed -> prelude -> core layers x num_loops (shared weights) -> coda -> RMSNorm -> head. Each
+layer: pre-norm attention and a pre-norm SwiGLU feed-forward, routed (`*_experts` >= 1) or
+dense (0). Inside the core every write is scaled by 1/r with residual_scale 'inverse_loops'
+(r: trained_loops, or the executed count with scale_passes 'executed'); routing is recomputed
+on every visit (softmax, top-k renormalised when `renormalize`, or sigmoid normalised over
+the k); the trained router bias (`model.router_bias.<segment>`; per (pass, layer) with
+'per_pass', a pass past the trained ones reusing the last) picks the experts, never weights
+them; `injection` adds (or with 'concat' projects) the core's input at every pass; with
+`tie_attention` False each pass has its own attention (`model.core.pass_attn_<i>.*`, a
+leading pass axis). RoPE rotate-half; query head h reads kv head h // (H / G); tied
+embeddings: the head is embed.T / sqrt(hidden_size). Parameters: `model.` + loopmoe_jax's
+names in its layouts (q/k/v [D, heads, K], o [H, K, D], router [D, E], experts [E, D, F] /
+[E, F, D]). KV cache: one DynamicCache entry per executed (pass, layer), prelude first.
 """
 import math
 
@@ -78,6 +69,7 @@ class AttentionWeights(nn.Module):
     self.o = nn.Parameter(torch.empty(lead + (h, k, d)))
 
   def weights(self, index=None):
+    """{'q', 'k', 'v', 'o'}, pass `index`'s slice of each when given."""
     w = {'q': self.q, 'k': self.k, 'v': self.v, 'o': self.o}
     return w if index is None else {n: a[index] for n, a in w.items()}
 
@@ -170,8 +162,7 @@ def limit_groups(select, top_k, max_groups, groups):
   best = min(-(-top_k // max_groups), e // groups)
   score = per.topk(best, dim=-1).values.sum(-1)
   chosen = score.topk(max_groups, dim=-1).indices
-  allowed = torch.zeros(t, groups, dtype=torch.bool, device=select.device)
-  allowed.scatter_(1, chosen, True)
+  allowed = torch.zeros(t, groups, dtype=torch.bool, device=select.device).scatter_(1, chosen, True)
   return select.masked_fill(~allowed.repeat_interleave(e // groups, dim=1), -math.inf)
 
 
@@ -251,19 +242,16 @@ class Core(nn.Module):
 
 class Context:
   """What every attention call of one forward shares: positions [B, T], the cache, and the
-  key mask (causal by slot, and the 2-D attention_mask's padding)."""
+  key mask [B, T, S] (causal by slot, and the 2-D attention_mask's padding)."""
 
   def __init__(self, positions, cache, attention_mask, past):
-    self.positions, self.cache, self.attention_mask, self.past = positions, cache, attention_mask, past
+    self.positions, self.cache, self.mask_2d, self.past = positions, cache, attention_mask, past
 
   def mask(self, keys):
-    b, t = self.positions.shape
-    device = self.positions.device
-    query = torch.arange(t, device=device)[:, None] + self.past
-    allowed = (torch.arange(keys, device=device)[None, :] <= query)[None].expand(b, t, keys)
-    if self.attention_mask is not None:
-      allowed = allowed & self.attention_mask[:, None, :keys].bool()
-    return allowed
+    t, device = self.positions.shape[1], self.positions.device
+    allowed = (torch.arange(keys, device=device)[None, :] <=
+               torch.arange(t, device=device)[:, None] + self.past)[None]
+    return allowed if self.mask_2d is None else allowed & self.mask_2d[:, None, :keys].bool()
 
 
 class RouterBias(nn.Module):
@@ -302,6 +290,7 @@ class LoopMoEModel(nn.Module):
       self.router_bias = RouterBias(c)
 
   def bias(self, seg):
+    """The trained router bias of segment `seg`, or None."""
     return getattr(self.router_bias, seg, None) if hasattr(self, 'router_bias') else None
 
   def forward(self, input_ids, ctx, num_loops):
@@ -393,7 +382,7 @@ class LoopMoEForCausalLM(PreTrainedModel, GenerationMixin):
     b, t = input_ids.shape
     past = prepare_cache(cache, n, c.prelude_layers + c.core_layers * n + c.coda_layers) if (
         cache is not None) else 0
-    if attention_mask is not None and attention_mask.shape[-1] != past + t:
+    if attention_mask is not None and attention_mask.shape[-1] != past + t:  # 2-D only
       raise ValueError(f'attention_mask covers {attention_mask.shape[-1]} positions: the cache '
                        f'holds {past} and input_ids adds {t}')
     if position_ids is None:
