@@ -289,3 +289,20 @@ def test_points_in_child_processes_train_as_in_process(tmp_path):
   assert any("point's process peak" in line for line in lines), lines
   with pytest.raises(ValueError, match='isolate'):
     sweep.run_sweep(cfg, grid, str(tmp_path / 'x'), run=lambda c, w: {}, isolate=True)
+
+
+def test_points_share_the_sweeps_compile_cache_unless_one_is_named(tmp_path):
+  seen = []
+
+  def fake(c, workdir):
+    seen.append(c.train.compile_cache)
+    return {'steps': c.train.steps, 'final_window_loss': 1.0, 'stopped_by': None}
+
+  cfg = _config()
+  sweep.run_sweep(cfg, {'model.num_loops': [1, 2]}, str(tmp_path / 'a'), run=fake,
+                  log=lambda *_: None)
+  assert seen == [str(tmp_path / 'a' / 'compile_cache')] * 2
+  cfg.train.compile_cache = 'off'
+  sweep.run_sweep(cfg, {'model.num_loops': [1]}, str(tmp_path / 'b'), run=fake,
+                  log=lambda *_: None)
+  assert seen[-1] == 'off'
