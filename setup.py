@@ -19,7 +19,8 @@ setup(
     ],
     # the offline LM-harness task pack (analysis/lm_harness.py) ships its rows inside the package
     package_data={'loopmoe_jax.lm_tasks': ['*.yaml', '*.jsonl', 'build.json']},
-    # lm_eval: the LM Evaluation Harness adapter (scripts/lm_eval.py), optional
+    # lm_eval: the LM Evaluation Harness adapter (scripts/lm_eval.py), optional; accelerate for
+    # the harness's own `hf` backend on an hf-looped export (export/hf_looped.py)
     # tpu / cuda: the accelerators' own compilers for compiling on a CPU-only machine
     # (scripts/dry_run.py --target, scripts/fit.py; loopmoe_jax/targets.py). jax's extras pin
     # libtpu and the CUDA plugin to the installed jax; 'cuda12-local' is the plugin without the
@@ -32,7 +33,7 @@ setup(
                              'gcp-storage-emulator', 'wandb'],
                     'gcs': ['gcsfs', 'google-cloud-storage'],
                     'wandb': ['wandb'],
-                    'lm_eval': ['lm-eval==0.4.13'],
+                    'lm_eval': ['lm-eval==0.4.13', 'accelerate==1.16.0'],
                     'tpu': ['jax[tpu]'],
                     'cuda': ['jax[cuda12-local]', 'nvidia-cuda-nvcc-cu12', 'nvidia-nvjitlink-cu12']},
 )
