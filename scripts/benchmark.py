@@ -6,6 +6,7 @@
     python scripts/benchmark.py scale [--quick] [--json=FILE]     # 8 devices (fake on CPU)
     python scripts/benchmark.py memory [--quick] [--json=FILE]    # compiled, nothing run
     python scripts/benchmark.py adaptive [--quick] [--json=FILE]  # sampled passes, early exit
+    python scripts/benchmark.py decode [--quick] [--json=FILE]    # batched, loop-draft speculative
 
 Sub-commands live in the modules of loopmoe_jax/bench/'s MODULES (imported on demand, so
 `kernels` needs neither the data stack nor its packages).

@@ -3,7 +3,7 @@
 travel across machines better than absolute times.
 
 One module per sub-command (`MODULES`: bench/model.py, data.py, kernels.py, scale.py,
-memory.py, adaptive.py, each registering itself with `register`); every target in `TARGETS`,
+memory.py, adaptive.py, decode.py, each registering itself with `register`); every target in `TARGETS`,
 here.
 
 `--quick` shrinks every size and repeat count for a smoke run (tests/test_benchmark.py).
@@ -28,7 +28,7 @@ from loopmoe_jax.objective import loss_fn
 SUBCOMMANDS: dict[str, Callable[[bool], dict[str, Any]]] = {}
 # Sub-command -> the module that registers it (imported by `run` on demand).
 MODULES = {name: f'loopmoe_jax.bench.{name}' for name in ('model', 'data', 'kernels', 'scale',
-                                                          'memory', 'adaptive')}
+                                                          'memory', 'adaptive', 'decode')}
 # Every sub-command's targets, in this one table: key -> upper bound (ratios; lower is better),
 # or ('>=', lower bound) where higher is better.
 TARGETS = {
@@ -71,6 +71,9 @@ TARGETS = {
     'decode_exit_over_full': 0.65,
     'compiled_programs': 8,
     'compiled_programs_over_counts_drawn': 1.0,   # one program per count drawn
+    # decode
+    'spec_tokens_per_s_over_plain': ('>=', 1.5),  # loop-draft, batch 1, greedy, same tokens
+    'batched_tokens_per_s_over_single': ('>=', 4),  # 8 mixed-length prompts in one batch
 }
 
 
