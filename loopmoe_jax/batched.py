@@ -17,6 +17,12 @@ Randomness is per prompt: prompt i (its index in `prompts`, or `prompt_ids[i]`) 
 fold_in(fold_in(key, i), j), so its sampled text does not depend on the batch it runs in or
 the batch size (tests/test_batched_generate.py checks rows against single-prompt runs).
 A batch stops when every row has emitted a stop token or `max_new` tokens.
+
+Cost: the vmapped step is not the natively batched one. On this CPU (README main job, 8 rows
+x 64 tokens) decode.generate gains 6.1x from batch 1 to 8 (one length, one cache position),
+this path 1.3x under the CPU default dispatch 'tiled' and 2.8x under 'reference' (which also
+runs 2.9x faster than 'tiled' at batch 1). Native per-row positions would need the attention's
+cache write to take a position per row (attention.py).
 """
 from __future__ import annotations
 
