@@ -221,8 +221,7 @@ def export_workdir(workdir: str, out: str, fmt: str, step: int | None = None,
   summary = {'step': s, 'format': fmt, 'out': storage.absolute(out), 'bytes': size,
              'layers': layers, **extra}
   if verify:
-    summary['verify'] = (looped_io.verify(run, out) if fmt == 'hf-looped' else
-                         verify_export(run, out, fmt))
+    summary['verify'] = verify_export(run, out, fmt)
   return summary
 
 
@@ -268,11 +267,14 @@ def verify_export(workdir, out: str, fmt: str, step: int | None = None,
   absolute logit difference over `tokens` tokens in float32, and whether `greedy` greedy
   tokens after a 16-token prompt agree. 'hf-mixtral' loads it with transformers'
   MixtralForCausalLM on CPU (torch and transformers must be installed); 'safetensors' with our
-  own reader (load_model), run through our model. `workdir`: a run directory, or the
-  run.Loaded its caller holds already."""
+  own reader (load_model), run through our model; 'hf-looped' with its own class at several
+  pass counts (looped_io.verify). `workdir`: a run directory, or the run.Loaded its caller
+  holds already."""
   import jax
   import jax.numpy as jnp
   run = as_loaded(workdir, step)
+  if fmt == 'hf-looped':  # its own model class, at several pass counts (looped_io.verify)
+    return looped_io.verify(run, out, tokens, greedy)
   cfg, params, s, config = run.model_cfg, run.params, run.step, run.config
   inputs = np.concatenate(validation_inputs(config, cfg.vocab_size, tokens)[0])
   seq = min(inputs.shape[1], tokens)
