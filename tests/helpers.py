@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from loopmoe_jax.config import ModelConfig, model_config_dict
 from loopmoe_jax.config import RUN_FIELDS
@@ -155,3 +156,12 @@ def decode_all(cfg, params, toks, prefix=1, max_len=None, num_loops=None,
     logits, cache = step(params, cache, toks[:, t:t + 1])
     out.append(logits)
   return jnp.concatenate(out, axis=1), cache
+
+
+try:  # the Hugging Face comparisons (test_export*.py); CI installs both (.ci/run)
+  import torch
+  import transformers
+except ImportError:
+  torch = transformers = None
+needs_torch = pytest.mark.skipif(torch is None, reason='torch and transformers are not '
+                                 'installed (pip install torch==2.13.0 transformers==5.24.0)')

@@ -19,15 +19,8 @@ from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.export import files, hf_looped, looped_io, mixtral, safetensors_io
 from loopmoe_jax.model import LoopedMoE, bias_shapes, variables
 
-from helpers import make_params, rt
+from helpers import make_params, needs_torch, rt, torch, transformers
 
-try:
-  import torch
-  import transformers
-except ImportError:  # CI installs them (.ci/run)
-  torch = transformers = None
-needs_torch = pytest.mark.skipif(torch is None, reason='torch and transformers are not '
-                                 'installed (pip install torch==2.13.0 transformers==5.24.0)')
 
 BASE = dict(vocab_size=37, d_model=16, num_heads=4, expert_width=8, top_k=2,
             prelude_layers=1, prelude_experts=4, core_layers=2, core_experts=4, num_loops=3,
