@@ -2,11 +2,13 @@
 
 The export directory holds config.json (model_type 'loopmoe', every architecture field the
 forward reads, `num_loops` the trained pass count as the default, an auto_map for AutoConfig
-and AutoModelForCausalLM), the modeling source (hf_looped_src/: configuration_loopmoe.py,
-modeling_loopmoe.py, plain PyTorch), model.safetensors (or hub-style shards) with each
-parameter once under `model.` + our dotted name ('model.core.body.layer_0.moe.down') in our
-layouts and dtypes, the trained router bias as 'model.router_bias.<segment>', the run's
-tokenizer (tokenizer.json, tokenizer_config.json) and a model card (README.md). The section
+and AutoModelForCausalLM), the modeling source (hf_looped_src/, SOURCE_FILES, plain
+PyTorch), model.safetensors (or hub-style shards) with each parameter once under `model.` +
+our dotted name ('model.core.body.layer_0.moe.down') in our layouts and dtypes, the trained
+router bias as 'model.router_bias.<segment>', the run's tokenizer (tokenizer.json,
+tokenizer_config.json) and a model card (README.md). The per-token early exit ('kl', and
+'gate' with its trained 'model.exit_gate_w' [D] and 'model.exit_gate_b' [1]) is config.json's
+`exit` and `exit_threshold`, applied as our decode applies it. The section
 'loopmoe' of config.json keeps our model config, the step and the run's resolved config, so
 an import gives back the run exactly.
 
@@ -28,7 +30,8 @@ from loopmoe_jax.model import MAX_LOOPS_FACTOR, bias_shapes
 ARCHITECTURE = 'LoopMoEForCausalLM'
 MODEL_TYPE = 'loopmoe'
 SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'hf_looped_src')
-SOURCE_FILES = ('configuration_loopmoe.py', 'modeling_loopmoe.py')
+SOURCE_FILES = ('configuration_loopmoe.py', 'modeling_loopmoe.py', 'core_loopmoe.py',
+                'layers_loopmoe.py')
 PREFIX = 'model.'
 BIAS_PREFIX = 'model.router_bias.'
 # HF config name -> ModelConfig field, where the value is the same
@@ -45,7 +48,7 @@ SAME = {'vocab_size': 'vocab_size', 'hidden_size': 'd_model', 'num_attention_hea
         'tie_attention': 'tie_attention', 'residual_scale': 'residual_scale',
         'scale_passes': 'scale_passes', 'injection': 'injection',
         'tie_embeddings': 'tie_embeddings', 'norm_gain': 'norm_gain', 'rms_norm_eps': 'norm_eps',
-        'rope_theta': 'rope_theta'}
+        'rope_theta': 'rope_theta', 'exit': 'exit', 'exit_threshold': 'exit_threshold'}
 
 
 def unsupported(c: ModelConfig) -> list[str]:
@@ -54,10 +57,8 @@ def unsupported(c: ModelConfig) -> list[str]:
   out = []
   if c.capacity_factor:
     out.append(f'model.capacity_factor={c.capacity_factor} (expert capacity drops assignments '
-               'by batch; the exported modeling code is dropless)')
-  if c.exit != 'none':
-    out.append(f'model.exit={c.exit!r} (the per-token early exit is not in the exported '
-               'modeling code)')
+               "by the tokens of a call, in our decode's prefill and batched steps too; the "
+               'exported modeling code is dropless)')
   if c.kv_cache != 'per_pass':
     out.append(f'model.kv_cache={c.kv_cache!r} (the exported modeling code keeps one KV entry '
                "per pass and layer, 'per_pass')")
@@ -79,6 +80,7 @@ def hf_config(c: ModelConfig, max_positions: int, extra: dict) -> dict:
                          'AutoModelForCausalLM': 'modeling_loopmoe.LoopMoEForCausalLM'}}
   config.update({hf: getattr(c, ours) for hf, ours in SAME.items()})
   config.update(num_loops=c.num_loops, max_loops=MAX_LOOPS_FACTOR * c.num_loops,
+                exit_gate=c.exit == 'gate',
                 max_position_embeddings=max_positions, use_cache=True,
                 tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
                 pad_token_id=None, dtype=c.param_dtype, loopmoe=extra)
@@ -88,7 +90,9 @@ def hf_config(c: ModelConfig, max_positions: int, extra: dict) -> dict:
 def to_tensors(params, router_bias=None) -> dict[str, np.ndarray]:
   """{hub name: array}: every parameter once, as it is (dtype and layout), and the router
   bias (the variables' collection, {'bias': {segment: array}})."""
-  t = {PREFIX + n: np.ascontiguousarray(a) for n, a in safetensors_io.flatten(params).items()}
+  # a scalar (the exit gate's b) as [1]: safetensors readers and writers differ on 0-d arrays
+  t = {PREFIX + n: np.ascontiguousarray(a).reshape(np.shape(a) or (1,))
+       for n, a in safetensors_io.flatten(params).items()}
   for seg, b in ((router_bias or {}).get('bias') or {}).items():
     t[BIAS_PREFIX + seg] = np.ascontiguousarray(np.asarray(b))
   return t
@@ -125,7 +129,10 @@ def from_hf(config: dict, tensors: dict[str, np.ndarray], where: str):
   stray = sorted(n for n in tensors if not n.startswith(PREFIX))
   if stray:
     raise ValueError(f'{where}: extra tensors {stray[:8]}')
-  safetensors_io.check_tensors(flat, safetensors_io.expected_tensors(cfg), where)
+  expected = safetensors_io.expected_tensors(cfg)
+  flat = {n: a.reshape(()) if n in expected and expected[n].shape == () and a.size == 1 else a
+          for n, a in flat.items()}  # scalars travel as [1] (to_tensors)
+  safetensors_io.check_tensors(flat, expected, where)
   bias = {n[len(BIAS_PREFIX):]: np.asarray(a) for n, a in tensors.items()
           if n.startswith(BIAS_PREFIX)}
   want = bias_shapes(cfg)

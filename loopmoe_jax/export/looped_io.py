@@ -61,6 +61,28 @@ def model_card(c, step: int | None, command: str | None, tokenizer: str | None,
          'No tokenizer: the run\'s could not be loaded at export; feed token ids.')
   per_pass = '' if c.tie_attention else (
       f' This model has per-pass attention: at most {c.num_loops} passes.')
+  return card_text(c, step, made, tok, per_pass, tensor_bytes)
+
+
+def exit_text(c) -> str:
+  """The model card's paragraph on the per-token early exit."""
+  rules = {'gate': 'its cumulative exit probability (the trained gate, `model.exit_gate_*`) '
+                   'reaches the threshold',
+           'kl': 'the KL divergence between its consecutive passes falls below the threshold'}
+  if c.exit == 'none':
+    return ("**Per-token early exit: none trained** (`config.exit='none'`). "
+            "`exit='kl', exit_threshold=1e-3` at load adds the zero-shot exit: a token stops "
+            f"looping once {rules['kl']}.")
+  return (f'**Per-token early exit: `{c.exit}`**, threshold {c.exit_threshold} (`config.exit`, '
+          '`config.exit_threshold`): in `generate` and in any forward given a cache, a token '
+          f'stops looping once {rules[c.exit]}, as loopmoe_jax applies it when decoding; a '
+          'forward without a cache runs every pass. `early_exit=True` / `False` (forward or '
+          "generate) forces it on or off; `exit='none'` at load runs every pass everywhere "
+          "(what loopmoe_jax's harness adapter scores: add it to the harness's model_args).")
+
+
+def card_text(c, step, made, tok, per_pass, tensor_bytes) -> str:
+  """The model card's text (`model_card`)."""
   return f"""---
 library_name: transformers
 tags: [loopmoe, looped-transformer, mixture-of-experts, custom_code]
@@ -91,6 +113,8 @@ model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True, num_lo
 ```
 
 {tok}
+
+{exit_text(c)}
 
 LM Evaluation Harness, `hf` backend (extra model_args reach `from_pretrained`, which sets
 config fields, so `num_loops` picks the passes):
@@ -164,8 +188,9 @@ def pass_counts(c) -> list[int]:
 def verify(run, out: str, tokens: int = 256, greedy: int = 16) -> dict:
   """The export loaded with AutoModelForCausalLM (trust_remote_code, float32, CPU) against our
   model on the run's first validation window(s): the max absolute logit difference at each
-  of `pass_counts`, and whether `greedy` greedy tokens with transformers' KV cache equal our
-  cached decode's at the trained count."""
+  of `pass_counts` (with model.exit, also of the forward with the per-token exit), and
+  whether `greedy` greedy tokens with transformers' KV cache equal our cached decode's at the
+  trained count (the exit applied in both)."""
   import jax
   import jax.numpy as jnp
   from loopmoe_jax import decode
@@ -179,14 +204,16 @@ def verify(run, out: str, tokens: int = 256, greedy: int = 16) -> dict:
   seq = min(inputs.shape[1], tokens)
   x = inputs[:max(1, tokens // seq), :seq].astype(np.int32)
   var = variables(run.params, router_bias=run.router_bias)
-  errors, scale = {}, 0.0
+  errors, exit_errors, scale = {}, {}, 0.0
   for n in pass_counts(cfg):
-    ours = np.asarray(LoopedMoE(cfg, runtime=run.runtime).apply(var, jnp.asarray(x),
-                                                                  num_loops=n)[0], np.float32)
-    with torch.no_grad():
-      theirs = model(torch.tensor(x, dtype=torch.long), num_loops=n).logits.numpy()
-    errors[n] = float(np.max(np.abs(theirs - ours)))
-    scale = max(scale, float(np.max(np.abs(ours))))
+    for exiting in (False, True) if cfg.exit != 'none' else (False,):
+      ours = np.asarray(LoopedMoE(cfg, runtime=run.runtime).apply(
+          var, jnp.asarray(x), num_loops=n, early_exit=exiting)[0], np.float32)
+      with torch.no_grad():
+        theirs = model(torch.tensor(x, dtype=torch.long), num_loops=n,
+                       early_exit=exiting).logits.numpy()
+      (exit_errors if exiting else errors)[n] = float(np.max(np.abs(theirs - ours)))
+      scale = max(scale, float(np.max(np.abs(ours))))
   prompt = x[:1, :min(16, seq)]
   ours = np.asarray(decode.generate(cfg, run.params, jnp.asarray(prompt), greedy,
                                     jax.random.key(0), 0.0, router_bias=run.router_bias,
@@ -195,6 +222,10 @@ def verify(run, out: str, tokens: int = 256, greedy: int = 16) -> dict:
     theirs = model.generate(torch.tensor(prompt, dtype=torch.long), max_new_tokens=greedy,
                             do_sample=False, attention_mask=torch.ones(prompt.shape,
                                                                        dtype=torch.long)).numpy()
-  return {'step': run.step, 'tokens': int(x.size), 'max_abs_logit_error': max(errors.values()),
-          'by_num_loops': errors, 'logit_scale': scale, 'greedy_tokens': greedy,
-          'greedy_equal': bool(np.array_equal(ours, theirs))}
+  out = {'step': run.step, 'tokens': int(x.size),
+         'max_abs_logit_error': max([*errors.values(), *exit_errors.values()]),
+         'by_num_loops': errors, 'logit_scale': scale, 'greedy_tokens': greedy,
+         'greedy_equal': bool(np.array_equal(ours, theirs))}
+  if exit_errors:  # the forward with the per-token exit (early_exit=True), model.exit's
+    out['by_num_loops_exit'] = exit_errors
+  return out

@@ -7,12 +7,20 @@ count (`trained_loops`) there. Choose another at load time,
 `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True, num_loops=6)`, or per call,
 `model(input_ids, num_loops=6)` / `model.generate(..., num_loops=6)`; it must lie in
 [1, max_loops], and with per-pass attention (tie_attention False) at most trained_loops.
+
+`exit` ('none', 'kl' or 'gate') is the per-token early exit from the core, applied in
+`generate` and in a forward given a cache (core_loopmoe.py), with `exit_threshold` (gate: the
+cumulative exit probability at which a token exits, in (0, 1]; kl: the KL divergence between
+consecutive passes below which it exits, > 0). 'gate' needs the trained gate (`exit_gate`,
+a model trained with it); 'kl' runs on any model; 'none' runs every pass. Set them at load
+like num_loops: `from_pretrained(DIR, trust_remote_code=True, exit='none')`.
 """
 from transformers import PretrainedConfig
 
 ROUTER_SCORES = ('softmax', 'sigmoid')
 ROUTER_BIASES = ('none', 'shared', 'per_pass')
 INJECTIONS = ('none', 'add', 'concat')
+EXITS = ('none', 'kl', 'gate')
 
 
 class LoopMoEConfig(PretrainedConfig):
@@ -29,7 +37,8 @@ class LoopMoEConfig(PretrainedConfig):
                trained_loops=None, max_loops=None, coda_layers=1, coda_experts=4,
                tie_attention=True, residual_scale='none', scale_passes='trained',
                injection='none', tie_embeddings=False, norm_gain=True, rms_norm_eps=1e-6,
-               rope_theta=10000.0, max_position_embeddings=4096, use_cache=True, **kwargs):
+               rope_theta=10000.0, exit='none', exit_threshold=0.0, exit_gate=False,
+               max_position_embeddings=4096, use_cache=True, **kwargs):
     self.vocab_size = vocab_size
     self.hidden_size = hidden_size
     self.num_attention_heads = num_attention_heads
@@ -60,11 +69,13 @@ class LoopMoEConfig(PretrainedConfig):
     self.rope_theta = rope_theta
     self.max_position_embeddings = max_position_embeddings
     self.use_cache = use_cache
+    self.exit, self.exit_threshold, self.exit_gate = exit, exit_threshold, exit_gate
     for name, value, allowed in (('router_score', router_score, ROUTER_SCORES),
                                  ('router_bias', router_bias, ROUTER_BIASES),
                                  ('injection', injection, INJECTIONS)):
       if value not in allowed:
         raise ValueError(f'{name}={value!r}: must be one of {allowed}')
+    check_exit(self)
     # the head is computed from the embedding table in the forward (tie_embeddings): nothing
     # for transformers to tie
     kwargs['tie_word_embeddings'] = False
@@ -78,3 +89,20 @@ class LoopMoEConfig(PretrainedConfig):
   @num_hidden_layers.setter
   def num_hidden_layers(self, value):
     del value  # derived from the layout and num_loops; a stored value is ignored
+
+
+def check_exit(config) -> str:
+  """config.exit, checked with its threshold (fields set at load are checked at the forward):
+  a one-line ValueError naming the field."""
+  rule, t = getattr(config, 'exit', 'none'), getattr(config, 'exit_threshold', 0.0)
+  number = not isinstance(t, bool) and isinstance(t, (int, float))
+  if rule not in EXITS:
+    raise ValueError(f'exit={rule!r}: must be one of {EXITS}')
+  if rule == 'kl' and not (number and 0 < t < float('inf')):
+    raise ValueError(f"exit_threshold={t!r}: exit='kl' needs a finite threshold > 0 (e.g. 1e-3)")
+  if rule == 'gate' and not (number and 0 < t <= 1):
+    raise ValueError(f"exit_threshold={t!r}: exit='gate' needs a threshold in (0, 1] (e.g. 0.5)")
+  if rule == 'gate' and not getattr(config, 'exit_gate', False):
+    raise ValueError("exit='gate': this model has no trained exit gate (exit_gate=False); use "
+                     "exit='kl' (no training needed) or 'none'")
+  return rule
