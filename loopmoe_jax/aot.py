@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import re
 import tempfile
@@ -46,6 +47,10 @@ from loopmoe_jax.experiment import build
 from loopmoe_jax.job import Job
 from loopmoe_jax.runtime import Runtime
 from loopmoe_jax.train import compile_cache
+from pallas_kernels import capability
+
+log = logging.getLogger(__name__)
+_NOTED = set()
 
 PRESETS = {
     'tpu': {'xla_tpu_enable_latency_hiding_scheduler': True,
@@ -76,16 +81,35 @@ KERNEL_CALLS = {'tpu': {'mosaic': 'tpu_custom_call'},
                          'cudnn_attention': '__cudnn$fmha'}}
 
 
-def target_for(name: str | None, preset: str = 'pod') -> targets.Target:
-  """The target a script compiles for (--target), its compiler installed and its preset
-  known, checked before anything is built: each miss one line naming the flag or the pip
-  command."""
+def target_for(name: str | None, preset: str = 'pod', kernel_family: str | None = None
+               ) -> targets.Target:
+  """The target a script compiles for (--target), its compiler, preset and --kernel_family
+  checked before anything is built: each miss one line naming the flag or the pip command."""
   if not name:
-    raise ValueError('--target is required (e.g. v5p-128, h200x8)')
-  target = targets.get(name)
+    raise ValueError('--target is required (e.g. v5p-128, h200x8, rtx4090x1)')
+  target = targets.with_kernel_family(targets.get(name), kernel_family)
   targets.check_extra(target.platform)
   compiler_options(target.platform, preset)
+  kernel_runtime(target)
   return target
+
+
+def kernel_runtime(target: targets.Target) -> Runtime:
+  """Runtime.for_platform(target's) with the Pallas kernels its chip runs (a GPU: by compute
+  capability, pallas_kernels/capability.py; none: `auto` dispatch takes XLA), or the target's
+  kernel_family where the chip runs it; said once per target (a note; XLA: a warning)."""
+  runtime = Runtime.for_platform(target.platform)
+  cc, family = target.chip.compute_capability, target.kernel_family
+  if cc is None and family not in (None, 'tpu'):
+    raise ValueError(f"--kernel_family={family}: target {target.name} is a TPU: use 'tpu'")
+  if cc is None:
+    return runtime.replace(kernel_family=family)
+  tiles, why_not, line = capability.plan(cc, family)
+  if (target.name, family) not in _NOTED:  # once per target and choice
+    _NOTED.add((target.name, family)) or (log.warning if why_not else log.info)(
+        f'{target.name} kernels, {line}')
+  runtime = runtime.with_tiles(tiles) if tiles else runtime
+  return runtime.replace(pallas_check=why_not) if why_not else runtime
 
 
 def compiler_options(platform: str, preset: str = 'pod') -> dict:
@@ -111,10 +135,12 @@ def lower_step(cfg_dict, target: targets.Target):
   """(lowered train step, (state, batch), mesh, experiment) for `target`: the mesh over its
   compile-only devices, the kernels, dispatch and exchange its platform picks (Pallas kernels
   compiled, not interpreted)."""
+  runtime = kernel_runtime(target)
   try:
-    job = Job.build(build(cfg_dict), target.devices(), Runtime.for_platform(target.platform))
+    if runtime.pallas_check and cfg_dict.run.dispatch == 'pallas':
+      raise ValueError(f"run.dispatch='pallas': {runtime.pallas_check}; use auto or xla")
+    job = Job.build(build(cfg_dict), target.devices(), runtime)
   except ValueError as e:  # a setting the target cannot run (attention_impls.check), a mesh
-    # it refuses
     raise ValueError(f'target {target.name}: {e}') from None
   args = job.step_args()
   return job.train_step().lower(*args), args, job.mesh, job.exp

@@ -15,8 +15,8 @@
 - `pallas`: every stage a kernel of `pallas_kernels`: permute (row gather), fused gate/up
   gmm, down gmm, combine (weighted gather), all with custom VJPs; it takes the routing
   kernel's counts and positions (`plan`) when the model routes with `pallas_kernels.route`.
-  TPU Mosaic, GPU Mosaic GPU / Triton (pallas_kernels.ops.GPU_DEFAULT); interpreted on CPU
-  (correct but slow there).
+  TPU Mosaic, GPU Mosaic GPU / Triton (pallas_kernels.ops.GPU_DEFAULT; Triton only below
+  sm_90, pallas_kernels/capability.py); interpreted on CPU (correct but slow there).
 - `auto`: per platform, the backend in FASTEST (see `resolve_backend`).
 
 No capacity limit: no token is ever dropped.
@@ -354,12 +354,12 @@ def settle(runtime: Runtime) -> Runtime:
 
 def resolve_backend(backend: str, *, runtime: Runtime) -> str:
   """'auto' -> the measured-fastest correct backend of the runtime's platform (the fallback
-  where the runtime's Pallas self-check failed; an unsettled runtime checks now); others
-  unchanged."""
+  where the runtime's Pallas self-check failed, or no Pallas family runs on the target GPU:
+  aot.kernel_runtime; an unsettled runtime checks now); others unchanged."""
   if backend != 'auto':
     return backend
   choice = FASTEST.get(runtime.target_platform, 'tiled')
-  if _checks_pallas(runtime) and settle(runtime).pallas_check:
+  if runtime.pallas_check or _checks_pallas(runtime) and settle(runtime).pallas_check:
     return FALLBACK
   return choice
 

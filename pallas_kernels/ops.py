@@ -10,8 +10,9 @@ Groups stay isolated as in ragged_dot: a non-finite row of one group (or past th
 sum) reaches no other group's output or weight gradient. `platform` is the one the program is
 built for ('cpu', 'gpu', 'tpu'; None: this machine's). `target` picks the kernel family:
 'tpu' (Mosaic), 'gpu' (Triton), 'mgpu' (Mosaic GPU: TMA + wgmma, Hopper) or 'mgpu_ws' (the
-same, warp-specialised); None follows the platform ('tpu' on TPU, GPU_DEFAULT on GPU,
-interpreted 'gpu' on CPU). `interpret` None means: interpret on CPU (TPU kernels under
+same, warp-specialised); None follows the platform ('tpu' on TPU, GPU_DEFAULT on GPU, or on
+this machine's GPU what its compute capability runs: Triton below sm_90, capability.py;
+interpreted 'gpu' on CPU). A family this machine's GPU cannot run is refused, naming it. `interpret` None means: interpret on CPU (TPU kernels under
 pltpu.InterpretParams()). Tile sizes are parameters; None takes the per-target default in
 TILES. Nothing here is set from outside: every choice is an argument.
 """
@@ -69,11 +70,14 @@ def platform_of(platform: str | None) -> str:
 
 def families(target: str | None, platform: str | None = None) -> dict[str, str]:
   """The kernel family of each op: `target` for both, else the platform's default (TPU:
-  'tpu'; GPU: GPU_DEFAULT per op; CPU: 'gpu', interpreted, the quickest family to interpret)."""
+  'tpu'; GPU: GPU_DEFAULT per op, on this machine's GPU its compute capability's; CPU: 'gpu',
+  interpreted, the quickest family to interpret)."""
   if target is None:
     backend = platform_of(platform)
-    if backend == 'gpu':
-      return dict(GPU_DEFAULT)
+    if backend == 'gpu':  # on this machine's GPU: the families its compute capability runs
+      from pallas_kernels import capability  # pylint: disable=import-outside-toplevel
+      here = capability.local_cc() if platform_of(None) == 'gpu' else None
+      return capability.gpu_families(here) or {op: 'gpu' for op in OPS}
     target = 'tpu' if backend == 'tpu' else 'gpu'
   if target not in KERNELS:
     raise ValueError(f'target={target!r}: must be one of {sorted(KERNELS)}')
@@ -115,10 +119,21 @@ def tiling(target: str | None, tile_m=None, tile_n=None, overrides=None,
     family = cfg.pop('family', default[op])
     if family not in KERNELS:
       raise ValueError(f'family={family!r} for {op}: must be one of {sorted(KERNELS)}')
+    _check_here(family, op, platform)
     cfg = dict(TILES[family][op], **cfg, family=family)
     cfg.update({k: v for k, v in (('tile_m', tile_m), ('tile_n', tile_n)) if v})
     ops.append(tuple(sorted(cfg.items())))
   return tuple(ops)
+
+
+def _check_here(family: str, op: str, platform: str | None) -> None:
+  """Refuses a family this machine's GPU cannot run when the program is built for it."""
+  if platform_of(platform) == 'gpu' and platform_of(None) == 'gpu':
+    from pallas_kernels import capability  # pylint: disable=import-outside-toplevel
+    why = capability.local_cc() and capability.family_refusal(family, capability.local_cc(),
+                                                              f' ({op})')
+    if why:
+      raise ValueError(f'pallas_kernels: {why}')
 
 
 def _shape_error(op: str, what: str):

@@ -13,6 +13,8 @@ for a machine without the extras; its temporaries are XLA:CPU's, 2-4x a TPU's or
         --config.data.batch_size=128 --json /tmp/dry.json
     python scripts/dry_run.py --config=configs/foil.py:foil2 --target=h200x8 \
         --config.mesh.data=1 --config.mesh.expert=8 --remat_policies=all
+    python scripts/dry_run.py --config=configs/foil.py:foil2,smoke --target=rtx4090x1 \
+        --config.mesh.data=1   # one 24 GB card: Triton kernels (sm_89), said in a note
     python scripts/dry_run.py --config=configs/foil.py:foil2 --devices 64 --platform tpu \
         --config.mesh.data=1 --config.mesh.fsdp=8 --config.mesh.expert=8   # CPU proxy
 """
@@ -31,6 +33,9 @@ _TARGET = flags.DEFINE_string('target', None, 'An accelerator target: compile wi
                               'compiler (loopmoe_jax/targets.py lists the names).')
 _PRESET = flags.DEFINE_string('compiler_preset', 'pod', 'pod | none: the platform\'s pod '
                               'compiler flags (loopmoe_jax/aot.py) or the compiler defaults.')
+_FAMILY = flags.DEFINE_string('kernel_family', None, 'A Pallas kernel family for every '
+                              'grouped matmul (gpu: Triton, mgpu / mgpu_ws: Mosaic GPU, sm_90+; '
+                              'tpu); default: what the target chip runs.')
 _POLICIES = flags.DEFINE_list('remat_policies', [], 'Also compile the step once per run.remat '
                               'policy listed (all: every one) and print temporaries and FLOPs.')
 
@@ -47,7 +52,7 @@ def main(argv):
   from loopmoe_jax.tables import policy_table, table, target_table
   target = None
   if _TARGET.value:  # before any compile: a bad name or a missing extra
-    target = aot.target_for(_TARGET.value, _PRESET.value)
+    target = aot.target_for(_TARGET.value, _PRESET.value, _FAMILY.value)
   else:
     check_platform(_PLATFORM.value)
   names = list(REMAT_POLICIES) if _POLICIES.value == ['all'] else _POLICIES.value

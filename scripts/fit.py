@@ -6,6 +6,8 @@ Compiles are kept on disk, so a rerun is quick.
 
     python scripts/fit.py --config=configs/foil.py:foil2 --target=h200x8 \
         --config.mesh.data=1 --config.mesh.expert=8 --json /tmp/fit.json
+    python scripts/fit.py --config=configs/foil.py:foil2 --target=a100x1 --config.mesh.data=1 \
+        --search data.batch_size_per_device=96,8,1 --search train.microbatches=1,8,96
     python scripts/fit.py --config=configs/foil.py:foil2 --target=v5p-128 \
         --config.mesh.data=1 --config.mesh.fsdp=8 --config.mesh.expert=8 \
         --search run.remat=none,full --search data.batch_size_per_device=2,4 --exhaustive
@@ -22,6 +24,8 @@ _EXHAUSTIVE = flags.DEFINE_bool('exhaustive', False, 'Compile every candidate, n
                                 'the cheapest that fits.')
 _HBM = flags.DEFINE_float('hbm_gib', None, 'Memory per device to fit in (GiB); default the '
                           "target's.")
+_FAMILY = flags.DEFINE_string('kernel_family', None, 'A Pallas kernel family for every '
+                              'grouped matmul; default: what the target chip runs.')
 _JSON = flags.DEFINE_string('json', None, 'Write the candidates and the best here as JSON.')
 
 
@@ -31,7 +35,7 @@ def main(argv):
   jax.config.update('jax_platforms', 'cpu')
   from loopmoe_jax import aot, fit, targets
   preset = _SEARCHED['preset'].value
-  target = aot.target_for(_SEARCHED['target'].value, preset)
+  target = aot.target_for(_SEARCHED['target'].value, preset, _FAMILY.value)
   if _HBM.value:
     target = targets.with_memory(target, _HBM.value * 2**30)
   given = _SEARCHED['search'].value

@@ -81,6 +81,8 @@ def test_chip_rows_are_found_by_every_device_kind_they_name():
   assert targets.peak_flops('TPU v5') == 459e12 and targets.peak_flops('TPU v5 lite') == 197e12
   assert targets.chip_of_kind('NVIDIA H100 PCIe').name == 'h100'
   assert targets.peak_flops('NVIDIA A100-SXM4-80GB') == 312e12
+  assert targets.chip_of_kind('NVIDIA A100-SXM4-40GB').hbm_bytes == 40 * 2**30
+  assert targets.chip_of_kind('NVIDIA L40S') is None  # not an L4
   assert targets.peak_flops('cpu') == 0.0
 
 
@@ -88,6 +90,77 @@ def test_gpu_target_config_carries_the_chip_row():
   text = targets.gpu_target_config(targets.CHIPS['h200'])
   assert f"device_memory_size: {targets.CHIPS['h200'].hbm_bytes}" in text
   assert 'device_description_str: "NVIDIA H200"' in text and 'major: 9 minor: 0' in text
+
+
+def test_debug_gpu_targets_resolve_and_near_names_list_them():
+  cases = {'a100x1': ('a100', 80), 'a100-40gx1': ('a100-40g', 40), 'a100x8': ('a100', 80),
+           'l4x1': ('l4', 22.49), 'rtx4090x1': ('rtx4090', 23.99), '2x8xa100': ('a100', 80)}
+  for name, (chip, gib) in cases.items():
+    t = targets.get(name)
+    assert t.chip.name == chip and round(t.chip.hbm_bytes / 2**30, 2) == gib, name
+  assert targets.get('a100x8').topology == '1x1x8' and targets.get('2x8xa100').chips == 16
+  with pytest.raises(ValueError, match=r"unknown target 'rtx4080x1' \(did you mean rtx4090x1"):
+    targets.get('rtx4080x1')
+  with pytest.raises(ValueError, match=r"unknown target 'a10x1' \(did you mean a100x1"):
+    targets.get('a10x1')
+  with pytest.raises(ValueError, match='node and GPU counts must be >= 1'):
+    targets.get('l4x0')
+
+
+@pytest.mark.parametrize('name,cc,sms,optin', [('a100', '8 minor: 0', 108, 166912),
+                                               ('l4', '8 minor: 9', 58, 101376),
+                                               ('rtx4090', '8 minor: 9', 128, 101376),
+                                               ('h100', '9 minor: 0', 132, 232448)])
+def test_gpu_target_configs_carry_each_chips_capability_sms_and_shared_memory(name, cc, sms,
+                                                                              optin):
+  text = targets.gpu_target_config(targets.CHIPS[name])
+  assert f'cuda_compute_capability {{ major: {cc} }}' in text
+  assert f'core_count: {sms}\n' in text and f'shared_memory_per_block_optin: {optin}\n' in text
+  assert f'device_description_str: "{targets.CHIPS[name].device_kinds[0]}"' in text
+
+
+def test_kernel_family_follows_the_compute_capability():
+  from pallas_kernels import capability, ops
+  assert capability.gpu_families((9, 0)) == dict(ops.GPU_DEFAULT)
+  assert capability.gpu_families((8, 9)) == capability.gpu_families((8, 0)) == {
+      'gmm': 'gpu', 'tgmm': 'gpu'}
+  assert capability.gpu_families((7, 5)) is None
+  # Ada's 99 KiB opt-in: the Triton tgmm's 3 stages of 48 KiB (the compiler asked 147456 bytes
+  # of 101376) pipeline 2 deep; A100's 163 KiB take the defaults; Hopper keeps ops' defaults
+  assert capability.gpu_tiles((8, 9)) == {'gmm': {'family': 'gpu'},
+                                          'tgmm': {'family': 'gpu', 'num_stages': 2}}
+  assert capability.gpu_tiles((8, 0)) == {'gmm': {'family': 'gpu'}, 'tgmm': {'family': 'gpu'}}
+  assert capability.gpu_tiles((9, 0)) is None and capability.gpu_tiles((7, 0)) is None
+
+
+def test_a_forced_family_the_target_cannot_run_names_the_capability_and_what_runs():
+  with pytest.raises(ValueError, match=re.escape(
+      "--kernel_family=mgpu: kernel family 'mgpu' (Mosaic GPU) needs compute capability 9.0+, "
+      'the target has 8.9; what runs there: gmm: gpu (Triton), tgmm: gpu (Triton)')):
+    aot.kernel_runtime(targets.with_kernel_family(targets.get('rtx4090x1'), 'mgpu'))
+  with pytest.raises(ValueError, match="mgpu_ws' .* the target has 8.0"):
+    aot.kernel_runtime(targets.with_kernel_family(targets.get('a100x1'), 'mgpu_ws'))
+  with pytest.raises(ValueError, match="--kernel_family=gpu: target v5p-8 is a TPU: use 'tpu'"):
+    aot.kernel_runtime(targets.with_kernel_family(targets.get('v5p-8'), 'gpu'))
+  forced = aot.kernel_runtime(targets.with_kernel_family(targets.get('h100x8'), 'gpu'))
+  assert dict(forced.kernel_tiles)['gmm'] == (('family', 'gpu'),)
+  # no family asked: Hopper keeps the default runtime (the H100 program is unchanged)
+  from loopmoe_jax.runtime import Runtime
+  assert aot.kernel_runtime(targets.get('h100x8')) == Runtime.for_platform('gpu')
+
+
+def test_on_a_real_ada_gpu_the_default_is_triton_and_mosaic_gpu_is_refused(monkeypatch):
+  """On this machine's GPU (faked: an sm_89 backend) the default families are its compute
+  capability's, and a kernel asking for Mosaic GPU is refused before it is lowered."""
+  import pallas_kernels as pk
+  from pallas_kernels import capability
+  monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
+  monkeypatch.setattr(capability, 'local_cc', lambda: (8, 9))
+  assert pk.ops.families(None, 'gpu') == {'gmm': 'gpu', 'tgmm': 'gpu'}
+  lhs, rhs = jnp.ones((8, 16), jnp.bfloat16), jnp.ones((2, 16, 16), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"kernel family 'mgpu' \(Mosaic GPU\) \(gmm\) needs "
+                     r'compute capability 9.0\+, the target has 8.9'):
+    pk.gmm(lhs, rhs, jnp.array([4, 4]), target='mgpu', platform='gpu', interpret=False)
 
 
 # Topologies and meshes -----------------------------------------------------------------------
@@ -106,13 +179,15 @@ def test_every_tpu_kind_finds_its_peak_and_memory(name):
 
 
 @needs('cuda')
-@pytest.mark.parametrize('name', ['h100x8', 'h200x8'])
+@pytest.mark.parametrize('name', ['h100x8', 'h200x8', 'a100x1', 'a100-40gx1', 'l4x1',
+                                  'rtx4090x1'])
 def test_gpu_kinds_find_their_peak_and_memory(name):
   from loopmoe_jax.train import preflight
   t = targets.get(name)
   device = t.devices()[0]
   assert targets.chip_of_kind(device.device_kind) is t.chip
-  assert targets.peak_flops(device.device_kind) == 989e12
+  assert targets.peak_flops(device.device_kind) == t.chip.peak_bf16_flops
+  assert device.compute_capability == '.'.join(map(str, t.chip.compute_capability))
   # a device without allocator stats (compile-only here) takes its chip's memory
   assert preflight.device_memory_bytes(device) == t.chip.hbm_bytes
 
@@ -243,6 +318,56 @@ def test_compiler_preset_makes_collectives_overlap(platform):
   none = hlo.collective_ops(hlo.collectives(_compiled(platform, 'none')[0].as_text()))
   total = lambda ops, f: sum(v[f] for v in ops.values())
   assert total(pod, 'overlapped') > total(none, 'overlapped'), (pod, none)
+
+
+def _one_gpu_cfg():
+  cfg = _tiny_cfg('cuda')  # bfloat16, heads of 64: cuDNN attention
+  cfg.mesh.data = cfg.mesh.expert = 1
+  return cfg
+
+
+@pytest.mark.slow
+@needs('cuda')
+@pytest.mark.parametrize('name', ['a100x1', 'rtx4090x1'])
+def test_tiny_step_compiles_every_kernel_for_one_debug_gpu(name):
+  """On sm_80 / sm_89 the model traces Triton kernels (no Mosaic GPU: wgmma is Hopper's) and
+  cuDNN attention, and the CUDA plugin compiles every one of them for the target."""
+  target = targets.get(name)
+  lowered, _, _, _ = aot.lower_step(_one_gpu_cfg(), target)
+  text = lowered.as_text()
+  traced = {f: text.count(call) for f, call in LOWERED_CALLS['cuda'].items()}
+  assert traced['triton'] > 0 and traced['cudnn_attention'] > 0, traced
+  assert traced['mosaic_gpu'] == 0, traced
+  summary, _ = aot.compile_summary(_one_gpu_cfg(), target, use_cache=False)
+  for family, n in traced.items():
+    assert summary['kernel_calls'][family] >= n, (family, summary['kernel_calls'], traced)
+
+
+@needs('cuda')
+def test_a_gpu_no_pallas_family_runs_on_takes_the_xla_dispatch_and_says_so(monkeypatch, caplog):
+  """A compute capability below every family's (7.0, a V100-like row): `auto` dispatch lowers
+  to ragged_dot with no Pallas kernel, the choice said in one warning line; run.dispatch=
+  'pallas' is refused naming why and what works."""
+  gpu = dataclasses.replace(targets.AMPERE_A100, cc=(7, 0))
+  chip = dataclasses.replace(targets.CHIPS['a100'], name='v100', gpu=gpu,
+                             device_kinds=('Tesla V100-SXM2-32GB',))
+  monkeypatch.setitem(targets.CHIPS, 'v100', chip)
+  target = targets.Target('v100x1', chip, '1x1x1', 1)
+  cfg = _one_gpu_cfg()
+  cfg.run.attention_impl = 'chunked'  # cuDNN's flash attention needs sm_80 too
+  with caplog.at_level('INFO', logger='loopmoe_jax'):
+    lowered, _, _, _ = aot.lower_step(cfg, target)
+  text = lowered.as_text()
+  assert 'ragged_dot' in text and text.count(LOWERED_CALLS['cuda']['triton']) == 0
+  said = [r.getMessage() for r in caplog.records if 'v100x1' in r.getMessage()]
+  assert said == ['v100x1 kernels, no Pallas GPU kernel family compiles for compute capability '
+                  '7.0 (Triton needs 8.0+): the MoE dispatch runs XLA (run.dispatch=xla: '
+                  'jax.lax.ragged_dot)']
+  cfg.run.dispatch = 'pallas'
+  with pytest.raises(ValueError, match=re.escape(
+      "target v100x1: run.dispatch='pallas': no Pallas GPU kernel family compiles for compute "
+      'capability 7.0 (Triton needs 8.0+); use auto or xla')):
+    aot.lower_step(cfg, target)
 
 
 @needs('tpu')
