@@ -42,8 +42,9 @@ class AttentionWeights(nn.Module):
 class Attention(nn.Module):
   """Causal attention given its weights; in decode mode keeps a KV cache of `max_len` slots.
 
-  positions_BT are absolute positions; in decode mode the chunk is written to the cache at
-  positions_BT[0, 0] (the same for every row) and attends to every filled slot before it.
+  positions_BT are absolute positions; in decode mode row b's chunk is written to the cache at
+  positions_BT[b, 0] (rows may sit at different positions: batched.py) and attends to every
+  filled slot before it.
   The write comes before the read, so the chunk's own positions are always read as this call's
   fresh K/V: with the core's cache shared by the passes (model.kv_cache 'last_pass' or
   'first_pass'), each pass gets a copy of the shared slot (decode.py), so it attends to the
@@ -80,9 +81,9 @@ class Attention(nn.Module):
       cache_k = self.variable('cache', 'k', jnp.zeros, k_BSGK.shape, k_BSGK.dtype)
       cache_v = self.variable('cache', 'v', jnp.zeros, v_BSGK.shape, v_BSGK.dtype)
       if initialized:
-        start = positions_BT[0, 0]
-        cache_k.value = jax.lax.dynamic_update_slice_in_dim(cache_k.value, k_BSGK, start, 1)
-        cache_v.value = jax.lax.dynamic_update_slice_in_dim(cache_v.value, v_BSGK, start, 1)
+        start_B = positions_BT[:, 0]
+        cache_k.value = write_rows(cache_k.value, k_BSGK, start_B)
+        cache_v.value = write_rows(cache_v.value, v_BSGK, start_B)
         k_BSGK, v_BSGK = cache_k.value, cache_v.value
         # Slots past the last written position are masked by causality (their position is
         # larger than every query's).
@@ -101,6 +102,12 @@ class Attention(nn.Module):
       out_BTHK = attend_with(impl, q_BTHK, k_BSGK, v_BSGK, positions_BT, k_pos_BS,
                              self.runtime.run.attention_block, runtime=self.runtime)
     return jnp.einsum('bthk,hkd->btd', out_BTHK, w['o'].astype(dt))
+
+
+def write_rows(cache_BSGK, new_BTGK, start_B):
+  """The cache with row b's T new entries at slots start_B[b] .. start_B[b] + T - 1."""
+  put = lambda c, x, s: jax.lax.dynamic_update_slice_in_dim(c, x, s, 0)
+  return jax.vmap(put)(cache_BSGK, new_BTGK.astype(cache_BSGK.dtype), start_B)
 
 
 def attend(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, sink: bool = False):

@@ -4,10 +4,12 @@
                           sampling=Sampling(0.8, top_k=40), stop_tokens=(10,), batch_size=8)
     outs[i].tokens     # prompt i's continuation (cut after its first stop token, kept)
 
-Rows run in one program as decode.decode_step vmapped over the batch: each row keeps a cache
-of its own (its own `position`), so a row's prompt sits at positions 0 .. n_i - 1 with its
-RoPE, its causal mask and its cache writes exactly where a single-prompt decode puts them;
-the MoE routes each row as its own batch (dropless, or with a capacity of one row). Prompts
+Rows run natively batched: one cache whose 'position' holds a position per row, so a row's
+prompt sits at positions 0 .. n_i - 1 with its RoPE, its causal mask and its cache writes
+exactly where a single-prompt decode puts them (attention.write_rows; a per-token exit fills
+the skipped passes' slots at each row's own positions). The MoE routes every token on its
+own when dropless; under model.capacity_factor, where the capacity counts the batch's
+tokens, each row runs as its own batch (decode_step vmapped over per-row caches). Prompts
 are right-padded to the batch's longest: the prefill writes the pad tokens' K/V after a
 row's last prompt token, where the causal mask hides them from the row's queries (a query
 sees positions up to its own) and the decode steps overwrite them. The row's first token is
@@ -17,12 +19,6 @@ Randomness is per prompt: prompt i (its index in `prompts`, or `prompt_ids[i]`) 
 fold_in(fold_in(key, i), j), so its sampled text does not depend on the batch it runs in or
 the batch size (tests/test_batched_generate.py checks rows against single-prompt runs).
 A batch stops when every row has emitted a stop token or `max_new` tokens.
-
-Cost: the vmapped step is not the natively batched one. On this CPU (README main job, 8 rows
-x 64 tokens) decode.generate gains 6.1x from batch 1 to 8 (one length, one cache position),
-this path 1.3x under the CPU default dispatch 'tiled' and 2.8x under 'reference' (which also
-runs 2.9x faster than 'tiled' at batch 1). Native per-row positions would need the attention's
-cache write to take a position per row (attention.py).
 """
 from __future__ import annotations
 
@@ -97,16 +93,13 @@ def _cut(row, stops: set[int]) -> Generated:
                                              'runtime'))
 def _program(cfg: ModelConfig, params, prompts_BN, lengths_B, keys_B, max_new: int,
              sampling: Sampling, num_loops, router_bias, runtime: Runtime, stops):
-  """One batch: the rows' prefill and decode steps, vmapped decode_step over per-row caches;
-  returns the continuations [B, max_new] (past a row's stop token: unspecified)."""
+  """One batch: the rows' prefill and decode steps (`_stepper`); returns the continuations
+  [B, max_new] (past a row's stop token: unspecified)."""
   batch, width = prompts_BN.shape
-  one = init_cache(cfg, 1, width + max_new, num_loops)
-  caches = jax.tree.map(lambda x: jnp.broadcast_to(x, (batch,) + x.shape), one)
-  step = jax.vmap(lambda cache, tok_T: decode_step(cfg, params, cache, tok_T[None], num_loops,
-                                                   router_bias, runtime))
-  logits_B1NV, caches = step(caches, prompts_BN)
-  last_BV = jnp.take_along_axis(logits_B1NV[:, 0], (lengths_B - 1)[:, None, None], axis=1)[:, 0]
-  caches = {**caches, 'position': lengths_B}
+  caches, step = _stepper(cfg, params, batch, width + max_new, num_loops, router_bias, runtime)
+  logits_BNV, caches = step(caches, prompts_BN)
+  last_BV = jnp.take_along_axis(logits_BNV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+  caches = {**caches, 'position': lengths_B.reshape(caches['position'].shape)}
   draw = jax.vmap(lambda logits_V, key, j: sampling.sample(logits_V, jax.random.fold_in(key, j)),
                   in_axes=(0, 0, None))
   first = draw(last_BV, keys_B, 0)
@@ -115,10 +108,27 @@ def _program(cfg: ModelConfig, params, prompts_BN, lengths_B, keys_B, max_new: i
   def body(state):
     caches, out, tok, j, done = state
     logits, caches = step(caches, tok[:, None])
-    nxt = draw(logits[:, 0, -1], keys_B, j)
+    nxt = draw(logits[:, -1], keys_B, j)
     out = out.at[:, j].set(nxt)
     return caches, out, nxt, j + 1, done | jnp.isin(nxt, stops)
 
   state = (caches, out, first, jnp.ones((), jnp.int32), jnp.isin(first, stops))
   _, out, *_ = jax.lax.while_loop(lambda s: (s[3] < max_new) & ~jnp.all(s[4]), body, state)
   return out
+
+
+def _stepper(cfg: ModelConfig, params, batch: int, max_len: int, num_loops, router_bias,
+             runtime: Runtime):
+  """(caches, step): step(caches, tokens_BT) -> (logits_BTV, caches) feeds every row at its
+  own position. Natively batched: one cache with a position per row. Under
+  model.capacity_factor the MoE's capacity counts the batch's tokens, so each row runs as
+  its own batch instead (decode_step vmapped over per-row caches of batch 1)."""
+  if not cfg.capacity_factor:
+    cache = {**init_cache(cfg, batch, max_len, num_loops),
+             'position': jnp.zeros((batch,), jnp.int32)}
+    return cache, lambda c, t: decode_step(cfg, params, c, t, num_loops, router_bias, runtime)
+  one = init_cache(cfg, 1, max_len, num_loops)
+  caches = jax.tree.map(lambda x: jnp.broadcast_to(x, (batch,) + x.shape), one)
+  row = lambda c, t_T: decode_step(cfg, params, c, t_T[None], num_loops, router_bias, runtime)
+  vstep = jax.vmap(row)
+  return caches, lambda c, t: (lambda lg, c2: (lg[:, 0], c2))(*vstep(c, t))

@@ -134,7 +134,8 @@ def cache_length(cache) -> int:
 def decode_step(cfg: ModelConfig, params, cache, tokens_BT, num_loops: int | None = None,
                 router_bias=None, runtime: Runtime = HERE):
   """Feeds a chunk of tokens (a prompt, or one token) and returns (logits_BTV, new cache).
-  `router_bias`: the trained router bias (model.router_bias other than 'none'); `runtime`:
+  The cache's 'position' is one for every row (a scalar, init_cache's) or one per row ([B]:
+  row b's chunk sits at its own positions, batched.py). `router_bias`: the trained router bias (model.router_bias other than 'none'); `runtime`:
   the model's (its run settings: the dispatch backend, ...; runtime.py). The cache is
   in model.kv_cache's layout (init_cache's; what each pass attends to: the module docstring).
 
@@ -142,14 +143,14 @@ def decode_step(cfg: ModelConfig, params, cache, tokens_BT, num_loops: int | Non
   logits of such a step are NaN instead of silently wrong."""
   early_exit_lib.check_params(cfg, params)
   max_len, pos = cache_length(cache), cache['position']
-  end = pos + tokens_BT.shape[1]
+  end = jnp.max(pos + tokens_BT.shape[1])
   try:
     concrete_end = int(end)
   except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
     concrete_end = None  # traced under jit: the NaN below reports it
   if concrete_end is not None and concrete_end > max_len:
-    raise ValueError(f'decode_step: position {int(pos)} + {tokens_BT.shape[1]} tokens exceeds '
-                     f'the cache length max_len={max_len}')
+    raise ValueError(f'decode_step: position {concrete_end - tokens_BT.shape[1]} + '
+                     f'{tokens_BT.shape[1]} tokens exceeds the cache length max_len={max_len}')
   shared = shares_passes(cfg)
   _check_layout(cfg, cache, shared)
   if shared:  # the scan's per-pass layout, each pass's slot a copy of the shared one

@@ -164,15 +164,17 @@ def extras(passes_BT) -> dict:
 def fill_skipped(core_cache, passes_BT, start):
   """The core's per-pass cache (leaves [L, B, S, G, K]) with the slots of every pass a token
   skipped (pass index >= its passes run), at the step's positions [start, start + T), holding
-  its last computed pass's K/V."""
+  its last computed pass's K/V. `start`: one position for every row, or one per row ([B])."""
   t = passes_BT.shape[1]
+  start_B = jnp.broadcast_to(start, passes_BT.shape[:1])
 
-  def fill(x):
-    win = jax.lax.dynamic_slice_in_dim(x, start, t, axis=2)   # [L, B, T, G, K]
-    idx_LBT = jnp.minimum(jnp.arange(x.shape[0])[:, None, None], passes_BT[None] - 1)
-    win = jnp.take_along_axis(win, idx_LBT[..., None, None], axis=0)
-    return jax.lax.dynamic_update_slice_in_dim(x, win, start, axis=2)
-  return jax.tree.map(fill, core_cache)
+  def fill_row(x_LSGK, passes_T, s):
+    win = jax.lax.dynamic_slice_in_dim(x_LSGK, s, t, axis=1)   # [L, T, G, K]
+    idx_LT = jnp.minimum(jnp.arange(x_LSGK.shape[0])[:, None], passes_T[None] - 1)
+    win = jnp.take_along_axis(win, idx_LT[..., None, None], axis=0)
+    return jax.lax.dynamic_update_slice_in_dim(x_LSGK, win, s, axis=1)
+  fill = jax.vmap(fill_row, in_axes=(1, 0, 0), out_axes=1)
+  return jax.tree.map(lambda x: fill(x, passes_BT, start_B), core_cache)
 
 
 # The gate's training objective -----------------------------------------------------------------

@@ -213,7 +213,7 @@ class LoopedMoE(nn.Module):
     if self.decode:
       initialized = self.has_variable('cache', 'position')
       pos = self.variable('cache', 'position', lambda: jnp.zeros((), jnp.int32))
-      base = base + pos.value
+      base = base + pos.value[..., None]  # a position per row ([B]) or one for all (scalar)
       if initialized:
         pos.value = pos.value + length
     return jnp.broadcast_to(base, (batch, length))

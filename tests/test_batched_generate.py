@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from loopmoe_jax.batched import generate_batch
-from loopmoe_jax.decode import generate
+from loopmoe_jax.decode import decode_step, generate, init_cache, mean_passes
 from loopmoe_jax.model import LoopedMoE, for_init
 from loopmoe_jax.sampling import Sampling
 from loopmoe_jax.text_generation import read_prompts
@@ -70,6 +70,27 @@ def test_stop_token_ends_a_row():
   for f, r in zip(free, rows):
     cut = f.tokens.index(stop) + 1 if stop in f.tokens else len(f.tokens)
     assert r.tokens == f.tokens[:cut] and r.stopped == (stop in f.tokens)
+
+
+@pytest.mark.parametrize('kw', [dict(kv_cache='last_pass'), dict(exit='gate', exit_threshold=0.5),
+                                dict(capacity_factor=1.0)], ids=lambda kw: next(iter(kw)))
+def test_rows_alone_under_shared_cache_exit_and_capacity(kw):
+  """Per-row positions under a shared core cache and under a per-token exit (a row's skipped
+  passes filled at its own positions); under capacity each row routes as its own batch."""
+  cfg = make_cfg(num_loops=3, core_layers=1, prelude_layers=0, coda_experts=0, **kw)
+  params = nn.unbox(for_init(LoopedMoE(cfg)).init(jax.random.key(0),
+                                                 jnp.zeros((1, 4), jnp.int32)))['params']
+  rng = np.random.default_rng(2)
+  picked = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (2, 7, 5)]
+  if cfg.exit == 'gate':  # a gate that sends tokens out after 1, 2 or 3 passes
+    params = {**params, 'exit_gate_w': 2 * jax.random.normal(jax.random.key(5), (cfg.d_model,))}
+    _, cache = decode_step(cfg, params, init_cache(cfg, 1, 8), jnp.asarray([picked[1]]))
+    assert 1.2 < float(mean_passes(cache)) < 2.8
+  rows = generate_batch(cfg, params, picked, 8, jax.random.key(0), batch_size=3, runtime=RT)
+  for i, prompt in enumerate(picked):
+    alone = generate_batch(cfg, params, [prompt], 8, jax.random.key(0), batch_size=1,
+                           runtime=RT, prompt_ids=[i])
+    assert rows[i] == alone[0], f'prompt {i} of {len(prompt)} tokens'
 
 
 def test_top_k_and_top_p_keep_their_sets():

@@ -371,3 +371,23 @@ def test_gate_training_flops_are_counted_by_the_dry_run():
   compiled = got['gate'][0] - got['none'][0]
   analytic = got['gate'][1] - got['none'][1]
   assert compiled > 0 and abs(compiled / analytic - 1) < 0.05, (compiled, analytic)
+
+
+@pytest.mark.parametrize('per_row', [False, True], ids=['one_start', 'start_per_row'])
+def test_fill_skipped_matches_a_loop(per_row):
+  """Slots of the passes a token skipped hold its last computed pass's K/V, at each row's own
+  positions; every other slot is untouched (a plain loop over rows, tokens and passes)."""
+  rng = np.random.default_rng(0)
+  L, B, S, T = 4, 3, 12, 2
+  x = rng.normal(size=(L, B, S, 2, 3)).astype(np.float32)
+  passes_BT = rng.integers(1, L + 1, (B, T))
+  start = np.asarray([0, 5, 9]) if per_row else np.asarray(4)
+  got = early_exit.fill_skipped({'k': jnp.asarray(x)}, jnp.asarray(passes_BT),
+                                jnp.asarray(start))['k']
+  want = x.copy()
+  for b in range(B):
+    s = int(np.broadcast_to(start, (B,))[b])
+    for t in range(T):
+      n = passes_BT[b, t]
+      want[n:, b, s + t] = x[n - 1, b, s + t]
+  np.testing.assert_array_equal(np.asarray(got), want)
