@@ -38,6 +38,14 @@ def _chunk_sizes(tile: int):
   return sizes
 
 
+def fit_tile(rows: int, tile: int) -> int:
+  """`tile`, or where every row fits in one tile the smallest power of two >= rows (at least
+  8): a decode step's few routed rows are not each computed as part of a whole tile."""
+  if rows >= tile:
+    return tile
+  return max(8, 1 << max(rows - 1, 0).bit_length())
+
+
 def _tile_plan(sizes_G, rows_p: int, tile: int):
   """The work of both passes, shared by the grouped matmul and its weight gradient.
 
@@ -76,6 +84,7 @@ def _gmm_fwd_impl(lhs_MK, rhs_GKN, group_sizes_G, tile, transpose_rhs=False):
   n = rhs_GKN.shape[1 if transpose_rhs else 2]
   if m == 0:
     return jnp.zeros((0, n), lhs_MK.dtype)
+  tile = fit_tile(m, tile)
   lhs = _pad_rows(lhs_MK, tile)
   rows_p = lhs.shape[0]
   sizes = group_sizes_G.astype(jnp.int32)
@@ -124,6 +133,7 @@ def _tgmm_impl(lhs_MK, grad_MN, group_sizes_G, num_groups, tile):
   acc_dtype = accumulation_dtype(lhs_MK, grad_MN)
   if m == 0:
     return jnp.zeros((num_groups, lhs_MK.shape[1], grad_MN.shape[1]), acc_dtype)
+  tile = fit_tile(m, tile)
   lhs, grad = _pad_rows(lhs_MK, tile), _pad_rows(grad_MN, tile)
   rows_p = lhs.shape[0]
   sizes = group_sizes_G.astype(jnp.int32)

@@ -69,6 +69,7 @@ GMM_CASES = {
         'tile_larger_than_m_sum_less': [2, 5, 0, 0],
         'tile_larger_than_m_one_group': [0, 13, 0, 0],
     },
+    (3, 4, 128): {'decode_rows_fit_tile_8': [1, 0, 2, 0], 'decode_rows_sum_less': [0, 1, 0, 1]},
     (9, 3, 1): {'tile_one': [3, 0, 6], 'tile_one_sum_less': [0, 2, 4]},
     (40, 11, 16): {f'many_groups_{i}': _random_sizes(_rng, 40, 11, short)
                    for i, short in enumerate((0, 7))},
