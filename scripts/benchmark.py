@@ -7,6 +7,7 @@
     python scripts/benchmark.py memory [--quick] [--json=FILE]    # compiled, nothing run
     python scripts/benchmark.py adaptive [--quick] [--json=FILE]  # sampled passes, early exit
     python scripts/benchmark.py decode [--quick] [--json=FILE]    # batched, loop-draft speculative
+    python scripts/benchmark.py export [--quick] [--json=FILE]    # hf-looped bytes, torch speed
 
 Sub-commands live in the modules of loopmoe_jax/bench/'s MODULES (imported on demand, so
 `kernels` needs neither the data stack nor its packages).

@@ -354,3 +354,16 @@ def test_cli_refuses_loop_span_with_hf_looped_import(tmp_path):
   assert r.returncode == 1, r.stderr[-500:]
   assert r.stderr.strip().splitlines()[-1] == 'error: --import does not take --loop_span'
   assert not os.path.exists(tmp_path / 'x')
+
+
+@needs_torch
+@pytest.mark.slow
+def test_export_benchmark_quick():
+  """`benchmark.py export --quick`: the hf-looped weights of the main job are its parameter
+  bytes (each shared weight once) and smaller than the unrolled Mixtral's; the transformers
+  forward it times gives our logits."""
+  from loopmoe_jax.bench import export as bench_export
+  res = bench_export.bench_export(quick=True)
+  assert res['looped_bytes_over_params'] <= 1.05 < res['mixtral_bytes_over_params']
+  assert res['max_abs_logit_error'] < 1e-4
+  assert res['transformers_forward_s'] > 0 and res['ours_forward_s'] > 0

@@ -28,7 +28,8 @@ from loopmoe_jax.objective import loss_fn
 SUBCOMMANDS: dict[str, Callable[[bool], dict[str, Any]]] = {}
 # Sub-command -> the module that registers it (imported by `run` on demand).
 MODULES = {name: f'loopmoe_jax.bench.{name}' for name in ('model', 'data', 'kernels', 'scale',
-                                                          'memory', 'adaptive', 'decode')}
+                                                          'memory', 'adaptive', 'decode',
+                                                          'export')}
 # Every sub-command's targets, in this one table: key -> upper bound (ratios; lower is better),
 # or ('>=', lower bound) where higher is better.
 TARGETS = {
@@ -74,6 +75,8 @@ TARGETS = {
     # decode
     'spec_tokens_per_s_over_plain': ('>=', 1.5),  # loop-draft, batch 1, greedy, same tokens
     'batched_tokens_per_s_over_single': ('>=', 4),  # 8 mixed-length prompts in one batch
+    # export
+    'looped_bytes_over_params': 1.05,             # hf-looped: each shared weight once
 }
 
 

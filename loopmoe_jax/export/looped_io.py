@@ -125,10 +125,11 @@ lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True,dtype=floa
 
 Tensors (`model.safetensors`): `model.` + loopmoe_jax's parameter names in its layouts
 (q/k/v [D, heads, K], o [H, K, D], router [D, E], experts gate/up [E, D, F], down [E, F, D],
-embed [V, D], head [D, V]; per-pass attention `model.core.pass_attn_<i>.*` [L, ...]), and the
-trained router bias as `model.router_bias.<segment>`. `config.json`'s `loopmoe` section keeps
-the run's config: `python scripts/export.py --import=hf-looped --src=DIR --out=RUN` gives the
-run back (its parameters bit-identical).
+embed [V, D], head [D, V]; per-pass attention `model.core.pass_attn_<i>.*` [L, ...]), the
+trained router bias as `model.router_bias.<segment>`, and a trained exit gate as
+`model.exit_gate_w` [D] and `model.exit_gate_b` [1] (loopmoe_jax's scalar b). `config.json`'s
+`loopmoe` section keeps the run's config: `python scripts/export.py --import=hf-looped
+--src=DIR --out=RUN` gives the run back (its parameters bit-identical).
 """
 
 
