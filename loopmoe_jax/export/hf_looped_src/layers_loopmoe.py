@@ -131,7 +131,7 @@ class MoE(nn.Module):
         xe = xt[tok]
         h = F.silu(xe @ self.gate[e]) * (xe @ self.up[e])
         h = h * weights[tok, slot, None].to(h.dtype)
-        y.index_add_(0, tok, (h @ self.down[e]).float())
+        y[tok] += (h @ self.down[e]).float()  # a token picks an expert once: rows unique
     y = y.to(x.dtype).reshape(b, t, d)
     return y + self.shared(x) if hasattr(self, 'shared') else y
 
