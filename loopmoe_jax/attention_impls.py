@@ -44,7 +44,10 @@ SIXTEEN_BIT = ('bfloat16', 'float16')
 SPLASH_MULTIPLE = 128  # splash's block sizes are multiples of the 128-lane layout
 
 
-# cuDNN's fused attention as jax calls it: head dims that are multiples of 8, at most 128
+# cuDNN's fused attention as jax calls it: head dims that are multiples of 8, at most 128 (jax's
+# check_is_flash_attention: 256 on Hopper, 128 below it, so one limit holds on H100/H200, A100
+# (sm_80), L4 and RTX 4090 (sm_89), bf16/fp16; the tiny step's cuDNN calls compile for all of
+# them, tests/test_targets.py). cuDNN's flash attention needs sm_80+.
 CUDNN_HEAD_MULTIPLE, CUDNN_MAX_HEAD = 8, 128
 
 
