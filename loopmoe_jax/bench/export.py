@@ -7,9 +7,10 @@ main job (configs/default.py, random-init params: sizes and speed do not depend 
   beside it.
 - transformers_forward_s / ours_forward_s: one forward (logits) at batch 8 x 256 in
   transformers (the exported directory loaded with trust_remote_code, float32, CPU,
-  torch.no_grad, no cache) and in our jitted forward under the run's settings (this
-  machine's default dispatch), median of interleaved calls; their ratio
-  transformers_over_ours is printed, not a target. Needs torch and transformers.
+  torch.no_grad, no cache; torch's default threads, and one thread: on a shared machine
+  its threads contend) and in our jitted forward under the run's settings (this machine's
+  default dispatch), medians of back-to-back calls; the ratios are printed, not targets.
+  Needs torch and transformers.
 """
 from __future__ import annotations
 
@@ -69,14 +70,26 @@ def bench_export(quick: bool = False) -> dict[str, Any]:
       return hf(ids, use_cache=False).logits
 
   res['max_abs_logit_error'] = float(np.max(np.abs(theirs().numpy() - np.asarray(ours(params, x)))))
-  times: dict[str, list[float]] = {'transformers': [], 'ours': []}
-  for _ in range(repeats):
-    for name, fn in (('transformers', theirs), ('ours', lambda: _block(ours(params, x)))):
-      t0 = time.perf_counter()
-      fn()
-      times[name].append(time.perf_counter() - t0)
-  res['transformers_forward_s'] = float(np.median(times['transformers']))
-  res['ours_forward_s'] = float(np.median(times['ours']))
+  threads = torch.get_num_threads()
+  res['torch_threads'] = threads
+  res['ours_forward_s'] = median_seconds(lambda: _block(ours(params, x)), repeats)
+  for n, key in ((threads, 'transformers_forward_s'), (1, 'transformers_forward_1thread_s')):
+    torch.set_num_threads(n)
+    res[key] = median_seconds(theirs, repeats)
+  torch.set_num_threads(threads)
   res['transformers_over_ours'] = res['transformers_forward_s'] / res['ours_forward_s']
-  res['torch_threads'] = torch.get_num_threads()
+  res['transformers_1thread_over_ours'] = (res['transformers_forward_1thread_s'] /
+                                           res['ours_forward_s'])
   return res
+
+
+def median_seconds(fn, repeats: int) -> float:
+  """Median seconds of `repeats` calls of `fn` after one warm-up call, run back to back (one
+  library at a time: XLA's and torch's thread pools would contend if interleaved)."""
+  fn()
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
