@@ -119,21 +119,25 @@ def tiling(target: str | None, tile_m=None, tile_n=None, overrides=None,
     family = cfg.pop('family', default[op])
     if family not in KERNELS:
       raise ValueError(f'family={family!r} for {op}: must be one of {sorted(KERNELS)}')
-    _check_here(family, op, platform)
-    cfg = dict(TILES[family][op], **cfg, family=family)
+    cfg = dict(TILES[family][op], **_here(family, op, platform), **cfg, family=family)
     cfg.update({k: v for k, v in (('tile_m', tile_m), ('tile_n', tile_n)) if v})
     ops.append(tuple(sorted(cfg.items())))
   return tuple(ops)
 
 
-def _check_here(family: str, op: str, platform: str | None) -> None:
-  """Refuses a family this machine's GPU cannot run when the program is built for it."""
-  if platform_of(platform) == 'gpu' and platform_of(None) == 'gpu':
-    from pallas_kernels import capability  # pylint: disable=import-outside-toplevel
-    why = capability.local_cc() and capability.family_refusal(family, capability.local_cc(),
-                                                              f' ({op})')
-    if why:
-      raise ValueError(f'pallas_kernels: {why}')
+def _here(family: str, op: str, platform: str | None) -> dict:
+  """For a program built for this machine's GPU: a family its compute capability cannot run
+  refused (naming it), else the tiles that capability changes ({'num_stages': 2} for Triton on
+  Ada's 99 KiB of shared memory; capability.gpu_tiles); {} elsewhere."""
+  if platform_of(platform) != 'gpu' or platform_of(None) != 'gpu':
+    return {}
+  from pallas_kernels import capability  # pylint: disable=import-outside-toplevel
+  cc = capability.local_cc()
+  why = cc and capability.family_refusal(family, cc, f' ({op})')
+  if why:
+    raise ValueError(f'pallas_kernels: {why}')
+  tiles = (capability.gpu_tiles(cc, family) or {}).get(op, {})
+  return {k: v for k, v in tiles.items() if k != 'family'}
 
 
 def _shape_error(op: str, what: str):

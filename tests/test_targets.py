@@ -157,6 +157,10 @@ def test_on_a_real_ada_gpu_the_default_is_triton_and_mosaic_gpu_is_refused(monke
   monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
   monkeypatch.setattr(capability, 'local_cc', lambda: (8, 9))
   assert pk.ops.families(None, 'gpu') == {'gmm': 'gpu', 'tgmm': 'gpu'}
+  # the Triton weight gradient pipelines 2 stages within Ada's shared memory (3 elsewhere)
+  gmm_cfg, tgmm_cfg = (dict(op) for op in pk.ops.tiling(None, platform='gpu'))
+  assert (gmm_cfg['num_stages'], tgmm_cfg['num_stages']) == (3, 2)
+  assert dict(pk.ops.tiling(None, platform='cpu')[1])['num_stages'] == 3
   lhs, rhs = jnp.ones((8, 16), jnp.bfloat16), jnp.ones((2, 16, 16), jnp.bfloat16)
   with pytest.raises(ValueError, match=r"kernel family 'mgpu' \(Mosaic GPU\) \(gmm\) needs "
                      r'compute capability 9.0\+, the target has 8.9'):
