@@ -219,11 +219,12 @@ def test_exit_logits_equal_ours_at_every_pass_count(name, tmp_path):
 def test_exit_generate_equals_ours(tmp_path):
   """Greedy generate with the gate exit (applied with transformers' cache, the skipped
   passes' entries holding the last computed pass's K/V) equals our decode at two pass
-  counts; with early_exit=False it is our decode without the exit, and the exit changes the
-  tokens."""
+  counts, under the per-pass and the 'last_pass' KV layout; with early_exit=False it is our
+  decode without the exit, and the exit changes the tokens."""
   from loopmoe_jax import decode
   cfg, params = exit_model('gate')
   model = load(export(cfg, params, None, str(tmp_path / 'hf')))
+  shared = load(export(cfg.replace(kv_cache='last_pass'), params, None, str(tmp_path / 'kv')))
   prompt = torch.tensor(TOKENS[:, :4])
   changed = False
   for n in (3, 6):
@@ -237,7 +238,51 @@ def test_exit_generate_equals_ours(tmp_path):
     np.testing.assert_array_equal(run(), with_exit)
     np.testing.assert_array_equal(run(early_exit=False), without)
     changed |= not np.array_equal(with_exit, without)
+    np.testing.assert_array_equal(  # under the shared layout 'last_pass' too
+        shared.generate(prompt, max_new_tokens=12, do_sample=False, num_loops=n,
+                        attention_mask=torch.ones_like(prompt)).numpy(),
+        ref(cfg.replace(kv_cache='last_pass')))
   assert changed
+
+
+def decode_chunks(cfg, params, toks, n):
+  """Our decode's logits [B, T, V] with the cache: the first 5 tokens as one chunk, then one
+  token a step."""
+  from loopmoe_jax import decode
+  cache = decode.init_cache(cfg, toks.shape[0], toks.shape[1], n)
+  out = []
+  for a, b in [(0, 5)] + [(i, i + 1) for i in range(5, toks.shape[1])]:
+    logits, cache = decode.decode_step(cfg, params, cache, jnp.asarray(toks[:, a:b]), n,
+                                       runtime=RT)
+    out.append(np.asarray(logits))
+  return np.concatenate(out, axis=1)
+
+
+@needs_torch
+@pytest.mark.parametrize('layout,exit_rule', [
+    ('last_pass', 'gate'), pytest.param('first_pass', 'none', marks=pytest.mark.slow)])
+def test_shared_kv_layouts_decode_as_ours(layout, exit_rule, tmp_path):
+  """model.kv_cache 'last_pass' / 'first_pass' (one cache entry per core layer): the logits
+  of a prompt chunk and then one token a step through transformers' cache equal our decode's
+  at the trained and twice the trained pass count (with the gate exit: the kept pass of a
+  token that exited earlier is its last computed one), and differ from the full forward."""
+  cfg, params = exit_model('gate')
+  cfg = cfg.replace(kv_cache=layout)
+  if exit_rule == 'none':
+    cfg = cfg.replace(exit='none', exit_threshold=0.0)
+    params = {k: v for k, v in params.items() if not k.startswith('exit_gate')}
+  model = load(export(cfg, params, None, str(tmp_path / 'hf')))
+  assert model.config.num_hidden_layers == 4  # prelude, two core layers, coda
+  for n in (3, 6):
+    cache = transformers.DynamicCache()
+    chunks = [(0, 5)] + [(i, i + 1) for i in range(5, TOKENS.shape[1])]
+    got = np.concatenate([theirs(model, TOKENS[:, a:b], cache=cache, num_loops=n)
+                          for a, b in chunks], axis=1)
+    want = decode_chunks(cfg, params, TOKENS, n)
+    err = float(np.max(np.abs(got - want)))
+    print(f'{layout} {exit_rule} num_loops={n}: max abs logit error {err:.2e}')
+    assert err < 1e-4
+    assert np.max(np.abs(want - ours(cfg, params, None, TOKENS, n))) > 1e-2
 
 
 @needs_torch
@@ -253,6 +298,8 @@ def test_exit_settings_are_checked_at_the_forward(tmp_path):
   path = export(plain, make_params(plain), None, str(tmp_path / 'plain'))
   with pytest.raises(ValueError, match="exit='gate': this model has no trained exit gate"):
     theirs(load(path, exit='gate', exit_threshold=0.5), TOKENS)
+  with pytest.raises(ValueError, match=r"kv_cache='shared': must be one of \('per_pass'"):
+    theirs(load(path, kv_cache='shared'), TOKENS)
   kl = load(path, exit='kl', exit_threshold=0.05)
   assert np.max(np.abs(theirs(kl, TOKENS, early_exit=True) - theirs(kl, TOKENS))) > 1e-3
 
@@ -318,8 +365,7 @@ def test_import_gives_back_a_gate_exit_run_exactly(tmp_path):
     np.testing.assert_array_equal(np.asarray(flat2[n]).view(np.uint32), flat[n].view(np.uint32))
 
 
-REFUSALS = {'model.capacity_factor=1.25': dict(capacity_factor=1.25),
-            "model.kv_cache='last_pass'": dict(kv_cache='last_pass')}
+REFUSALS = {'model.capacity_factor=1.25': dict(capacity_factor=1.25)}
 
 
 @pytest.mark.parametrize('field', sorted(REFUSALS))

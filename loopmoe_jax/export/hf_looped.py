@@ -8,7 +8,8 @@ our dotted name ('model.core.body.layer_0.moe.down') in our layouts and dtypes, 
 router bias as 'model.router_bias.<segment>', the run's tokenizer (tokenizer.json,
 tokenizer_config.json) and a model card (README.md). The per-token early exit ('kl', and
 'gate' with its trained 'model.exit_gate_w' [D] and 'model.exit_gate_b' [1]) is config.json's
-`exit` and `exit_threshold`, applied as our decode applies it. The section
+`exit` and `exit_threshold`, applied as our decode applies it, and the KV layout its
+`kv_cache`. The section
 'loopmoe' of config.json keeps our model config, the step and the run's resolved config, so
 an import gives back the run exactly.
 
@@ -48,7 +49,8 @@ SAME = {'vocab_size': 'vocab_size', 'hidden_size': 'd_model', 'num_attention_hea
         'tie_attention': 'tie_attention', 'residual_scale': 'residual_scale',
         'scale_passes': 'scale_passes', 'injection': 'injection',
         'tie_embeddings': 'tie_embeddings', 'norm_gain': 'norm_gain', 'rms_norm_eps': 'norm_eps',
-        'rope_theta': 'rope_theta', 'exit': 'exit', 'exit_threshold': 'exit_threshold'}
+        'rope_theta': 'rope_theta', 'exit': 'exit', 'exit_threshold': 'exit_threshold',
+        'kv_cache': 'kv_cache'}
 
 
 def unsupported(c: ModelConfig) -> list[str]:
@@ -59,9 +61,6 @@ def unsupported(c: ModelConfig) -> list[str]:
     out.append(f'model.capacity_factor={c.capacity_factor} (expert capacity drops assignments '
                "by the tokens of a call, in our decode's prefill and batched steps too; the "
                'exported modeling code is dropless)')
-  if c.kv_cache != 'per_pass':
-    out.append(f'model.kv_cache={c.kv_cache!r} (the exported modeling code keeps one KV entry '
-               "per pass and layer, 'per_pass')")
   return out
 
 

@@ -116,6 +116,10 @@ model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True, num_lo
 
 {exit_text(c)}
 
+KV cache while decoding: `config.kv_cache` = '{c.kv_cache}' ('per_pass': one entry per executed
+pass and layer, decoding is the full forward exactly; 'last_pass' / 'first_pass': one entry
+per core layer holding that pass's K/V, L times smaller), settable at load.
+
 LM Evaluation Harness, `hf` backend (extra model_args reach `from_pretrained`, which sets
 config fields, so `num_loops` picks the passes):
 

@@ -14,6 +14,11 @@ cumulative exit probability at which a token exits, in (0, 1]; kl: the KL diverg
 consecutive passes below which it exits, > 0). 'gate' needs the trained gate (`exit_gate`,
 a model trained with it); 'kl' runs on any model; 'none' runs every pass. Set them at load
 like num_loops: `from_pretrained(DIR, trust_remote_code=True, exit='none')`.
+
+`kv_cache` is the core's KV-cache layout when decoding: 'per_pass' (one entry per executed
+pass and layer: decoding is the full forward exactly), or one entry per core layer holding
+the last pass's K/V ('last_pass') or the first's ('first_pass'), as loopmoe_jax's decode
+keeps them (core_loopmoe.SharedKV); a decoding option, settable at load.
 """
 from transformers import PretrainedConfig
 
@@ -21,6 +26,7 @@ ROUTER_SCORES = ('softmax', 'sigmoid')
 ROUTER_BIASES = ('none', 'shared', 'per_pass')
 INJECTIONS = ('none', 'add', 'concat')
 EXITS = ('none', 'kl', 'gate')
+KV_CACHES = ('per_pass', 'last_pass', 'first_pass')
 
 
 class LoopMoEConfig(PretrainedConfig):
@@ -38,7 +44,7 @@ class LoopMoEConfig(PretrainedConfig):
                tie_attention=True, residual_scale='none', scale_passes='trained',
                injection='none', tie_embeddings=False, norm_gain=True, rms_norm_eps=1e-6,
                rope_theta=10000.0, exit='none', exit_threshold=0.0, exit_gate=False,
-               max_position_embeddings=4096, use_cache=True, **kwargs):
+               kv_cache='per_pass', max_position_embeddings=4096, use_cache=True, **kwargs):
     self.vocab_size = vocab_size
     self.hidden_size = hidden_size
     self.num_attention_heads = num_attention_heads
@@ -70,12 +76,14 @@ class LoopMoEConfig(PretrainedConfig):
     self.max_position_embeddings = max_position_embeddings
     self.use_cache = use_cache
     self.exit, self.exit_threshold, self.exit_gate = exit, exit_threshold, exit_gate
+    self.kv_cache = kv_cache
     for name, value, allowed in (('router_score', router_score, ROUTER_SCORES),
                                  ('router_bias', router_bias, ROUTER_BIASES),
                                  ('injection', injection, INJECTIONS)):
       if value not in allowed:
         raise ValueError(f'{name}={value!r}: must be one of {allowed}')
     check_exit(self)
+    check_kv_cache(self)
     # the head is computed from the embedding table in the forward (tie_embeddings): nothing
     # for transformers to tie
     kwargs['tie_word_embeddings'] = False
@@ -83,8 +91,10 @@ class LoopMoEConfig(PretrainedConfig):
 
   @property
   def num_hidden_layers(self) -> int:
-    """The layers a forward at `num_loops` passes executes (one KV-cache entry each)."""
-    return self.prelude_layers + self.core_layers * self.num_loops + self.coda_layers
+    """The KV-cache entries of a forward at `num_loops` passes: one per executed layer, the
+    core's one per layer under a shared kv_cache."""
+    core = self.num_loops if getattr(self, 'kv_cache', 'per_pass') == 'per_pass' else 1
+    return self.prelude_layers + self.core_layers * core + self.coda_layers
 
   @num_hidden_layers.setter
   def num_hidden_layers(self, value):
@@ -106,3 +116,14 @@ def check_exit(config) -> str:
     raise ValueError("exit='gate': this model has no trained exit gate (exit_gate=False); use "
                      "exit='kl' (no training needed) or 'none'")
   return rule
+
+
+def check_kv_cache(config) -> str:
+  """config.kv_cache, checked (a one-line ValueError naming the field)."""
+  layout = getattr(config, 'kv_cache', 'per_pass')
+  if layout not in KV_CACHES:
+    raise ValueError(f'kv_cache={layout!r}: must be one of {KV_CACHES}')
+  if layout != 'per_pass' and not config.tie_attention and config.trained_loops > 1:
+    raise ValueError(f"kv_cache={layout!r}: one K/V entry per core layer for every pass needs "
+                     "tied attention; this model has per-pass attention (use 'per_pass')")
+  return layout

@@ -121,14 +121,17 @@ class Core(nn.Module):
         y = torch.where(state.exited[..., None], x, y)  # exited tokens keep their state
         state.update(y)
       x = y
-    if state is not None and ctx.cache is not None:
-      fill_skipped(ctx.cache, first_idx, c.core_layers, num_loops, state.passes, ctx.past)
+    passes = None if state is None else state.passes
+    if ctx.shared is not None:
+      ctx.shared.keep(ctx.cache, passes)
+    elif passes is not None and ctx.cache is not None:
+      fill_skipped(ctx.cache, first_idx, c.core_layers, num_loops, passes, ctx.past)
     return x
 
 
 def hold_slots(ctx, first_idx, config, x):
   """Cache entries for a skipped pass's layers (zeros; `fill_skipped` overwrites them)."""
-  if ctx.cache is None:
+  if ctx.cache is None or ctx.shared is not None:
     return
   b, t = x.shape[:2]
   shape = (b, config.num_key_value_heads, t, config.head_dim)
@@ -151,3 +154,45 @@ def fill_skipped(cache, first_idx, layers, num_loops, passes_BT, past):
       for p, entry in enumerate(entries):
         old = getattr(entry, name)
         setattr(entry, name, torch.cat([old[:, :, :past], new[p], old[:, :, past + t:]], dim=2))
+
+
+class SharedKV:
+  """The core's KV cache under a shared layout (config.kv_cache 'last_pass' or 'first_pass',
+  as loopmoe_jax's decode keeps it): one cache entry per core layer, after the prelude's,
+  the coda's after them. In a forward of the tokens at positions [s, e), pass p at core layer
+  l attends to the entry's K/V of positions < s and to pass p's own K/V of this forward;
+  after the core, the entry gets this forward's K/V of the last pass (or of the first), a
+  token that exited before it giving its last computed pass's."""
+
+  def __init__(self, layout, first_idx, layers, num_loops):
+    self.keep_pass = num_loops - 1 if layout == 'last_pass' else 0
+    self.first, self.layers, self.num_loops = first_idx, layers, num_loops
+    self.end = first_idx + layers * num_loops  # executed layers past the core
+    self.step = {}  # (pass, core layer) -> this forward's (k, v)
+
+  def attend(self, cache, k, v, layer_idx, past):
+    """The keys and values [B, G, S, K] executed layer `layer_idx` attends to."""
+    if layer_idx < self.first:
+      return cache.update(k, v, layer_idx)
+    if layer_idx >= self.end:  # the coda
+      return cache.update(k, v, layer_idx - self.layers * (self.num_loops - 1))
+    index, i = divmod(layer_idx - self.first, self.layers)
+    self.step[(index, i)] = (k, v)
+    if not past:
+      return k, v
+    entry = cache.layers[self.first + i]
+    return (torch.cat([entry.keys[:, :, :past], k], dim=2),
+            torch.cat([entry.values[:, :, :past], v], dim=2))
+
+  def keep(self, cache, passes_BT=None):
+    """The kept pass's K/V of this forward into each core entry (`passes_BT`: the passes each
+    token ran under early exit, or None)."""
+    for i in range(self.layers):
+      ran = [self.step[(p, i)] for p in range(self.num_loops) if (p, i) in self.step]
+      k, v = ran[min(self.keep_pass, len(ran) - 1)]
+      if passes_BT is not None and self.keep_pass:  # last_pass: a token's last computed pass
+        index = torch.clamp(passes_BT - 1, max=len(ran) - 1)[None, :, None, :, None]
+        pick = lambda j: torch.gather(torch.stack([r[j] for r in ran]), 0,
+                                      index.expand((1,) + ran[0][j].shape))[0]
+        k, v = pick(0), pick(1)
+      cache.update(k, v, self.first + i)

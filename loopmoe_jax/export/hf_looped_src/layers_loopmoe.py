@@ -58,8 +58,9 @@ class AttentionWeights(nn.Module):
 
 
 def attention(x, w, ctx, layer_idx, theta):
-  """Causal attention of x [B, T, D] with weights `w`; K/V go through the cache entry
-  `layer_idx` when ctx.cache is set. Scores and softmax in float32."""
+  """Causal attention of x [B, T, D] with weights `w`; K/V go through the cache
+  (`ctx.kv`, executed layer `layer_idx`) when ctx.cache is set. Scores and softmax in
+  float32."""
   b, t, _ = x.shape
   q = torch.einsum('btd,dhk->bthk', x, w['q'])
   k = torch.einsum('btd,dgk->btgk', x, w['k'])
@@ -67,7 +68,7 @@ def attention(x, w, ctx, layer_idx, theta):
   q, k = rope(q, ctx.positions, theta), rope(k, ctx.positions, theta)
   k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, G, S, K], the cache's layout
   if ctx.cache is not None:
-    k, v = ctx.cache.update(k, v, layer_idx)
+    k, v = ctx.kv(k, v, layer_idx)
   h, g, kd = q.shape[2], k.shape[1], q.shape[3]
   q = q.reshape(b, t, g, h // g, kd)
   scores = torch.einsum('btgqk,bgsk->bgqts', q.float(), k.float()) / math.sqrt(kd)

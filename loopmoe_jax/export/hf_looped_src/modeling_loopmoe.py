@@ -12,7 +12,8 @@ them; `injection` adds (or with 'concat' projects) the core's input at every pas
 leading pass axis). RoPE rotate-half; query head h reads kv head h // (H / G); tied
 embeddings: the head is embed.T / sqrt(hidden_size). Parameters: `model.` + loopmoe_jax's
 names in its layouts (q/k/v [D, heads, K], o [H, K, D], router [D, E], experts [E, D, F] /
-[E, F, D]). KV cache: one DynamicCache entry per executed (pass, layer), prelude first.
+[E, F, D]). KV cache: one DynamicCache entry per executed (pass, layer), prelude first;
+under kv_cache 'last_pass' / 'first_pass' one per core layer (core_loopmoe.SharedKV).
 Per-token early exit from the core (config.exit 'gate' or 'kl'): core_loopmoe.py. Modules:
 layers_loopmoe.py (the layers), core_loopmoe.py (the loop and its exit), this file (the
 model, its cache and the transformers class).
@@ -26,8 +27,8 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .configuration_loopmoe import LoopMoEConfig, check_exit
-from .core_loopmoe import Core, Readout
+from .configuration_loopmoe import LoopMoEConfig, check_exit, check_kv_cache
+from .core_loopmoe import Core, Readout, SharedKV
 from .layers_loopmoe import Norm, Stack
 
 
@@ -35,8 +36,16 @@ class Context:
   """What every attention call of one forward shares: positions [B, T], the cache, and the
   key mask [B, T, S] (causal by slot, and the 2-D attention_mask's padding)."""
 
-  def __init__(self, positions, cache, attention_mask, past):
+  def __init__(self, positions, cache, attention_mask, past, shared=None):
     self.positions, self.cache, self.mask_2d, self.past = positions, cache, attention_mask, past
+    self.shared = shared  # core_loopmoe.SharedKV under a shared KV layout, or None
+
+  def kv(self, k, v, layer_idx):
+    """The keys and values [B, G, S, K] executed layer `layer_idx` attends to: the cache
+    entry's earlier ones and these (the entry updated), or under a shared layout SharedKV's."""
+    if self.shared is not None:
+      return self.shared.attend(self.cache, k, v, layer_idx, self.past)
+    return self.cache.update(k, v, layer_idx)
 
   def mask(self, keys):
     t, device = self.positions.shape[1], self.positions.device
@@ -134,12 +143,13 @@ def check_loops(config, num_loops):
   return n
 
 
-def prepare_cache(cache, num_loops, layers):
-  """`cache` ready for a forward of `num_loops` passes over `layers` executed layers: one
-  filled at another pass count is refused (its entries belong to other passes)."""
+def prepare_cache(cache, num_loops, layers, per_pass=True):
+  """`cache` ready for a forward of `num_loops` passes over `layers` cache entries: one
+  filled at another pass count is refused under the per-pass layout (its entries belong to
+  other passes)."""
   past = cache.get_seq_length()
   made = getattr(cache, 'loopmoe_num_loops', None)
-  if past and made is not None and made != num_loops:
+  if per_pass and past and made is not None and made != num_loops:
     raise ValueError(f'num_loops={num_loops}: the cache holds {past} tokens run at '
                      f'num_loops={made} (one entry per pass and layer); start a new cache')
   cache.loopmoe_num_loops = num_loops
@@ -194,8 +204,9 @@ class LoopMoEForCausalLM(PreTrainedModel, GenerationMixin):
     if use_cache and cache is None:
       cache = DynamicCache()
     b, t = input_ids.shape
-    past = prepare_cache(cache, n, c.prelude_layers + c.core_layers * n + c.coda_layers) if (
-        cache is not None) else 0
+    per_pass = check_kv_cache(c) == 'per_pass' or not c.core_layers
+    entries = c.prelude_layers + c.core_layers * (n if per_pass else 1) + c.coda_layers
+    past = prepare_cache(cache, n, entries, per_pass) if cache is not None else 0
     if attention_mask is not None and attention_mask.shape[-1] != past + t:  # 2-D only
       raise ValueError(f'attention_mask covers {attention_mask.shape[-1]} positions: the cache '
                        f'holds {past} and input_ids adds {t}')
@@ -204,7 +215,9 @@ class LoopMoEForCausalLM(PreTrainedModel, GenerationMixin):
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -t:]
       else:
         position_ids = (torch.arange(t, device=input_ids.device) + past)[None].expand(b, t)
-    ctx = Context(position_ids, cache, attention_mask, past)
+    shared = None if per_pass or cache is None else SharedKV(
+        c.kv_cache, c.prelude_layers, c.core_layers, n)
+    ctx = Context(position_ids, cache, attention_mask, past, shared)
     logits = self.model(input_ids, ctx, n, exiting)
     loss = None
     if labels is not None:
