@@ -7,6 +7,7 @@ any pass count), or import a Hugging Face directory.
     python scripts/export.py --workdir=/tmp/run --format=safetensors --out=/tmp/st
     python scripts/export.py --workdir=/tmp/run --format=hf-looped --out=/tmp/looped [--verify]
         # --verify: logits in transformers at 1, the trained and twice the trained passes
+        # (with model.exit also with the per-token exit), greedy tokens at the trained count
     python scripts/export.py --import=hf-looped --src=/tmp/looped --out=/tmp/run2
         # back into a run directory (params and router bias bit-identical; no optimizer
         # state): evaluate.py / generate.py / lm_eval.py --workdir=/tmp/run2
