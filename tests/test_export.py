@@ -108,10 +108,12 @@ def test_safetensors_round_trip_is_bit_exact(tmp_path):
 @needs_torch
 def test_safetensors_file_reads_in_the_safetensors_package(tmp_path):
   from safetensors.numpy import load_file
-  tensors = {'a.b': np.arange(6, dtype=np.float32).reshape(2, 3), 'c': np.ones(3, np.int32)}
+  tensors = {'a.b': np.arange(6, dtype=np.float32).reshape(2, 3), 'c': np.ones(3, np.int32),
+             'scalar': np.asarray(2.5, np.float32)}
   safetensors_io.write_file(str(tmp_path / 'x.safetensors'), tensors)
   back = load_file(str(tmp_path / 'x.safetensors'))
   for n in tensors:
+    assert back[n].shape == tensors[n].shape, n
     np.testing.assert_array_equal(back[n], tensors[n])
 
 

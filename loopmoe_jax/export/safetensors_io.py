@@ -30,7 +30,7 @@ def write_file(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, st
   """Writes `tensors` (name -> array) in name order, 8-byte aligned."""
   header, offset, arrays = {}, 0, []
   for name in sorted(tensors):
-    a = np.ascontiguousarray(tensors[name])
+    a = np.asarray(tensors[name], order='C')  # keeps a 0-d array 0-d (ascontiguousarray: 1-d)
     if a.dtype not in CODES:
       raise ValueError(f'{name}: dtype {a.dtype} has no safetensors code')
     a = a.astype(a.dtype.newbyteorder('<'), copy=False)
