@@ -84,7 +84,8 @@ def _gmm_fwd_impl(lhs_MK, rhs_GKN, group_sizes_G, tile, transpose_rhs=False):
   n = rhs_GKN.shape[1 if transpose_rhs else 2]
   if m == 0:
     return jnp.zeros((0, n), lhs_MK.dtype)
-  tile = fit_tile(m, tile)
+  if m < tile:
+    return _gmm_one_tile(lhs_MK, rhs_GKN, group_sizes_G, fit_tile(m, tile), transpose_rhs)
   lhs = _pad_rows(lhs_MK, tile)
   rows_p = lhs.shape[0]
   sizes = group_sizes_G.astype(jnp.int32)
@@ -120,6 +121,32 @@ def _gmm_fwd_impl(lhs_MK, rhs_GKN, group_sizes_G, tile, transpose_rhs=False):
 
       out = jax.lax.fori_loop(0, count, remainder, out)
   return out[:m]
+
+
+def _gmm_one_tile(lhs_MK, rhs_GKN, group_sizes_G, chunk: int, transpose_rhs: bool):
+  """_gmm_fwd_impl when every row fits one tile (a decode step's few rows): the groups with
+  rows, at most P = min(G, M) of them, each as one chunk of `chunk` rows starting at its
+  first row, computed in one batched matmul [P, chunk, K] x [P, K, N] and written back by row
+  (each row by its own group's chunk only). The same chunks as the loop, in a fixed number of
+  operations instead of a few per group."""
+  m, num_groups = lhs_MK.shape[0], group_sizes_G.shape[0]
+  p = min(num_groups, m)
+  sizes = group_sizes_G.astype(jnp.int32)
+  starts, ends = group_bounds(sizes)
+  (gid_P,) = jnp.nonzero(sizes > 0, size=p, fill_value=0)
+  used_P = jnp.arange(p) < jnp.sum((sizes > 0).astype(jnp.int32))
+  rows_PC = starts[gid_P][:, None] + jnp.arange(chunk)
+  mine_PC = (rows_PC < ends[gid_P][:, None]) & used_P[:, None]
+  lhs = _pad_rows(lhs_MK, chunk)
+  x_PCK = lhs[jnp.minimum(rows_PC, lhs.shape[0] - 1)]
+  spec = 'pck,pnk->pcn' if transpose_rhs else 'pck,pkn->pcn'
+  y_PCN = jnp.einsum(spec, x_PCK, rhs_GKN[gid_P],
+                     preferred_element_type=accumulation_dtype(lhs_MK, rhs_GKN))
+  y_PCN = y_PCN.astype(lhs_MK.dtype)
+  target_PC = jnp.where(mine_PC, rows_PC, m)  # rows not the chunk's own go past the end
+  out = jnp.zeros((m + 1, y_PCN.shape[-1]), lhs_MK.dtype)
+  return out.at[target_PC.reshape(-1)].set(y_PCN.reshape(-1, y_PCN.shape[-1]),
+                                           )[:m]
 
 
 def _tgmm_impl(lhs_MK, grad_MN, group_sizes_G, num_groups, tile):
