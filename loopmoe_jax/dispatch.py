@@ -15,7 +15,7 @@
 - `pallas`: every stage a kernel of `pallas_kernels`: permute (row gather), fused gate/up
   gmm, down gmm, combine (weighted gather), all with custom VJPs; it takes the routing
   kernel's counts and positions (`plan`) when the model routes with `pallas_kernels.route`.
-  TPU Mosaic, GPU Mosaic GPU / Triton (pallas_kernels.ops.GPU_DEFAULT; Triton only below
+  TPU Mosaic, GPU Mosaic GPU / Triton (pallas_kernels.defaults.GPU_DEFAULT; Triton only below
   sm_90, pallas_kernels/capability.py); interpreted on CPU (correct but slow there).
 - `auto`: per platform, the backend in FASTEST (see `resolve_backend`).
 

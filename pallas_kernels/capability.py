@@ -3,7 +3,7 @@
     capability.gpu_families((8, 9))   # {'gmm': 'gpu', 'tgmm': 'gpu'}: Triton on Ada
     capability.plan((8, 0))           # (tiles for gmm's `tiles`, why no Pallas, one line)
 
-Hopper (sm_90) runs every family: ops.GPU_DEFAULT (Mosaic GPU gmm, Triton tgmm). Ampere
+Hopper (sm_90) runs every family: defaults.GPU_DEFAULT (Mosaic GPU gmm, Triton tgmm). Ampere
 (sm_80: A100) and Ada (sm_89: L4, RTX 4090) run the Triton family only: Mosaic GPU lowers to
 TMA and wgmma, which XLA:GPU refuses below sm_90 ("'nvvm.wgmma.fence.aligned' op is not
 supported on sm_89"). Ada and GA10x blocks opt into 99 KiB of shared memory, not Hopper's
@@ -19,7 +19,7 @@ import types
 
 import jax
 
-from pallas_kernels.ops import GPU_DEFAULT, OPS, TILES
+from pallas_kernels.defaults import GPU_DEFAULT, OPS, TILES
 
 # The oldest NVIDIA compute capability each GPU family compiles for: Pallas Triton's bf16 dots
 # need Ampere's mma (sm_80); Mosaic GPU's TMA and wgmma exist on Hopper (sm_90) and later only.
@@ -36,9 +36,9 @@ def _cc(cc) -> str:
 
 
 def gpu_families(cc: tuple[int, int] | None) -> dict[str, str] | None:
-  """Per op the family for a GPU of compute capability `cc`: ops.GPU_DEFAULT where it runs
+  """Per op the family for a GPU of compute capability `cc`: GPU_DEFAULT where it runs
   (Hopper), the Triton family where only that one does (Ampere, Ada), None where no Pallas
-  GPU family does (the caller takes XLA); cc None (not known): ops.GPU_DEFAULT."""
+  GPU family does (the caller takes XLA); cc None (not known): GPU_DEFAULT."""
   if cc is None:
     return dict(GPU_DEFAULT)
   for choice in (dict(GPU_DEFAULT), {op: 'gpu' for op in OPS}):

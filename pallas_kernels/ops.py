@@ -19,45 +19,17 @@ TILES. Nothing here is set from outside: every choice is an argument.
 from __future__ import annotations
 
 import functools
-import types
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import gmm_gpu, gmm_mgpu, gmm_mgpu_ws, gmm_tpu
+from pallas_kernels import capability, gmm_gpu, gmm_mgpu, gmm_mgpu_ws, gmm_tpu
+from pallas_kernels.defaults import OPS, TILES
 
 
-def _fixed(tiles):  # read-only: a program's tiles come from its arguments, never from edits here
-  return types.MappingProxyType({op: types.MappingProxyType(t) for op, t in tiles.items()})
-
-
-# Tile defaults per target and op ('gmm': forward and input gradient, 'tgmm': weight
-# gradient). TPU: 128 matches the MXU and the (8, 128) layout, K in steps of 512 (not yet run
-# on a TPU). GPU: the fastest correct variants of `scripts/benchmark.py kernels` on an H200
-# (jax 0.11.2, M 65536, K 2048, N 1024, 64 groups, bf16): Mosaic GPU gmm persistent with 5
-# stages 295 TFLOP/s (one CTA per tile: 236), tgmm 173-222; Triton gmm 8 warps 224-243,
-# tgmm 64x256 8 warps 225-234. On CPU every kernel only interprets.
-TILES = types.MappingProxyType({
-    'tpu': _fixed({'gmm': dict(tile_m=128, tile_n=128, tile_k=512),
-                   'tgmm': dict(tile_m=128, tile_n=128, tile_k=512)}),
-    'gpu': _fixed({'gmm': dict(tile_m=128, tile_n=128, tile_k=64, num_warps=8, num_stages=3),
-                   'tgmm': dict(tile_m=64, tile_n=256, tile_k=128, num_warps=8, num_stages=3)}),
-    'mgpu': _fixed({'gmm': dict(tile_m=128, tile_n=128, tile_k=64, stages=5, persistent=True),
-                    'tgmm': dict(tile_m=64, tile_n=128, tile_k=128, stages=4)}),
-    # warp-specialised (tile_n / tile_k: one of the two compute warpgroups' share); not yet
-    # timed on a device
-    'mgpu_ws': _fixed({'gmm': dict(tile_m=128, tile_n=128, tile_k=64, stages=3),
-                       'tgmm': dict(tile_m=64, tile_n=128, tile_k=128, stages=3)}),
-})
 KERNELS = {'tpu': gmm_tpu, 'gpu': gmm_gpu, 'mgpu': gmm_mgpu, 'mgpu_ws': gmm_mgpu_ws}
 SIXTEEN_BIT_ONLY = ('mgpu', 'mgpu_ws')  # wgmma transposes no other operands
-# The kernel family per op a GPU backend uses when no target is given: 'gpu' (Triton) or
-# 'mgpu' (Mosaic GPU, Hopper wgmma). Measured on an H200 (above): the Mosaic GPU gmm (295
-# TFLOP/s) beats Triton's (224-243); for tgmm Triton's (222-234) beat Mosaic GPU's (173-222)
-# in both runs that timed the two.
-GPU_DEFAULT = types.MappingProxyType({'gmm': 'mgpu', 'tgmm': 'gpu'})
-OPS = ('gmm', 'tgmm')
 
 
 def platform_of(platform: str | None) -> str:
@@ -75,7 +47,6 @@ def families(target: str | None, platform: str | None = None) -> dict[str, str]:
   if target is None:
     backend = platform_of(platform)
     if backend == 'gpu':  # on this machine's GPU: the families its compute capability runs
-      from pallas_kernels import capability  # pylint: disable=import-outside-toplevel
       here = capability.local_cc() if platform_of(None) == 'gpu' else None
       return capability.gpu_families(here) or {op: 'gpu' for op in OPS}
     target = 'tpu' if backend == 'tpu' else 'gpu'
@@ -131,7 +102,6 @@ def _here(family: str, op: str, platform: str | None) -> dict:
   Ada's 99 KiB of shared memory; capability.gpu_tiles); {} elsewhere."""
   if platform_of(platform) != 'gpu' or platform_of(None) != 'gpu':
     return {}
-  from pallas_kernels import capability  # pylint: disable=import-outside-toplevel
   cc = capability.local_cc()
   why = cc and capability.family_refusal(family, cc, f' ({op})')
   if why:

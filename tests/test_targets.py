@@ -120,8 +120,8 @@ def test_gpu_target_configs_carry_each_chips_capability_sms_and_shared_memory(na
 
 
 def test_kernel_family_follows_the_compute_capability():
-  from pallas_kernels import capability, ops
-  assert capability.gpu_families((9, 0)) == dict(ops.GPU_DEFAULT)
+  from pallas_kernels import capability, defaults
+  assert capability.gpu_families((9, 0)) == dict(defaults.GPU_DEFAULT)
   assert capability.gpu_families((8, 9)) == capability.gpu_families((8, 0)) == {
       'gmm': 'gpu', 'tgmm': 'gpu'}
   assert capability.gpu_families((7, 5)) is None
