@@ -10,6 +10,8 @@ gate training's, early_exit.py) is made by `scan_passes`.
 """
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -46,17 +48,19 @@ def scan_passes(fn, length: int, per_pass: bool):
 _save = jax.checkpoint_policies.save_only_these_names
 # run.remat: what the backward keeps of the forward; everything else it recomputes. Every
 # layer (prelude, core passes, coda) is rematerialised per layer stack (one core pass), and
-# the head and LM loss with it (objective.py). Named checkpoints: 'attn_qkv' (q, k, v after
+# the head and LM loss with it (objective.py); 'full' per layer (`remat`): its recompute
+# needs no layer's output, so no MoE's return all-to-all and combine is replayed. Named checkpoints: 'attn_qkv' (q, k, v after
 # RoPE), 'attention' (the attention output, and chunked attention's log-sum-exp), 'router' (router
 # logits), 'expert_out' (the combined expert output, [tokens, d_model]), 'exchange' (the rows
 # each expert-parallel all-to-all delivers). Under full, pass_input and attention the MoE's
 # dispatch runs in token chunks each recomputed in its own backward (run.expert_block_rows,
-# dispatch.in_token_chunks); the policies that keep 'expert_out' then recompute no MoE forward
-# for the stack's recompute (the chunks' backward reruns theirs), and a chunk's inner values
+# dispatch.in_token_chunks); full, and the policies that keep 'expert_out', then recompute no
+# MoE forward for the layer's or stack's recompute (the chunks' backward reruns theirs), and a
+# chunk's inner values
 # ('exchange' among them) are the chunk's own. Measured memory and recompute per policy:
 # docs/results.md, scripts/dry_run.py.
 REMAT = {
-    'full': None,                      # keep each stack's input only
+    'full': None,                      # keep each layer's input only
     'dots': jax.checkpoint_policies.checkpoint_dots,
     'dots_no_batch': jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
     # each pass's input, the expert outputs, and what an unchunked exchange delivered
@@ -69,9 +73,15 @@ REMAT = {
 
 
 def remat(module_cls, policy: str):
-  """`module_cls` rematerialised under `policy` (run.remat; unchanged with 'none')."""
+  """`module_cls` rematerialised under `policy` (run.remat; unchanged with 'none'). A Stack
+  under 'full' rematerialises each of its layers instead (one checkpoint a layer: the backward
+  keeps every layer's input, and a layer's recompute stops at its MoE's expert outputs, where
+  a stack's replays every layer's return exchange but the last's; SMELT on v5p-128:
+  docs/results.md, issue 52, fourth part)."""
   if policy == 'none':
     return module_cls
+  if policy == 'full' and module_cls is Stack:
+    return functools.partial(Stack, remat_layers=True)
   return nn.remat(module_cls, policy=REMAT[policy], prevent_cse=False)
 
 
@@ -104,7 +114,8 @@ class Layer(nn.Module):
 
 class Stack(nn.Module):
   """One pass over `num_layers` layers. Attention weights come from the layers themselves, or,
-  when `pass_attn` is given (untied core), from it: one weight dict per layer."""
+  when `pass_attn` is given (untied core), from it: one weight dict per layer. `remat_layers`:
+  each layer rematerialised on its own (run.remat 'full', `remat`)."""
   cfg: ModelConfig
   num_layers: int
   num_experts: int
@@ -114,6 +125,7 @@ class Stack(nn.Module):
   record: bool = False
   runtime: Runtime = HERE
   probe: bool = False
+  remat_layers: bool = False
 
   @nn.compact
   def __call__(self, x_BTD, pass_attn, e_BTD, positions_BT, bias_CE=None):
@@ -126,8 +138,9 @@ class Stack(nn.Module):
       x_BTD = x_BTD @ w[0] + e_BTD @ w[1]
     stats = []
     for i in range(self.num_layers):
-      layer = Layer(c, self.num_experts, self.scale, self.decode, self.record, self.runtime,
-                    self.probe, name=f'layer_{i}')
+      cls = nn.remat(Layer, policy=None, prevent_cse=False) if self.remat_layers else Layer
+      layer = cls(c, self.num_experts, self.scale, self.decode, self.record, self.runtime,
+                  self.probe, name=f'layer_{i}')
       x_BTD, s = layer(x_BTD, positions_BT, None if pass_attn is None else pass_attn[i],
                        None if bias_CE is None else bias_CE[i])
       stats.append(s)
