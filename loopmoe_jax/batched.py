@@ -129,6 +129,9 @@ def _stepper(cfg: ModelConfig, params, batch: int, max_len: int, num_loops, rout
     return cache, lambda c, t: decode_step(cfg, params, c, t, num_loops, router_bias, runtime)
   one = init_cache(cfg, 1, max_len, num_loops)
   caches = jax.tree.map(lambda x: jnp.broadcast_to(x, (batch,) + x.shape), one)
-  row = lambda c, t_T: decode_step(cfg, params, c, t_T[None], num_loops, router_bias, runtime)
-  vstep = jax.vmap(row)
-  return caches, lambda c, t: (lambda lg, c2: (lg[:, 0], c2))(*vstep(c, t))
+
+  def row(cache, tokens_T):  # one row as a batch of one: logits [T, V]
+    logits_1TV, cache = decode_step(cfg, params, cache, tokens_T[None], num_loops,
+                                    router_bias, runtime)
+    return logits_1TV[0], cache
+  return caches, jax.vmap(row)
