@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from loopmoe_jax import early_exit as early_exit_lib
 from loopmoe_jax.attention import Attention, AttentionWeights
-from loopmoe_jax.config import ModelConfig
+from loopmoe_jax.config import LAYERWISE_REMAT, ModelConfig
 from loopmoe_jax import core_once as core_once_lib
 from loopmoe_jax.core_plan import CoreInputs, CoreOutputs, CorePlan, CoreRequest, Path
 from loopmoe_jax.layers import DTYPES, DenseMLP, RMSNorm, fan_in_init, param
@@ -61,6 +61,9 @@ _save = jax.checkpoint_policies.save_only_these_names
 # docs/results.md, scripts/dry_run.py.
 REMAT = {
     'full': None,                      # keep each layer's input only
+    # full's recompute, but the rows each exchange delivered are kept: no backward replays
+    # an expert-parallel all-to-all (SMELT on v5p-128: docs/results.md, issue 52, fifth part)
+    'full_keep_exchange': _save('exchange'),
     'dots': jax.checkpoint_policies.checkpoint_dots,
     'dots_no_batch': jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
     # each pass's input, the expert outputs, and what an unchunked exchange delivered
@@ -80,8 +83,8 @@ def remat(module_cls, policy: str):
   docs/results.md, issue 52, fourth part)."""
   if policy == 'none':
     return module_cls
-  if policy == 'full' and module_cls is Stack:
-    return functools.partial(Stack, remat_layers=True)
+  if policy in LAYERWISE_REMAT and module_cls is Stack:
+    return functools.partial(Stack, layer_remat=policy)
   return nn.remat(module_cls, policy=REMAT[policy], prevent_cse=False)
 
 
@@ -114,8 +117,9 @@ class Layer(nn.Module):
 
 class Stack(nn.Module):
   """One pass over `num_layers` layers. Attention weights come from the layers themselves, or,
-  when `pass_attn` is given (untied core), from it: one weight dict per layer. `remat_layers`:
-  each layer rematerialised on its own (run.remat 'full', `remat`)."""
+  when `pass_attn` is given (untied core), from it: one weight dict per layer. `layer_remat`:
+  the policy each layer is rematerialised under on its own (run.remat 'full' and
+  'full_keep_exchange', `remat`); '' none."""
   cfg: ModelConfig
   num_layers: int
   num_experts: int
@@ -125,7 +129,7 @@ class Stack(nn.Module):
   record: bool = False
   runtime: Runtime = HERE
   probe: bool = False
-  remat_layers: bool = False
+  layer_remat: str = ''
 
   @nn.compact
   def __call__(self, x_BTD, pass_attn, e_BTD, positions_BT, bias_CE=None):
@@ -138,7 +142,8 @@ class Stack(nn.Module):
       x_BTD = x_BTD @ w[0] + e_BTD @ w[1]
     stats = []
     for i in range(self.num_layers):
-      cls = nn.remat(Layer, policy=None, prevent_cse=False) if self.remat_layers else Layer
+      cls = (nn.remat(Layer, policy=REMAT[self.layer_remat], prevent_cse=False)
+             if self.layer_remat else Layer)
       layer = cls(c, self.num_experts, self.scale, self.decode, self.record, self.runtime,
                   self.probe, name=f'layer_{i}')
       x_BTD, s = layer(x_BTD, positions_BT, None if pass_attn is None else pass_attn[i],

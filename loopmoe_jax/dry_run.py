@@ -27,10 +27,9 @@ a ragged all-to-all moves at most min(operand, result) rows, counted so.
 Analytic column (`analytic_collective_bytes_per_step`), what the model and mesh require, per
 device and step (V MoE visits: MoE layers of prelude and coda once, the core's L times; M =
 local tokens x k routed rows of width d_model in the compute dtype; R = 1 with no remat or a
-policy that saves the exchange's rows (pass_input, attention, named), else 2: every layer is
-rematerialised, prelude and coda too; with token chunks (run.expert_block_rows) each chunk
-reruns its exchange in its backward: R = 3 under full (2 for a stack's last layer), 2 under
-pass_input and attention, `exchange_forwards`):
+policy that saves the exchange's rows (full_keep_exchange, pass_input, attention, named), else
+2: every layer is rematerialised, prelude and coda too; with token chunks
+(run.expert_block_rows) each chunk reruns its exchange in its backward: R = 2, `exchange_forwards`):
 - all-to-all: 2 exchanges (there and back) x (R forward + 1 backward) per visit, M rows each;
   by token rows (run.exchange_rows='token') M = local tokens x min(k, expert devices) pairs,
   plus the pairs' routing (2k float32 each) with every send, and the return trip skipped by
@@ -69,7 +68,7 @@ import numpy as np
 
 from loopmoe_jax import dispatch, sharding
 from loopmoe_jax.hlo import collective_bytes, collectives, dot_flops
-from loopmoe_jax.config import RUN_FIELDS
+from loopmoe_jax.config import LAYERWISE_REMAT, RUN_FIELDS
 from loopmoe_jax.experiment import build
 from loopmoe_jax.job import Job
 from loopmoe_jax.runtime import Runtime
@@ -210,7 +209,7 @@ def _with_model(cfg_dict, **fields):
 
 # remat policies whose backward keeps what the expert exchange delivered (core.REMAT): it
 # sends forward once; the others ('full', 'dots', 'dots_no_batch') repeat it in the recompute
-EXCHANGE_SAVED = ('none', 'pass_input', 'attention', 'named')
+EXCHANGE_SAVED = ('none', 'full_keep_exchange', 'pass_input', 'attention', 'named')
 
 
 def _chunked(mc, run, n: int, tokens: int, num_experts: int) -> bool:
@@ -221,15 +220,15 @@ def _chunked(mc, run, n: int, tokens: int, num_experts: int) -> bool:
           dispatch.token_chunks(tokens, mc.top_k, num_experts, n, run.ffn_block_rows) > 1)
 
 
-def exchange_forwards(mc, run, n: int, tokens: int, num_experts: int, last: bool = False) -> int:
+def exchange_forwards(mc, run, n: int, tokens: int, num_experts: int) -> int:
   """R, the forward exchanges of one MoE visit (module docstring) for `tokens` per device and
-  call (the architecture `mc`, the run settings `run`): 1 where the backward keeps the exchanged rows, 2 where the layer's recompute repeats
-  them. With token chunks (dispatch.token_chunks > 1) each chunk reruns its exchange in its own
-  backward: under full on top of the stack's recompute (3), except for the stack's `last`
-  layer, whose expert output nothing in the stack's backward reads (2); under pass_input and
-  attention, which keep the expert output, the stack's recompute runs no MoE forward (2)."""
+  call (the architecture `mc`, the run settings `run`): 1 where the backward keeps the
+  exchanged rows, 2 where the layer's recompute repeats them. With token chunks
+  (dispatch.token_chunks > 1) each chunk reruns its exchange in its own backward (2): under
+  full each layer is its own checkpoint, whose backward reads no expert output, and
+  pass_input and attention keep the expert output, so no recompute adds an MoE forward."""
   if _chunked(mc, run, n, tokens, num_experts):
-    return 3 if run.remat == 'full' and not last else 2
+    return 2
   return 1 if run.remat in EXCHANGE_SAVED else 2
 
 
@@ -238,7 +237,7 @@ def exchanges(mc, run, n: int, tokens: int, num_experts: int, last: bool = False
   token rows no backward reads what the return trip delivered (the weights were applied where
   the experts ran), so a stack's recompute of its last layer, which only feeds a backward,
   skips it."""
-  f = exchange_forwards(mc, run, n, tokens, num_experts, last)
+  f = exchange_forwards(mc, run, n, tokens, num_experts)
   if run.exchange_unit != 'token':
     return f + 1, f + 1
   return f + 1, f + (0 if last and run.remat not in EXCHANGE_SAVED else 1)
@@ -259,8 +258,10 @@ def analytic(exp, mesh, params) -> dict[str, int]:
   call_tokens = local_tokens // exp.train.microbatches  # the tokens one MoE call sees
   if n > 1:
     for _, layers, experts, passes in mc.segments:
-      if experts:  # a segment's pass is one remat stack: its last layer apart
-        counts = [exchanges(mc, exp.run, n, call_tokens, experts, i == layers - 1)
+      if experts:  # a segment's pass is one remat stack (its last layer apart), or under
+        # full each layer its own checkpoint, so each layer counts as a stack's last
+        alone = exp.run.remat in LAYERWISE_REMAT
+        counts = [exchanges(mc, exp.run, n, call_tokens, experts, alone or i == layers - 1)
                   for i in range(layers)]
         a2a += passes * sum(s * there + r * row for s, r in counts)
   grads = sharding.bytes_per_device(params, jax.tree.map(lambda s: s.sharding, params))

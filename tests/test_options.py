@@ -115,6 +115,7 @@ def test_token_chunks_add_no_forward_where_the_policy_keeps_the_expert_output(mo
 
 @pytest.mark.parametrize('policy,names', [
     ('full', set()), ('pass_input', set()),  # one device: no exchange to keep
+    ('full_keep_exchange', set()),
     ('attention', {'attn_qkv', 'attention'}),
     # 'expert_out' is named too, but no backward reads the expert output: nothing to keep
     ('named', {'attn_qkv', 'attention', 'router'})])

@@ -511,18 +511,18 @@ def test_dry_run_reads_bytes_and_exchanges_from_the_program():
 
 
 @pytest.mark.parametrize('remat,rows', [('full', 'token'), ('attention', 'token'),
+                                         ('full_keep_exchange', 'token'),
                                          ('full', 'assignment')])
 def test_dry_run_counts_the_token_chunks_exchanges(remat, rows):
   """With token chunks (run.expert_block_rows at half a device's receive buffer: 2 chunks)
   each chunk's backward reruns its exchange: the GPU step sends 2 x (R + 1) x M x D bytes per
-  MoE visit, exactly the analytic column's (dry_run.exchange_forwards): R = 3 under full
-  (forward, the stack's recompute, the chunk's) but 2 for a stack's last layer (prelude, coda
-  and the core's second layer: no backward in the stack reads its expert output), and 2 under
-  attention (it keeps the expert output: no stack recompute of the MoE). By token rows the
-  exchange stays whole (only the experts run in chunks), M counts a token's min(k, n) pairs,
-  each send carries their routing (2k float32), and a stack's recompute of its last layer
-  skips the return trip (no backward reads it: the weights were applied where the experts
-  ran)."""
+  MoE visit, exactly the analytic column's (dry_run.exchange_forwards): R = 2 (the forward
+  and the chunk's rerun; under full each layer is its own checkpoint, whose backward reads no
+  expert output; attention keeps the expert output). By token rows the exchange stays whole
+  (only the experts run in chunks), M counts a token's min(k, n) pairs, each send carries
+  their routing (2k float32): R = 2 under full, with no return trip in a layer's recompute
+  (no backward reads it: the weights were applied where the experts ran); R = 1 under
+  attention and full_keep_exchange, which keep what both trips delivered."""
   from loopmoe_jax import dry_run
   from loopmoe_jax.experiment import load_config
   cfg = _on(load_config('configs/default.py:smoke'), MESHES['data2_expert4'])
@@ -532,17 +532,15 @@ def test_dry_run_counts_the_token_chunks_exchanges(remat, rows):
   cfg.run.expert_block_rows = n * dispatch_lib.dropless_rows(local_tokens, k, e, n) // 2
   report = dry_run.dry_run(cfg, 'cuda')
   exchange = local_tokens * min(k, n) * cfg.model.d_model * 4
-  if rows == 'token':  # the exchange stays whole (only the experts run in chunks): R = 2
-    routing = local_tokens * min(k, n) * 2 * k * 4  # under full, 1 under attention
+  if rows == 'token':  # the exchange stays whole (only the experts run in chunks)
+    routing = local_tokens * min(k, n) * 2 * k * 4
     r = 2 if remat == 'full' else 1
-    inner = (r + 1) * (2 * exchange + routing)
-    last = inner - exchange if remat == 'full' else inner  # no return in the last's rerun
+    visit = (r + 1) * (2 * exchange + routing) - (exchange if remat == 'full' else 0)
   else:
-    last = 2 * (2 + 1) * exchange  # R = 2
-    inner = 2 * (3 + 1) * exchange if remat == 'full' else last
+    visit = 2 * (2 + 1) * exchange  # R = 2
   m = cfg.model
   assert m.prelude_layers == m.coda_layers == 1 and m.core_layers == 2
-  want = 2 * last + m.num_loops * (inner + last)
+  want = (2 + 2 * m.num_loops) * visit
   assert report['analytic_collective_bytes_per_step']['all-to-all'] == want
   assert report['collective_bytes_per_step']['ragged-all-to-all'] == want
 

@@ -6,7 +6,9 @@ from typing import Any, Mapping
 
 from loopmoe_jax.config.fields import from_mapping
 
-REMAT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch', 'pass_input', 'attention', 'named')
+REMAT_POLICIES = ('none', 'full', 'full_keep_exchange', 'dots', 'dots_no_batch', 'pass_input',
+                  'attention', 'named')
+LAYERWISE_REMAT = ('full', 'full_keep_exchange')  # each layer its own checkpoint (core.remat)
 ATTENTION_IMPLS = ('auto', 'xla', 'chunked', 'cudnn', 'splash')
 LOOP_IMPLS = ('scan', 'unroll')
 CORE_COLLECTIVES = ('once', 'per_pass')
@@ -77,7 +79,8 @@ class RunConfig:
     layer (full) or keep its output (pass_input, attention: core.REMAT); not under none
     (nothing recomputed) nor dots / named, which keep values inside the layer that a chunk's
     recompute would hide."""
-    return self.expert_block_rows if self.remat in ('full', 'pass_input', 'attention') else 0
+    return (self.expert_block_rows
+            if self.remat in ('full', 'full_keep_exchange', 'pass_input', 'attention') else 0)
 
   @property
   def exchange_unit(self) -> str:
