@@ -109,7 +109,8 @@ class Layer(nn.Module):
     x_BTD = x_BTD + self.scale * h
     u = norm('mlp_norm')(x_BTD)
     if self.num_experts:
-      h, stats = MoE(c, self.num_experts, self.record, self.runtime, name='moe')(u, bias_E)
+      h, stats = MoE(c, self.num_experts, self.record, self.runtime, self.decode,
+                     name='moe')(u, bias_E)
     else:
       h, stats = DenseMLP(c.expert_width, c.param_dtype, name='mlp')(u), {}
     return self.runtime.constrain(x_BTD + self.scale * h, ACTIVATION), stats

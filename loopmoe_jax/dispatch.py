@@ -72,6 +72,24 @@ def dispatch_reference(x_TD, experts_Tk, weights_Tk, params, tile=None, plan=Non
   return y_TD.astype(x_TD.dtype)
 
 
+def dispatch_dense(x_TD, experts_Tk, weights_Tk, params, tile=None, plan=None, runtime=None):
+  """Every expert on every row in three whole matmuls, each token's output the sum of its
+  chosen experts' weighted outputs (the others weighted by exactly 0): E/k times the routed
+  multiply-adds in a handful of ops; for the few rows of a decode step of a model with few
+  experts (DENSE_MAX_MACS, `dispatch`), where the grouped backends' sort, tiles and scatters
+  cost more than the rows. Accumulates as the grouped matmuls do."""
+  del tile, plan, runtime
+  e, d, f = params['gate'].shape
+  acc = accumulation_dtype(x_TD, params['gate'])
+  mm = lambda a, w: jnp.dot(a, w, preferred_element_type=acc).astype(x_TD.dtype)
+  wide = lambda w: w.transpose(1, 0, 2).reshape(d, e * f)
+  h_TEF = _swiglu(mm(x_TD, wide(params['gate'])), mm(x_TD, wide(params['up']))).reshape(-1, e, f)
+  w_TE = jnp.zeros((x_TD.shape[0], e), jnp.float32).at[
+      jnp.arange(x_TD.shape[0])[:, None], experts_Tk].add(weights_Tk.astype(jnp.float32))
+  h_TEF = (h_TEF.astype(jnp.float32) * w_TE[..., None]).astype(x_TD.dtype)
+  return mm(h_TEF.reshape(-1, e * f), params['down'].reshape(e * f, d))
+
+
 def inverse_permutation(perm_N):
   """The permutation that undoes `perm_N` ([N] int32): x[perm][inverse] == x."""
   return jnp.zeros_like(perm_N).at[perm_N].set(jnp.arange(perm_N.shape[0], dtype=perm_N.dtype))
@@ -302,7 +320,12 @@ BACKENDS = {
     'tiled': _grouped('tiled'),
     'xla': _grouped('xla'),
     'pallas': dispatch_pallas,
+    'dense': dispatch_dense,
 }
+# Decode steps on the 'tiled' backend run `dispatch_dense` when every expert on every token
+# takes at most this many multiply-adds (measured here, scripts/benchmark.py decode: the
+# grouped path's sort, tile and scatter ops dominate a step of a few rows of small experts)
+DENSE_MAX_MACS = 1 << 21
 
 # What `auto` picks per platform. CPU: measured here (scripts/benchmark.py model/kernels on
 # 2 CPU cores, jax 0.10.2): 'tiled' stays flat in E, 'xla' (ragged_dot) does masked dense work
@@ -366,19 +389,23 @@ def resolve_backend(backend: str, *, runtime: Runtime) -> str:
 
 def dispatch(x_TD, experts_Tk, weights_Tk, params: Mapping[str, jax.Array],
              backend: str = 'tiled', tile: int = 64, plan=None, block_rows: int = 0,
-             *, runtime: Runtime):
+             *, runtime: Runtime, decode: bool = False):
   """Applies the chosen experts of every token and combines them with their weights.
   `plan`: the routing kernel's {counts_E, positions_Tk} (used by 'pallas', else ignored).
   `block_rows` r > 0 with more than r routed rows: the tokens run in `token_chunks` (each
   chunk's dispatch, permute to combine, recomputed in its backward: `in_token_chunks`), each
   chunk's routed rows at most r; the same outputs (a token's rows are its own) and bounded
   temporaries, for the chunk's forward rerun in its backward (no extra FLOPs where the remat
-  policy keeps the expert output and so skips the MoE in its own recompute: core.REMAT)."""
+  policy keeps the expert output and so skips the MoE in its own recompute: core.REMAT).
+  `decode`: a decode step; on the 'tiled' backend dense under DENSE_MAX_MACS."""
   if backend != 'auto' and backend not in BACKENDS:
     raise ValueError(f'run.dispatch={backend!r}: must be one of {sorted(BACKENDS)} or auto')
-  fn = functools.partial(BACKENDS[resolve_backend(backend, runtime=runtime)], tile=tile,
-                         runtime=runtime)
   t, k = experts_Tk.shape
+  name = resolve_backend(backend, runtime=runtime)
+  e, d, f = params['gate'].shape
+  if decode and name == 'tiled' and 3 * t * e * d * f <= DENSE_MAX_MACS:
+    name = 'dense'
+  fn = functools.partial(BACKENDS[name], tile=tile, runtime=runtime)
   chunks = token_chunks(t, k, params['gate'].shape[0], 1, block_rows)
   if chunks == 1:
     return fn(x_TD, experts_Tk, weights_Tk, params, plan=plan)

@@ -165,6 +165,7 @@ class MoE(nn.Module):
   num_experts: int
   record: bool = False
   runtime: Runtime = HERE
+  decode: bool = False   # a decode step's few rows (dispatch.dispatch's `decode`)
 
   @nn.compact
   def __call__(self, x_BTD, bias_E=None):
@@ -213,7 +214,8 @@ class MoE(nn.Module):
       weights_Tk, _, stats['dropped'] = expert_parallel.apply_capacity(
           experts_Tk, weights_Tk, e, c.capacity_factor)
       y_TD = dispatch(x_TD, experts_Tk, weights_Tk, params, rt.run.dispatch,
-                      rt.run.dispatch_tile, plan, rt.run.ffn_block_rows, runtime=rt)
+                      rt.run.dispatch_tile, plan, rt.run.ffn_block_rows, runtime=rt,
+                      decode=self.decode)
     y_BTD = checkpoint_name(y_TD, 'expert_out').reshape(b, t, d)
     if c.num_shared_experts:
       y_BTD = y_BTD + DenseMLP(c.num_shared_experts * c.shared_width, c.param_dtype,

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from loopmoe_jax.runtime import HERE
-from loopmoe_jax.dispatch import dispatch, gmm_tiled, gmm_xla
+from loopmoe_jax.dispatch import DENSE_MAX_MACS, dispatch, gmm_tiled, gmm_xla
 from pallas_kernels.metadata import work_items
 from reference import assert_close, gmm_numpy
 
@@ -291,7 +291,7 @@ def _routing(rng, tokens, k, experts, mode):
   return np.asarray(rows, np.int32)
 
 
-BACKENDS = ('reference', 'tiled', 'xla')
+BACKENDS = ('reference', 'tiled', 'xla', 'dense')
 
 
 @functools.partial(jax.jit, static_argnums=(5,))
@@ -354,7 +354,7 @@ def test_dispatch_backends_equal_reference(tokens, k, experts, tile):
     y_ref, gx_ref, gw_ref, gp_ref = res['reference']
     # The reference itself against the obvious per-token loop.
     assert_close(y_ref, _per_token_loop(x, ex, weights, params), 1e-5, f'{mode}: reference')
-    for backend in ('tiled', 'xla'):
+    for backend in ('tiled', 'xla', 'dense'):
       y, gx, gw, gp = res[backend]
       what = f'{mode}/{backend}'
       assert_close(y, np.asarray(y_ref), 1e-5, f'{what}: y')
@@ -381,13 +381,31 @@ def test_dispatch_bfloat16_backends_agree():
   res = _all_backends(x, ex, w, p, ct, tile)
   ref = jax.tree.map(lambda a: np.asarray(a.astype(jnp.float32)), res['reference'])
   assert res['reference'][0].dtype == jnp.bfloat16
-  for backend in ('tiled', 'xla'):
+  for backend in ('tiled', 'xla', 'dense'):
     got = res[backend]
     assert got[0].dtype == jnp.bfloat16
     for i, name in enumerate(('y', 'd_x', 'd_weights')):
       assert_close(got[i], ref[i], 2e-2, f'{backend}: {name}')
     for name in ('gate', 'up', 'down'):
       assert_close(got[3][name], ref[3][name], 2e-2, f'{backend}: d_{name}')
+
+
+def test_decode_steps_of_small_experts_run_dense_and_equal_the_grouped_path():
+  """A decode step on the 'tiled' backend: every expert on every token in three matmuls
+  (no sort) while 3 T E D F <= DENSE_MAX_MACS, the grouped path past it; the same outputs as
+  the per-token loop either way."""
+  rng = np.random.default_rng(12)
+  experts, d, f = 4, 8, 12
+  params = _expert_params(rng, experts, d, f)
+  for tokens in (3, DENSE_MAX_MACS // (3 * experts * d * f) + 1):
+    x = jnp.asarray(rng.standard_normal((tokens, d)), jnp.float32)
+    ex = _routing(rng, tokens, 2, experts, 'random')
+    w = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, 2)), jnp.float32)
+    fn = jax.jit(lambda x, w: dispatch(x, jnp.asarray(ex), w, params, 'tiled', 8, runtime=HERE,
+                                       decode=True))
+    assert_close(fn(x, w), _per_token_loop(x, ex, w, params), 1e-5, f'{tokens} tokens')
+    sorts = fn.lower(x, w).as_text().count('stablehlo.sort')
+    assert (sorts == 0) == (tokens <= 3), (tokens, sorts)
 
 
 def test_dispatch_rejects_unknown_backend():
