@@ -54,7 +54,7 @@ _save = jax.checkpoint_policies.save_only_these_names
 # logits), 'expert_out' (the combined expert output, [tokens, d_model]), 'exchange' (the rows
 # each expert-parallel all-to-all delivers). Under full, pass_input and attention the MoE's
 # dispatch runs in token chunks each recomputed in its own backward (run.expert_block_rows,
-# dispatch.in_token_chunks); full, and the policies that keep 'expert_out', then recompute no
+# chunks.in_token_chunks); full, and the policies that keep 'expert_out', then recompute no
 # MoE forward for the layer's or stack's recompute (the chunks' backward reruns theirs), and a
 # chunk's inner values
 # ('exchange' among them) are the chunk's own. Measured memory and recompute per policy:

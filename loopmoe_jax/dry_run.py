@@ -66,7 +66,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loopmoe_jax import dispatch, sharding
+from loopmoe_jax import chunks, sharding
 from loopmoe_jax.hlo import collective_bytes, collectives, dot_flops
 from loopmoe_jax.config import LAYERWISE_REMAT, RUN_FIELDS
 from loopmoe_jax.experiment import build
@@ -217,14 +217,14 @@ def _chunked(mc, run, n: int, tokens: int, num_experts: int) -> bool:
   receive buffer exceeds run.expert_block_rows (token rows chunk only their experts)."""
   return (run.exchange_unit != 'token' and not mc.capacity_factor and
           not mc.exchange_buffer_factor and
-          dispatch.token_chunks(tokens, mc.top_k, num_experts, n, run.ffn_block_rows) > 1)
+          chunks.token_chunks(tokens, mc.top_k, num_experts, n, run.ffn_block_rows) > 1)
 
 
 def exchange_forwards(mc, run, n: int, tokens: int, num_experts: int) -> int:
   """R, the forward exchanges of one MoE visit (module docstring) for `tokens` per device and
   call (the architecture `mc`, the run settings `run`): 1 where the backward keeps the
   exchanged rows, 2 where the layer's recompute repeats them. With token chunks
-  (dispatch.token_chunks > 1) each chunk reruns its exchange in its own backward (2): under
+  (chunks.token_chunks > 1) each chunk reruns its exchange in its own backward (2): under
   full each layer is its own checkpoint, whose backward reads no expert output, and
   pass_input and attention keep the expert output, so no recompute adds an MoE forward."""
   if _chunked(mc, run, n, tokens, num_experts):

@@ -50,6 +50,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from loopmoe_jax import chunks as chunks_lib
 from loopmoe_jax import dispatch as dispatch_lib
 from loopmoe_jax import sharding
 from loopmoe_jax import token_exchange
@@ -99,7 +100,7 @@ def slot_rows(t: int, k: int, num_experts: int, n: int, factor: float = 0.0,
   E/n * C; with `buffer_factor` b, ceil(b * t * k / n), the balanced load times b (rows past it
   are dropped and counted). The ragged receive buffer holds n such slots."""
   e_loc = num_experts // n
-  rows = dispatch_lib.dropless_rows(t, k, num_experts, n)
+  rows = chunks_lib.dropless_rows(t, k, num_experts, n)
   if factor:
     rows = min(rows, e_loc * capacity(t, k, num_experts, factor))
   if buffer_factor:
@@ -191,15 +192,15 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, params, body: Body):
   """The per-device body (see the module docstring): returns (y_TD float32, dropped).
 
   `body.block_rows` r > 0 on a dropless exchange (no capacity or buffer factor): the device's
-  tokens run in `dispatch.token_chunks` consecutive chunks, each chunk's whole body (permute,
+  tokens run in `chunks.token_chunks` consecutive chunks, each chunk's whole body (permute,
   exchange, grouped matmul, exchange back, combine) recomputed in its backward
-  (`dispatch.in_token_chunks`), so no buffer sized by the worst-case received rows outlives
+  (`chunks.in_token_chunks`), so no buffer sized by the worst-case received rows outlives
   its chunk. A token's rows go to the same experts whatever the chunk, so the outputs are the
   unchunked ones. With a capacity or buffer factor (which rank rows across the whole shard)
   the exchange runs whole."""
   t, k = experts_Tk.shape
   chunks = (1 if body.factor or body.buffer_factor or body.rows == 'token' else
-            dispatch_lib.token_chunks(t, k, body.num_experts, body.n, body.block_rows))
+            chunks_lib.token_chunks(t, k, body.num_experts, body.n, body.block_rows))
   whole = _local_moe_tokens if body.rows == 'token' else _local_moe_whole
   if body.streams > 1 and not (body.factor or body.buffer_factor):
     whole = _in_streams(whole, body.streams)
@@ -207,7 +208,7 @@ def _local_moe(x_TD, experts_Tk, weights_Tk, params, body: Body):
     y_TD, dropped = whole(x_TD, experts_Tk, weights_Tk, params, body)
     return y_TD, jax.lax.psum(dropped, body.batch_axes)
   run = lambda p, x, e, w: whole(x, e, w, p, body, name_exchange=False)
-  y_ctD, dropped_c = dispatch_lib.in_token_chunks(run, chunks, params, x_TD, experts_Tk,
+  y_ctD, dropped_c = chunks_lib.in_token_chunks(run, chunks, params, x_TD, experts_Tk,
                                                   weights_Tk)
   # the dropped count summed over the chunks here, over the shards once (not per chunk)
   return y_ctD.reshape(-1, y_ctD.shape[-1])[:t], jax.lax.psum(jnp.sum(dropped_c),

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from loopmoe_jax import chunks as chunks_lib
 from loopmoe_jax import dispatch as dispatch_lib
 
 
@@ -145,7 +146,7 @@ def expand_and_combine(x_RD, meta_Rk2, valid_R, params, expand_rows: int, runtim
 
   `block_rows` r > 0 with dropless bounds (`expand_rows` = R min(k, E/n)) larger than r: the
   received rows run in consecutive chunks whose expansion holds at most r rows, each chunk
-  recomputed in its own backward (`dispatch.scan_chunks`): the exchange stays whole (one set
+  recomputed in its own backward (`chunks.scan_chunks`): the exchange stays whole (one set
   of collectives), only the experts' buffers are chunked. A row's experts are the same
   whatever its chunk, so the outputs are the whole's."""
   r, k = meta_Rk2.shape[0], meta_Rk2.shape[1] // 2
@@ -157,7 +158,7 @@ def expand_and_combine(x_RD, meta_Rk2, valid_R, params, expand_rows: int, runtim
   pad = chunks * per - r
   xs = [jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)) for a in (x_RD, meta_Rk2, valid_R)]
   run = lambda p, x, m, v: _expand_whole(x, m, v, p, per * kk, runtime)
-  y_cRD, dropped_c = dispatch_lib.scan_chunks(run, chunks, params, *xs)
+  y_cRD, dropped_c = chunks_lib.scan_chunks(run, chunks, params, *xs)
   return y_cRD.reshape(-1, y_cRD.shape[-1])[:r], jnp.sum(dropped_c)
 
 

@@ -463,7 +463,8 @@ def test_token_chunked_dispatch_equals_whole_and_keeps_less(backend):
   tensor) as one chunk, on a skewed routing (two experts take half the rows) and a token count
   that the chunks do not divide (padded tokens); the backward program keeps fewer
   temporaries."""
-  from loopmoe_jax.dispatch import dispatch, token_chunks
+  from loopmoe_jax.chunks import token_chunks
+  from loopmoe_jax.dispatch import dispatch
   rng = np.random.default_rng(3)
   t, k, d, f, g = 120, 2, 16, 64, 5
   ids = np.stack([rng.choice(g, k, replace=False) for _ in range(t)]).astype(np.int32)

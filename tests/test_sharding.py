@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from loopmoe_jax.core_plan import Path
 from loopmoe_jax.train.run import RunDir
+from loopmoe_jax import chunks as chunks_lib
 from loopmoe_jax import dispatch as dispatch_lib
 from loopmoe_jax import core, expert_parallel, sharding, token_exchange
 from loopmoe_jax.config import RUN_FIELDS, ModelConfig
@@ -345,11 +346,11 @@ def test_token_chunks_equal_the_whole_exchange_and_keep_less(monkeypatch, kind):
   x, ids, w, params = _moe_inputs(seed=4)
   ids[:24] = [0, 1]
   n, t = MESHES['data2_expert4'].expert, 64 // 8
-  assert dispatch_lib.token_chunks(t, 2, 8, n, 16) == 4  # 8 tokens a device, 2 a chunk
+  assert chunks_lib.token_chunks(t, 2, 8, n, 16) == 4  # 8 tokens a device, 2 a chunk
   for rows, want_c in [(0, 1), (64, 1), (63, 2), (24, 3), (16, 4), (9, 8), (8, 8)]:
-    assert dispatch_lib.token_chunks(t, 2, 8, n, rows) == want_c, rows
+    assert chunks_lib.token_chunks(t, 2, 8, n, rows) == want_c, rows
   with pytest.raises(ValueError, match='run.expert_block_rows=7'):  # 4 devices x 2 rows
-    dispatch_lib.token_chunks(t, 2, 8, n, 7)
+    chunks_lib.token_chunks(t, 2, 8, n, 7)
   want = _ep(MESHES['data2_expert4'], x, ids, w, params, True, expert_exchange=kind,
              remat='full', expert_block_rows=0)
   for rows in (16, 24):  # 4 chunks of 2 tokens; 3 chunks of 3 (one padded token)
@@ -529,7 +530,7 @@ def test_dry_run_counts_the_token_chunks_exchanges(remat, rows):
   local_tokens = cfg.data.batch_size * cfg.data.seq_len // 8
   n, k, e = 4, cfg.model.top_k, cfg.model.core_experts
   cfg.run.remat, cfg.run.exchange_rows = remat, rows
-  cfg.run.expert_block_rows = n * dispatch_lib.dropless_rows(local_tokens, k, e, n) // 2
+  cfg.run.expert_block_rows = n * chunks_lib.dropless_rows(local_tokens, k, e, n) // 2
   report = dry_run.dry_run(cfg, 'cuda')
   exchange = local_tokens * min(k, n) * cfg.model.d_model * 4
   if rows == 'token':  # the exchange stays whole (only the experts run in chunks)

@@ -99,7 +99,7 @@ def speculative_figures(run, quick: bool) -> dict[str, Any]:
   """spec_tokens_per_s_over_plain, identity and the per-d figures (module docstring)."""
   cfg, bias, rt = run.model_cfg, run.router_bias, run.runtime
   tok = pipeline.data_tokenizer(run.exp.data)
-  tokens, repeats = (16, 1) if quick else (64, 2)
+  tokens, repeats = (16, 1) if quick else (64, 5)
   prompts = _prompts(tok, PROMPTS, 16)
   d, g, speed = calibrate(run, _prompts(tok, CALIBRATION, 16), tokens // 2, 1)
   plain = lambda: [generate(cfg, run.params, p, tokens, jax.random.key(0), router_bias=bias,
@@ -128,7 +128,7 @@ def batched_figures(run, quick: bool) -> dict[str, Any]:
   cfg, bias, rt = run.model_cfg, run.router_bias, run.runtime
   tok = pipeline.data_tokenizer(run.exp.data)
   ids = [np.asarray(tok.encode(t)).tolist() for t in PROMPTS]
-  tokens, repeats = (16, 1) if quick else (64, 2)
+  tokens, repeats = (16, 1) if quick else (64, 5)
   gen = lambda rows, bs: generate_batch(cfg, run.params, rows, tokens, jax.random.key(0),
                                         batch_size=bs, router_bias=bias, runtime=rt)
   batched = gen(ids, len(ids))

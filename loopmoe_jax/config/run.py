@@ -59,7 +59,7 @@ class RunConfig:
   loop_impl: str = 'scan'        # 'unroll': Python loop over the same shared params
   expert_block_rows: int = 16384 # under remat full, pass_input or attention, the MoE
                                  # dispatch handles at most this many rows at once: a device's
-                                 # tokens run in chunks (dispatch.token_chunks) whose routed
+                                 # tokens run in chunks (chunks.token_chunks) whose routed
                                  # rows, or under expert parallelism whose dropless receive
                                  # buffer, hold at most this many, each chunk recomputed in its
                                  # own backward (the tokens padded to equal chunks). No buffer
