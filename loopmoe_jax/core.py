@@ -48,15 +48,15 @@ def scan_passes(fn, length: int, per_pass: bool):
 _save = jax.checkpoint_policies.save_only_these_names
 # run.remat: what the backward keeps of the forward; everything else it recomputes. Every
 # layer (prelude, core passes, coda) is rematerialised per layer stack (one core pass), and
-# the head and LM loss with it (objective.py); 'full' per layer (`remat`): its recompute
-# needs no layer's output, so no MoE's return all-to-all and combine is replayed. Named checkpoints: 'attn_qkv' (q, k, v after
-# RoPE), 'attention' (the attention output, and chunked attention's log-sum-exp), 'router' (router
-# logits), 'expert_out' (the combined expert output, [tokens, d_model]), 'exchange' (the rows
-# each expert-parallel all-to-all delivers). Under full, pass_input and attention the MoE's
-# dispatch runs in token chunks each recomputed in its own backward (run.expert_block_rows,
-# chunks.in_token_chunks); full, and the policies that keep 'expert_out', then recompute no
-# MoE forward for the layer's or stack's recompute (the chunks' backward reruns theirs), and a
-# chunk's inner values
+# the head and LM loss with it (objective.py); 'full' and 'full_keep_exchange' per layer
+# (`remat`): their recompute needs no layer's output, so no MoE's return all-to-all and combine
+# is replayed. Named checkpoints: 'attn_qkv' (q, k, v after RoPE), 'attention' (the attention
+# output, and chunked attention's log-sum-exp), 'router' (router logits), 'expert_out' (the
+# combined expert output, [tokens, d_model]), 'exchange' (the rows each expert-parallel
+# all-to-all delivers). Under full, pass_input and attention the MoE's dispatch runs in token
+# chunks each recomputed in its own backward (run.expert_block_rows, chunks.in_token_chunks);
+# full, and the policies that keep 'expert_out', then recompute no MoE forward for the layer's
+# or stack's recompute (the chunks' backward reruns theirs), and a chunk's inner values
 # ('exchange' among them) are the chunk's own. Measured memory and recompute per policy:
 # docs/results.md, scripts/dry_run.py.
 REMAT = {
@@ -77,10 +77,10 @@ REMAT = {
 
 def remat(module_cls, policy: str):
   """`module_cls` rematerialised under `policy` (run.remat; unchanged with 'none'). A Stack
-  under 'full' rematerialises each of its layers instead (one checkpoint a layer: the backward
-  keeps every layer's input, and a layer's recompute stops at its MoE's expert outputs, where
-  a stack's replays every layer's return exchange but the last's; SMELT on v5p-128:
-  docs/results.md, issue 52, fourth part)."""
+  under 'full' or 'full_keep_exchange' rematerialises each of its layers instead (one
+  checkpoint a layer: the backward keeps every layer's input, and a layer's recompute stops at
+  its MoE's expert outputs, where a stack's replays every layer's return exchange but the
+  last's; SMELT on v5p-128: docs/results.md, issue 52, fourth and fifth parts)."""
   if policy == 'none':
     return module_cls
   if policy in LAYERWISE_REMAT and module_cls is Stack:
