@@ -8,9 +8,10 @@ Each candidate's matmul FLOPs per step (dry_run.step_flops: a trace, no compile)
 search: candidates are compiled from the cheapest (fewest FLOPs; then fewer microbatches, a
 larger loss chunk, the config's own attention) until one fits the device's memory; that one is
 `best`, unless a candidate differing from it only in the expert exchange's settings
-and the parameters' layout (STEP_KEYS: the same FLOPs, compiled next) fits with a shorter estimated step
-(aot.time_bounds). `exhaustive` compiles every candidate. Compiles are kept on disk (aot.compile_summary),
-so a rerun reads them back. A per-device batch other than the config's changes what is trained
+and the parameters' layout (STEP_KEYS: the same FLOPs, compiled next), or in a remat policy
+with the same recompute (REMAT_TWINS: full_keep_exchange beside full), fits with a shorter
+estimated step (aot.time_bounds). `exhaustive` compiles every candidate. Compiles are kept
+on disk (aot.compile_summary), so a rerun reads them back. A per-device batch other than the config's changes what is trained
 (the global batch) and is searched only when asked (`data.batch_size` values given per device).
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from loopmoe_jax import aot, dry_run, sharding, targets
 from loopmoe_jax.experiment import build
 
 # the default search: keys that change memory only, each with the values tried
-SEARCH = {'run.remat': ('none', 'attention', 'pass_input', 'full'),
+SEARCH = {'run.remat': ('none', 'attention', 'pass_input', 'full', 'full_keep_exchange'),
           'train.microbatches': (1, 2, 4),
           'run.loss_chunk': (8192, 2048)}  # the default chunk, then a smaller one
 SEARCHABLE = ('run.remat', 'train.microbatches', 'run.loss_chunk', 'run.attention_impl',
@@ -32,6 +33,9 @@ SEARCHABLE = ('run.remat', 'train.microbatches', 'run.loss_chunk', 'run.attentio
 # layout): candidates that differ only in these are all compiled once one of them fits, and
 # ranked by their estimated step time
 STEP_KEYS = ('run.exchange_streams', 'run.exchange_rows', 'run.min_shard_bytes')
+# remat policies with another's recompute (the same FLOPs, one trace), told apart by memory
+# and the step time: a step variant of it, as STEP_KEYS are
+REMAT_TWINS = {'full_keep_exchange': 'full'}
 
 
 def parse_search(items) -> dict[str, tuple]:
@@ -81,7 +85,7 @@ def find(cfg_dict, target: targets.Target, search: dict, preset: str = 'pod',
   traced = {}
 
   def flops(settings):  # depends on the remat policy, batch and attention only: one trace each
-    key = tuple(settings.get(k) for k in ('run.remat', 'data.batch_size', 'run.attention_impl'))
+    key = (_twin(settings), settings.get('data.batch_size'), settings.get('run.attention_impl'))
     if key not in traced:
       traced[key] = dry_run.step_flops(aot.with_settings(cfg_dict, settings), target.num_devices)
     return traced[key]
@@ -114,9 +118,16 @@ def find(cfg_dict, target: targets.Target, search: dict, preset: str = 'pod',
 
 
 def _step_variant(row: dict, other: dict) -> bool:
-  """Whether two candidates differ in STEP_KEYS only."""
-  rest = lambda r: {k: v for k, v in r['run'].items() if k not in STEP_KEYS}
+  """Whether two candidates differ in STEP_KEYS (and REMAT_TWINS) only."""
+  rest = lambda r: {k: v for k, v in {**r['run'], 'run.remat': _twin(r['run'])}.items()
+                    if k not in STEP_KEYS}
   return rest(row) == rest(other)
+
+
+def _twin(settings: dict):
+  """The run.remat of `settings`, a REMAT_TWINS policy as the one whose recompute it has."""
+  remat = settings.get('run.remat')
+  return REMAT_TWINS.get(remat, remat)
 
 
 def _step(row: dict) -> float:

@@ -510,7 +510,8 @@ def test_fit_finder_ranks_exchange_variants_by_their_estimated_step(monkeypatch)
   candidate that differs otherwise is not compiled. The compiler is a stand-in here: the
   settings and their order are fit.find's own."""
   from loopmoe_jax import fit
-  steps = {(1, 'full'): 0.3, (2, 'full'): 0.2, (1, 'none'): None, (2, 'none'): None}
+  steps = {(1, 'full'): 0.3, (2, 'full'): 0.2, (1, 'none'): None, (2, 'none'): None,
+           (1, 'full_keep_exchange'): 0.15, (2, 'full_keep_exchange'): None}
   compiled = []
 
   def candidate(cfg, target, settings, preset, flops):
@@ -522,11 +523,21 @@ def test_fit_finder_ranks_exchange_variants_by_their_estimated_step(monkeypatch)
   monkeypatch.setattr(aot, 'candidate', candidate)
   cfg = _tiny_cfg('tpu')
   search = {'run.remat': ('none', 'full', 'attention'), 'run.exchange_streams': (1, 2)}
-  monkeypatch.setattr(fit.dry_run, 'step_flops', lambda cfg, n: {
-      'none': 1.0, 'full': 2.0, 'attention': 3.0}[cfg['run']['remat']])
+  traced = []
+  monkeypatch.setattr(fit.dry_run, 'step_flops', lambda cfg, n: traced.append(
+      cfg['run']['remat']) or {'none': 1.0, 'full': 2.0, 'attention': 3.0}[cfg['run']['remat']])
   rows, best = fit.find(cfg, targets.get(TINY['tpu'][0]), search, log=lambda _: None)
   assert rows[best]['run'] == {'run.remat': 'full', 'run.exchange_streams': 2}
   assert compiled == [(1, 'none'), (2, 'none'), (1, 'full'), (2, 'full')]
+  # full_keep_exchange has full's recompute: traced as full, compiled beside it, ranked by
+  # its step (a variant of it that does not fit is a row, not the best)
+  compiled.clear()
+  search['run.remat'] += ('full_keep_exchange',)
+  rows, best = fit.find(cfg, targets.get(TINY['tpu'][0]), search, log=lambda _: None)
+  assert rows[best]['run'] == {'run.remat': 'full_keep_exchange', 'run.exchange_streams': 1}
+  assert compiled[2:] == [(1, 'full'), (2, 'full'), (1, 'full_keep_exchange'),
+                          (2, 'full_keep_exchange')]
+  assert 'full_keep_exchange' not in traced
   assert all(r['bytes_per_device'] is None for r in rows if r['run']['run.remat'] == 'attention')
 
 
