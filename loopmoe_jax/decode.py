@@ -135,8 +135,9 @@ def decode_step(cfg: ModelConfig, params, cache, tokens_BT, num_loops: int | Non
                 router_bias=None, runtime: Runtime = HERE):
   """Feeds a chunk of tokens (a prompt, or one token) and returns (logits_BTV, new cache).
   The cache's 'position' is one for every row (a scalar, init_cache's) or one per row ([B]:
-  row b's chunk sits at its own positions, batched.py). `router_bias`: the trained router bias (model.router_bias other than 'none'); `runtime`:
-  the model's (its run settings: the dispatch backend, ...; runtime.py). The cache is
+  row b's chunk sits at its own positions, batched.py). `router_bias`: the trained router
+  bias (model.router_bias other than 'none'); `runtime`: the model's (its run settings: the
+  dispatch backend, ...; runtime.py). The cache is
   in model.kv_cache's layout (init_cache's; what each pass attends to: the module docstring).
 
   Writing past the cache's length raises when the position is concrete; under jit the

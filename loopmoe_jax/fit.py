@@ -11,8 +11,9 @@ larger loss chunk, the config's own attention) until one fits the device's memor
 and the parameters' layout (STEP_KEYS: the same FLOPs, compiled next), or in a remat policy
 with the same recompute (REMAT_TWINS: full_keep_exchange beside full), fits with a shorter
 estimated step (aot.time_bounds). `exhaustive` compiles every candidate. Compiles are kept
-on disk (aot.compile_summary), so a rerun reads them back. A per-device batch other than the config's changes what is trained
-(the global batch) and is searched only when asked (`data.batch_size` values given per device).
+on disk (aot.compile_summary), so a rerun reads them back. A per-device batch other than the
+config's changes what is trained (the global batch) and is searched only when asked
+(`data.batch_size` values given per device).
 """
 from __future__ import annotations
 

@@ -145,8 +145,7 @@ def _gmm_one_tile(lhs_MK, rhs_GKN, group_sizes_G, chunk: int, transpose_rhs: boo
   y_PCN = y_PCN.astype(lhs_MK.dtype)
   target_PC = jnp.where(mine_PC, rows_PC, m)  # rows not the chunk's own go past the end
   out = jnp.zeros((m + 1, y_PCN.shape[-1]), lhs_MK.dtype)
-  return out.at[target_PC.reshape(-1)].set(y_PCN.reshape(-1, y_PCN.shape[-1]),
-                                           )[:m]
+  return out.at[target_PC.reshape(-1)].set(y_PCN.reshape(-1, y_PCN.shape[-1]))[:m]
 
 
 def _tgmm_impl(lhs_MK, grad_MN, group_sizes_G, num_groups, tile):

@@ -46,20 +46,31 @@ def needs(platform):
 # Names, table, errors (no compiler needed) ---------------------------------------------------
 
 def test_target_names_resolve_to_topologies_and_bad_names_list_near_ones():
+  """Pod and debug-GPU names resolve to their chip, topology, chip count and memory; an
+  unknown name lists the near ones."""
   cases = {'v5p-128': ('v5p', '4x4x4', 64), 'V5P:4x4x4': ('v5p', '4x4x4', 64),
            'v5p-8': ('v5p', '2x2x1', 4), 'v4-128': ('v4', '4x4x4', 64),
            'v5e-256': ('v5e', '16x16', 256), 'v5litepod-16': ('v5e', '4x4', 16),
            'v6e:8x8': ('v6e', '8x8', 64), 'h200x8': ('h200', '1x1x8', 8),
-           '2x8xh100': ('h100', '1x2x8', 16)}
+           '2x8xh100': ('h100', '1x2x8', 16), 'a100x1': ('a100', '1x1x1', 1),
+           'a100-40gx1': ('a100-40g', '1x1x1', 1), 'a100x8': ('a100', '1x1x8', 8),
+           'l4x1': ('l4', '1x1x1', 1), 'rtx4090x1': ('rtx4090', '1x1x1', 1),
+           '2x8xa100': ('a100', '1x2x8', 16)}
   for name, (chip, topo, chips) in cases.items():
     t = targets.get(name)
     assert (t.chip.name, t.topology, t.chips) == (chip, topo, chips), name
-  with pytest.raises(ValueError, match=r"unknown target 'h300x8' \(did you mean h200x8"):
-    targets.get('h300x8')
+  gib = {'a100': 80, 'a100-40g': 40, 'l4': 22.49, 'rtx4090': 23.99}
+  for chip, want in gib.items():
+    assert round(targets.CHIPS[chip].hbm_bytes / 2**30, 2) == want, chip
+  for bad, near in (('h300x8', 'h200x8'), ('rtx4080x1', 'rtx4090x1'), ('a10x1', 'a100x1')):
+    with pytest.raises(ValueError, match=rf"unknown target '{bad}' \(did you mean {near}"):
+      targets.get(bad)
   with pytest.raises(ValueError, match=r"v5p-100.*known: v5p-8, v5p-16"):
     targets.get('v5p-100')
   with pytest.raises(ValueError, match='a v6e topology has 2 dimensions'):
     targets.get('v6e:4x4x4')
+  with pytest.raises(ValueError, match='node and GPU counts must be >= 1'):
+    targets.get('l4x0')
 
 
 def test_missing_extra_names_the_pip_command(monkeypatch):
@@ -90,21 +101,6 @@ def test_gpu_target_config_carries_the_chip_row():
   text = targets.gpu_target_config(targets.CHIPS['h200'])
   assert f"device_memory_size: {targets.CHIPS['h200'].hbm_bytes}" in text
   assert 'device_description_str: "NVIDIA H200"' in text and 'major: 9 minor: 0' in text
-
-
-def test_debug_gpu_targets_resolve_and_near_names_list_them():
-  cases = {'a100x1': ('a100', 80), 'a100-40gx1': ('a100-40g', 40), 'a100x8': ('a100', 80),
-           'l4x1': ('l4', 22.49), 'rtx4090x1': ('rtx4090', 23.99), '2x8xa100': ('a100', 80)}
-  for name, (chip, gib) in cases.items():
-    t = targets.get(name)
-    assert t.chip.name == chip and round(t.chip.hbm_bytes / 2**30, 2) == gib, name
-  assert targets.get('a100x8').topology == '1x1x8' and targets.get('2x8xa100').chips == 16
-  with pytest.raises(ValueError, match=r"unknown target 'rtx4080x1' \(did you mean rtx4090x1"):
-    targets.get('rtx4080x1')
-  with pytest.raises(ValueError, match=r"unknown target 'a10x1' \(did you mean a100x1"):
-    targets.get('a10x1')
-  with pytest.raises(ValueError, match='node and GPU counts must be >= 1'):
-    targets.get('l4x0')
 
 
 @pytest.mark.parametrize('name,cc,sms,optin', [('a100', '8 minor: 0', 108, 166912),
