@@ -104,10 +104,14 @@ def kernel_runtime(target: targets.Target) -> Runtime:
     raise ValueError(f"--kernel_family={family}: target {target.name} is a TPU: use 'tpu'")
   if cc is None:
     return runtime.replace(kernel_family=family)
+  gpu_families = sorted(capability.MIN_CC)
+  if family is not None and family not in gpu_families:
+    raise ValueError(f'--kernel_family={family}: target {target.name} is a GPU: one of '
+                     f'{", ".join(gpu_families)}')
   tiles, why_not, line = capability.plan(cc, family)
   if (target.name, family) not in _NOTED:  # once per target and choice
-    _NOTED.add((target.name, family)) or (log.warning if why_not else log.info)(
-        f'{target.name} kernels, {line}')
+    _NOTED.add((target.name, family))
+    (log.warning if why_not else log.info)(f'{target.name} kernels, {line}')
   runtime = runtime.with_tiles(tiles) if tiles else runtime
   return runtime.replace(pallas_check=why_not) if why_not else runtime
 

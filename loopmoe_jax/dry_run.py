@@ -256,11 +256,11 @@ def analytic(exp, mesh, params) -> dict[str, int]:
   row = rows * mc.d_model * act
   there = row + (rows * 2 * mc.top_k * 4 if exp.run.exchange_unit == 'token' else 0)
   call_tokens = local_tokens // exp.train.microbatches  # the tokens one MoE call sees
+  alone = exp.run.remat in LAYERWISE_REMAT  # each layer its own checkpoint (full)
   if n > 1:
     for _, layers, experts, passes in mc.segments:
       if experts:  # a segment's pass is one remat stack (its last layer apart), or under
-        # full each layer its own checkpoint, so each layer counts as a stack's last
-        alone = exp.run.remat in LAYERWISE_REMAT
+        # full each layer counts as a stack's last
         counts = [exchanges(mc, exp.run, n, call_tokens, experts, alone or i == layers - 1)
                   for i in range(layers)]
         a2a += passes * sum(s * there + r * row for s, r in counts)

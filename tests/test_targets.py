@@ -138,6 +138,10 @@ def test_a_forced_family_the_target_cannot_run_names_the_capability_and_what_run
     aot.kernel_runtime(targets.with_kernel_family(targets.get('a100x1'), 'mgpu_ws'))
   with pytest.raises(ValueError, match="--kernel_family=gpu: target v5p-8 is a TPU: use 'tpu'"):
     aot.kernel_runtime(targets.with_kernel_family(targets.get('v5p-8'), 'gpu'))
+  for bad in ('foo', 'tpu'):  # not a GPU family: refused up front, naming the flag
+    with pytest.raises(ValueError, match=rf'--kernel_family={bad}: target rtx4090x1 is a GPU: '
+                                         'one of gpu, mgpu, mgpu_ws'):
+      aot.kernel_runtime(targets.with_kernel_family(targets.get('rtx4090x1'), bad))
   forced = aot.kernel_runtime(targets.with_kernel_family(targets.get('h100x8'), 'gpu'))
   assert dict(forced.kernel_tiles)['gmm'] == (('family', 'gpu'),)
   # no family asked: Hopper keeps the default runtime (the H100 program is unchanged)
@@ -179,14 +183,16 @@ def test_every_tpu_kind_finds_its_peak_and_memory(name):
 
 
 @needs('cuda')
-@pytest.mark.parametrize('name', ['h100x8', 'h200x8', 'a100x1', 'a100-40gx1', 'l4x1',
-                                  'rtx4090x1'])
-def test_gpu_kinds_find_their_peak_and_memory(name):
+@pytest.mark.parametrize('name,peak', [('h100x8', 989e12), ('h200x8', 989e12),
+                                       ('a100x1', 312e12), ('a100-40gx1', 312e12),
+                                       ('l4x1', 121e12), ('rtx4090x1', 165.2e12)])
+def test_gpu_kinds_find_their_peak_and_memory(name, peak):
+  """The compile-only device's kind finds its chip row, and its published bf16 dense peak."""
   from loopmoe_jax.train import preflight
   t = targets.get(name)
   device = t.devices()[0]
   assert targets.chip_of_kind(device.device_kind) is t.chip
-  assert targets.peak_flops(device.device_kind) == t.chip.peak_bf16_flops
+  assert targets.peak_flops(device.device_kind) == t.chip.peak_bf16_flops == peak
   assert device.compute_capability == '.'.join(map(str, t.chip.compute_capability))
   # a device without allocator stats (compile-only here) takes its chip's memory
   assert preflight.device_memory_bytes(device) == t.chip.hbm_bytes
