@@ -141,8 +141,9 @@ def test_shared_kv_layouts_decode_as_ours(layout, exit_rule, tmp_path):
 
 @needs_torch
 def test_exit_settings_are_checked_at_the_forward(tmp_path):
-  """exit and exit_threshold set at load: a bad one is a one-line error naming the field; a
-  model without a trained gate refuses exit='gate' and runs 'kl'."""
+  """exit, exit_threshold and kv_cache set at load: a bad one is a one-line error naming the
+  field; a model without a trained gate refuses exit='gate', and early_exit=True without an
+  exit rule; 'kl' set at load gives our forward with that exit."""
   cfg, params = exit_model('gate')
   path = export(cfg, params, None, str(tmp_path / 'gate'))
   with pytest.raises(ValueError, match=r"exit_threshold=1.5: exit='gate' needs a threshold in "
@@ -154,8 +155,15 @@ def test_exit_settings_are_checked_at_the_forward(tmp_path):
     theirs(load(path, exit='gate', exit_threshold=0.5), TOKENS)
   with pytest.raises(ValueError, match=r"kv_cache='shared': must be one of \('per_pass'"):
     theirs(load(path, kv_cache='shared'), TOKENS)
+  with pytest.raises(ValueError, match=r"exit='bogus': must be one of"):
+    theirs(load(path, exit='bogus'), TOKENS, early_exit=True)
+  with pytest.raises(ValueError, match="early_exit=True: config.exit='none' has no exit rule"):
+    theirs(load(path), TOKENS, early_exit=True)
   kl = load(path, exit='kl', exit_threshold=0.05)
   assert np.max(np.abs(theirs(kl, TOKENS, early_exit=True) - theirs(kl, TOKENS))) > 1e-3
+  want, _ = _exit_forward(plain.replace(exit='kl', exit_threshold=0.05), 3)(
+      make_params(plain), jnp.asarray(TOKENS))
+  assert np.max(np.abs(theirs(kl, TOKENS, early_exit=True) - np.asarray(want))) < 1e-4
 
 
 @needs_torch

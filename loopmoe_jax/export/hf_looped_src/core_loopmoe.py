@@ -24,8 +24,6 @@ from torch import nn
 
 from .layers_loopmoe import AttentionWeights, Stack, rms_norm
 
-EXITS = ('none', 'kl', 'gate')
-
 
 class Readout:
   """What the exit rules read: the rule, its threshold, the final norm's gain (or None) and
@@ -144,6 +142,8 @@ def fill_skipped(cache, first_idx, layers, num_loops, passes_BT, past):
   """The cache entries of every pass a token skipped (pass index >= its passes run), at this
   forward's positions [past, past + T), set to its last computed pass's K/V."""
   t = passes_BT.shape[1]
+  if bool((passes_BT >= num_loops).all()):  # no token skipped a pass: nothing to fill
+    return
   index = torch.minimum(torch.arange(num_loops, device=passes_BT.device)[:, None, None],
                         passes_BT[None] - 1)  # [P, B, T]
   for i in range(layers):
@@ -152,8 +152,7 @@ def fill_skipped(cache, first_idx, layers, num_loops, passes_BT, past):
       win = torch.stack([getattr(e, name)[:, :, past:past + t] for e in entries])  # [P,B,G,T,K]
       new = torch.gather(win, 0, index[:, :, None, :, None].expand_as(win))
       for p, entry in enumerate(entries):
-        old = getattr(entry, name)
-        setattr(entry, name, torch.cat([old[:, :, :past], new[p], old[:, :, past + t:]], dim=2))
+        getattr(entry, name)[:, :, past:past + t] = new[p]
 
 
 class SharedKV:

@@ -101,17 +101,18 @@ class LoopMoEModel(nn.Module):
     c = self.config
     return self.embed.t() / math.sqrt(c.hidden_size) if c.tie_embeddings else self.head
 
-  def readout(self):
-    """What config.exit's rule reads (core_loopmoe.Readout)."""
+  def readout(self, head):
+    """What config.exit's rule reads (core_loopmoe.Readout), given the head [D, V]."""
     c = self.config
     gain = getattr(self.final_norm, 'scale', None)
-    head = self.head_matrix().float() if c.exit == 'kl' else None
+    head = head.float() if c.exit == 'kl' else None
     gate = (self.exit_gate_w, self.exit_gate_b) if c.exit == 'gate' else (None, None)
     return Readout(c.exit, c.exit_threshold, gain, c.rms_norm_eps, head, *gate)
 
   def forward(self, input_ids, ctx, num_loops, exiting=False):
     """Logits [B, T, V] float32; `exiting`: config.exit's per-token exit from the core."""
     c = self.config
+    head = self.head_matrix()  # once a forward: the exit's readout and the logits read it
     x = F.embedding(input_ids, self.embed)
     idx = 0
     if c.prelude_layers:
@@ -119,12 +120,12 @@ class LoopMoEModel(nn.Module):
       idx = c.prelude_layers
     if c.core_layers:
       x = self.core(x, ctx, idx, num_loops, self.bias('core'),
-                    self.readout() if exiting else None)
+                    self.readout(head) if exiting else None)
       idx += c.core_layers * num_loops
     if c.coda_layers:
       x = self.coda(x, ctx, idx, bias=self.bias('coda'))
     x = self.final_norm(x)
-    return (x @ self.head_matrix().to(x.dtype)).float()
+    return (x @ head.to(x.dtype)).float()
 
 
 def check_loops(config, num_loops):
@@ -198,6 +199,9 @@ class LoopMoEForCausalLM(PreTrainedModel, GenerationMixin):
     c = self.config
     n = check_loops(c, num_loops)
     cache = cache if cache is not None else past_key_values
+    if early_exit and check_exit(c) == 'none':
+      raise ValueError("early_exit=True: config.exit='none' has no exit rule; load with "
+                       "exit='kl' or exit='gate' (a gate needs trained gate weights)")
     exiting = check_exit(c) != 'none' and c.core_layers > 0 and (
         cache is not None if early_exit is None else bool(early_exit))
     use_cache = c.use_cache if use_cache is None else use_cache
