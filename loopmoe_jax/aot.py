@@ -350,8 +350,8 @@ def does_not_fit(report: dict) -> str:
   total, hbm = report['bytes_per_device']['total'], report['hbm_bytes_per_device']
   return (f"the train step does not fit {report['target']} (its compiler refused it): it needs "
           f"{gib(total)} of {gib(hbm)} per device (over by {gib(total - hbm)}); change "
-          f"{report['change_first']} first, or let scripts/fit.py search remat, microbatches "
-          'and loss chunk')
+          f"{report['change_first']} first, let scripts/fit.py search remat, microbatches and "
+          'loss chunk, or try scripts/plan.py to search the mesh too')
 
 
 def advice(exp, mesh, over: int) -> str:

@@ -608,7 +608,7 @@ def test_a_step_the_compiler_refuses_is_a_row_and_one_line_not_a_crash(tmp_path,
   assert mem['total'] == mem['arguments'] + mem['temporaries'] > target.hbm_bytes_per_device
   line = aot.does_not_fit(report)
   over = (mem['total'] - target.hbm_bytes_per_device) / 2**30
-  assert f'over by {over:,.2f} GiB' in line and 'run.remat' in line
+  assert f'over by {over:,.2f} GiB' in line and 'run.remat' in line and 'try scripts/plan.py' in line
   assert aot.target_report(cfg, target)['cached'] is True
   search = {'run.remat': ('none', 'full'), 'train.microbatches': (1, 16)}
   rows, best = fit.find(cfg, target, search, log=lambda _: None)
