@@ -68,7 +68,7 @@ import numpy as np
 
 from loopmoe_jax import chunks, sharding
 from loopmoe_jax.hlo import collective_bytes, collectives, dot_flops
-from loopmoe_jax.config import LAYERWISE_REMAT, RUN_FIELDS
+from loopmoe_jax.config import EXCHANGE_KEPT_REMAT, LAYERWISE_REMAT, RUN_FIELDS
 from loopmoe_jax.experiment import build
 from loopmoe_jax.job import Job
 from loopmoe_jax.runtime import Runtime
@@ -207,11 +207,6 @@ def _with_model(cfg_dict, **fields):
   return cfg
 
 
-# remat policies whose backward keeps what the expert exchange delivered (core.REMAT): it
-# sends forward once; the others ('full', 'dots', 'dots_no_batch') repeat it in the recompute
-EXCHANGE_SAVED = ('none', 'full_keep_exchange', 'pass_input', 'attention', 'named')
-
-
 def _chunked(mc, run, n: int, tokens: int, num_experts: int) -> bool:
   """Whether the exchange runs in token chunks: assignment rows on a dropless exchange whose
   receive buffer exceeds run.expert_block_rows (token rows chunk only their experts)."""
@@ -229,7 +224,7 @@ def exchange_forwards(mc, run, n: int, tokens: int, num_experts: int) -> int:
   pass_input and attention keep the expert output, so no recompute adds an MoE forward."""
   if _chunked(mc, run, n, tokens, num_experts):
     return 2
-  return 1 if run.remat in EXCHANGE_SAVED else 2
+  return 1 if run.remat in EXCHANGE_KEPT_REMAT else 2
 
 
 def exchanges(mc, run, n: int, tokens: int, num_experts: int, last: bool = False):
@@ -240,7 +235,7 @@ def exchanges(mc, run, n: int, tokens: int, num_experts: int, last: bool = False
   f = exchange_forwards(mc, run, n, tokens, num_experts)
   if run.exchange_unit != 'token':
     return f + 1, f + 1
-  return f + 1, f + (0 if last and run.remat not in EXCHANGE_SAVED else 1)
+  return f + 1, f + (0 if last and run.remat not in EXCHANGE_KEPT_REMAT else 1)
 
 
 def analytic(exp, mesh, params) -> dict[str, int]:

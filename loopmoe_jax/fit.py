@@ -21,6 +21,7 @@ import itertools
 import math
 
 from loopmoe_jax import aot, dry_run, sharding, targets
+from loopmoe_jax.config import REMAT_TWINS
 from loopmoe_jax.experiment import build
 
 # the default search: keys that change memory only, each with the values tried
@@ -34,9 +35,6 @@ SEARCHABLE = ('run.remat', 'train.microbatches', 'run.loss_chunk', 'run.attentio
 # layout): candidates that differ only in these are all compiled once one of them fits, and
 # ranked by their estimated step time
 STEP_KEYS = ('run.exchange_streams', 'run.exchange_rows', 'run.min_shard_bytes')
-# remat policies with another's recompute (the same FLOPs, one trace), told apart by memory
-# and the step time: a step variant of it, as STEP_KEYS are
-REMAT_TWINS = {'full_keep_exchange': 'full'}
 
 
 def parse_search(items) -> dict[str, tuple]:

@@ -8,7 +8,14 @@ from loopmoe_jax.config.fields import from_mapping
 
 REMAT_POLICIES = ('none', 'full', 'full_keep_exchange', 'dots', 'dots_no_batch', 'pass_input',
                   'attention', 'named')
+# What each run.remat policy is, in one place (core.REMAT holds what it saves):
 LAYERWISE_REMAT = ('full', 'full_keep_exchange')  # each layer its own checkpoint (core.remat)
+# the backward keeps what an unchunked exchange delivered (dry_run.exchange_forwards)
+EXCHANGE_KEPT_REMAT = ('none', 'full_keep_exchange', 'pass_input', 'attention', 'named')
+# the MoE runs in recomputed token chunks (RunConfig.ffn_block_rows)
+CHUNKED_REMAT = ('full', 'full_keep_exchange', 'pass_input', 'attention')
+# a policy with another's recompute (the same FLOPs), told apart by memory and step (fit.py)
+REMAT_TWINS = {'full_keep_exchange': 'full'}
 ATTENTION_IMPLS = ('auto', 'xla', 'chunked', 'cudnn', 'splash')
 LOOP_IMPLS = ('scan', 'unroll')
 CORE_COLLECTIVES = ('once', 'per_pass')
@@ -80,7 +87,7 @@ class RunConfig:
     (nothing recomputed) nor dots / named, which keep values inside the layer that a chunk's
     recompute would hide."""
     return (self.expert_block_rows
-            if self.remat in ('full', 'full_keep_exchange', 'pass_input', 'attention') else 0)
+            if self.remat in CHUNKED_REMAT else 0)
 
   @property
   def exchange_unit(self) -> str:
