@@ -140,14 +140,13 @@ def lower_step(cfg_dict, target: targets.Target):
   compile-only devices, the kernels, dispatch and exchange its platform picks (Pallas kernels
   compiled, not interpreted)."""
   runtime = kernel_runtime(target)
-  try:
-    if runtime.pallas_check and cfg_dict.run.dispatch == 'pallas':
-      raise ValueError(f"run.dispatch='pallas': {runtime.pallas_check}; use auto or xla")
+  try:  # a setting the target cannot run (attention_impls.check; run.dispatch='pallas' where
+    # no Pallas family runs there: dispatch.resolve_backend), a mesh
     job = Job.build(build(cfg_dict), target.devices(), runtime)
-  except ValueError as e:  # a setting the target cannot run (attention_impls.check), a mesh
+    args = job.step_args()
+    return job.train_step().lower(*args), args, job.mesh, job.exp
+  except ValueError as e:
     raise ValueError(f'target {target.name}: {e}') from None
-  args = job.step_args()
-  return job.train_step().lower(*args), args, job.mesh, job.exp
 
 
 def summarize(compiled, platform: str) -> dict:

@@ -320,7 +320,10 @@ def settle(runtime: Runtime) -> Runtime:
 def resolve_backend(backend: str, *, runtime: Runtime) -> str:
   """'auto' -> the measured-fastest correct backend of the runtime's platform (the fallback
   where the runtime's Pallas self-check failed, or no Pallas family runs on the target GPU:
-  aot.kernel_runtime; an unsettled runtime checks now); others unchanged."""
+  aot.kernel_runtime; an unsettled runtime checks now); others unchanged, but 'pallas' where
+  that check failed is refused, naming why."""
+  if backend == 'pallas' and runtime.pallas_check:
+    raise ValueError(f"run.dispatch='pallas': {runtime.pallas_check}; use auto or xla")
   if backend != 'auto':
     return backend
   choice = FASTEST.get(runtime.target_platform, 'tiled')

@@ -34,6 +34,8 @@ import math
 import os
 import re
 
+from pallas_kernels import capability
+
 GIB = 2**30
 
 
@@ -67,23 +69,27 @@ class GpuSpec:
   clock_ghz: float
   l2_bytes: int
   smem_per_sm: int
-  smem_optin: int
   fpus_per_sm: int = 128
   threads_per_sm: int = 2048
+
+  @property
+  def smem_optin(self) -> int:
+    """Shared memory a block may opt into: the capability table's (pallas_kernels)."""
+    return capability.smem_optin_bytes(self.cc)
 
 
 # Hopper SXM (H100 / H200 whitepaper): 132 SMs at 1.98 GHz boost, 50 MiB L2, 228 KiB shared
 # memory per SM of which 227 KiB opt-in per block.
-HOPPER = GpuSpec((9, 0), 132, 1.98, 50 * 2**20, 228 * 1024, 227 * 1024)
+HOPPER = GpuSpec((9, 0), 132, 1.98, 50 * 2**20, 228 * 1024)
 # A100 SXM4 (NVIDIA A100 Tensor Core GPU Architecture whitepaper; CUDA C++ Programming Guide,
 # compute capability 8.0): 108 SMs at 1.41 GHz boost, 40 MiB L2, 164 KiB shared memory per SM,
 # 163 KiB opt-in per block, 64 FP32 lanes per SM, 2048 threads per SM.
-AMPERE_A100 = GpuSpec((8, 0), 108, 1.41, 40 * 2**20, 164 * 1024, 163 * 1024, 64)
+AMPERE_A100 = GpuSpec((8, 0), 108, 1.41, 40 * 2**20, 164 * 1024, 64)
 # Ada (NVIDIA Ada GPU Architecture whitepaper; CUDA C++ Programming Guide, compute capability
 # 8.9: 100 KiB shared memory per SM, 99 KiB opt-in per block, 1536 threads per SM). L4: AD104,
 # 58 SMs at 2.04 GHz boost, 48 MiB L2. RTX 4090: AD102, 128 SMs at 2.52 GHz boost, 72 MiB L2.
-ADA_L4 = GpuSpec((8, 9), 58, 2.04, 48 * 2**20, 100 * 1024, 99 * 1024, 128, 1536)
-ADA_4090 = GpuSpec((8, 9), 128, 2.52, 72 * 2**20, 100 * 1024, 99 * 1024, 128, 1536)
+ADA_L4 = GpuSpec((8, 9), 58, 2.04, 48 * 2**20, 100 * 1024, 128, 1536)
+ADA_4090 = GpuSpec((8, 9), 128, 2.52, 72 * 2**20, 100 * 1024, 128, 1536)
 
 
 # Per-op collective latency, the figure the dry run's latency term multiplies by the ops a step

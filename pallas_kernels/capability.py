@@ -31,6 +31,11 @@ SMEM_OPTIN_KIB = types.MappingProxyType({(8, 0): 163, (8, 6): 99, (8, 7): 163, (
                                          (9, 0): 227})
 
 
+def smem_optin_bytes(cc: tuple[int, int]) -> int:
+  """The shared memory a block may opt into on compute capability `cc` (SMEM_OPTIN_KIB)."""
+  return SMEM_OPTIN_KIB.get(tuple(cc), min(SMEM_OPTIN_KIB.values())) * 1024
+
+
 def _cc(cc) -> str:
   return f'{cc[0]}.{cc[1]}'
 
@@ -79,19 +84,21 @@ def _stages_within(op: str, family: str, smem: int) -> dict:
 def gpu_tiles(cc: tuple[int, int] | None, family: str | None = None) -> dict | None:
   """`tiles` for pallas_kernels.gmm on compute capability `cc`: per op its family (`family`
   for both when given, else `gpu_families`) and fewer Triton pipeline stages where the
-  defaults outgrow the shared memory a block may opt into; None where the defaults serve
-  (Hopper without a family asked, or cc unknown) or no Pallas GPU family runs."""
+  defaults outgrow the shared memory a block may opt into. Every family is named, so a
+  program built for `cc` on a machine with another GPU is `cc`'s (pallas_kernels.ops.tiling
+  takes no adjustment from this machine's GPU for a named family). None where cc is unknown
+  or no Pallas GPU family runs."""
   runs = {op: family for op in OPS} if family else gpu_families(cc)
-  if cc is None or runs is None or (runs == dict(GPU_DEFAULT) and not family):
+  if cc is None or runs is None:
     return None
-  smem = SMEM_OPTIN_KIB.get(tuple(cc), min(SMEM_OPTIN_KIB.values())) * 1024
+  smem = smem_optin_bytes(cc)
   return {op: dict(family=runs[op], **_stages_within(op, runs[op], smem)) for op in OPS}
 
 
 def plan(cc: tuple[int, int], family: str | None = None) -> tuple[dict | None, str, str]:
   """(tiles, why_not, line) for programs built for a GPU of compute capability `cc`: the
-  `gpu_tiles` (None: the defaults); why no Pallas family runs there ('' when one does: the
-  MoE dispatch's `auto` then takes the XLA path); one line saying what runs. A `family`
+  `gpu_tiles` (None where no family runs); why no Pallas family runs there ('' when one
+  does: the MoE dispatch's `auto` then takes the XLA path); one line saying what runs. A `family`
   the capability cannot run is a ValueError naming it, the capability and what would run."""
   if family:
     why = family_refusal(family, cc)

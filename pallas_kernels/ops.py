@@ -12,7 +12,9 @@ built for ('cpu', 'gpu', 'tpu'; None: this machine's). `target` picks the kernel
 'tpu' (Mosaic), 'gpu' (Triton), 'mgpu' (Mosaic GPU: TMA + wgmma, Hopper) or 'mgpu_ws' (the
 same, warp-specialised); None follows the platform ('tpu' on TPU, GPU_DEFAULT on GPU, or on
 this machine's GPU what its compute capability runs: Triton below sm_90, capability.py;
-interpreted 'gpu' on CPU). A family this machine's GPU cannot run is refused, naming it. `interpret` None means: interpret on CPU (TPU kernels under
+interpreted 'gpu' on CPU). A family this machine's GPU cannot run is refused, naming it;
+families named in `tiles` (a program built for a named GPU target, loopmoe_jax.aot) are that
+target's. `interpret` None means: interpret on CPU (TPU kernels under
 pltpu.InterpretParams()). Tile sizes are parameters; None takes the per-target default in
 TILES. Nothing here is set from outside: every choice is an argument.
 """
@@ -79,7 +81,10 @@ def tiling(target: str | None, tile_m=None, tile_n=None, overrides=None,
            platform: str | None = None):
   """Per op, its family and tiles as a hashable tuple: the family from `overrides`
   ({'gmm': {'family': ..., 'tile_m': ...}, 'tgmm': {...}}), else `families(target,
-  platform)`; the tiles TILES[family][op], then the overrides, then tile_m / tile_n."""
+  platform)`; the tiles TILES[family][op], then the overrides, then tile_m / tile_n. A
+  family named in `overrides` is a program built for a named GPU (loopmoe_jax.aot: its
+  compute capability's families and tiles), so this machine's GPU changes nothing of it
+  (`_here` applies to the families chosen here)."""
   default = families(target, platform)
   unknown = set(overrides or {}) - set(OPS)
   if unknown:
@@ -87,10 +92,12 @@ def tiling(target: str | None, tile_m=None, tile_n=None, overrides=None,
   ops = []
   for op in OPS:
     cfg = dict((overrides or {}).get(op, {}))
+    named = 'family' in cfg
     family = cfg.pop('family', default[op])
     if family not in KERNELS:
       raise ValueError(f'family={family!r} for {op}: must be one of {sorted(KERNELS)}')
-    cfg = dict(TILES[family][op], **_here(family, op, platform), **cfg, family=family)
+    here = {} if named else _here(family, op, platform)
+    cfg = dict(TILES[family][op], **here, **cfg, family=family)
     cfg.update({k: v for k, v in (('tile_m', tile_m), ('tile_n', tile_n)) if v})
     ops.append(tuple(sorted(cfg.items())))
   return tuple(ops)

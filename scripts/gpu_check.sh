@@ -23,14 +23,14 @@ QUICK="${1:-}"
 cat "$OUT/devices.txt"
 
 # Mosaic GPU kernels need Hopper (sm_90+): on an A100 (8.0), L4 or RTX 4090 (8.9) their tests
-# are deselected and the Triton family runs (pallas_kernels/capability.py)
-CC=$("$PY" -c 'import jax; print(getattr(jax.devices()[0], "compute_capability", "") or "")' \
-  2>/dev/null | tail -n 1)
+# are deselected and the Triton family runs (pallas_kernels/capability.py's MIN_CC decides;
+# NO_MGPU is the compute capability when Mosaic GPU cannot run, empty otherwise)
+NO_MGPU=$("$PY" -c 'from pallas_kernels import capability as c; cc = c.local_cc()
+print("" if cc is None or cc >= c.MIN_CC["mgpu"] else "%d.%d" % cc)' 2>/dev/null | tail -n 1)
 SELECT=()
-case "$CC" in
-  ""|9.*|[1-9][0-9].*) ;;
-  *) SELECT=(-k "not mgpu"); echo "compute capability $CC: Mosaic GPU tests deselected" ;;
-esac
+if [ -n "$NO_MGPU" ]; then
+  SELECT=(-k "not mgpu"); echo "compute capability $NO_MGPU: Mosaic GPU tests deselected"
+fi
 
 timeout "${TEST_TIMEOUT:-150}" "$PY" -m pytest -q --noconftest -m gpu "${SELECT[@]}" tests/test_*kernels*.py tests/test_attention_impls.py -rs -p no:cacheprovider \
   --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log"

@@ -377,6 +377,11 @@ def test_pallas_self_check_runs_inside_a_trace_and_catches_a_wrong_kernel(monkey
   assert dsp.resolve_backend('auto', runtime=bad.with_run(remat='full')) == dsp.FALLBACK
   assert dsp.resolve_backend('auto', runtime=bad.replace(pallas_check='')) == 'pallas'
   assert len(calls) == 1  # settled: read, not checked again
+  # asking for Pallas by name where the check failed: refused, naming why and what would run
+  with pytest.raises(ValueError, match=r"run.dispatch='pallas': relative error .* use auto or "
+                                       'xla'):
+    dsp.resolve_backend('pallas', runtime=bad)
+  assert dsp.resolve_backend('pallas', runtime=bad.replace(pallas_check='')) == 'pallas'
 
 
 @pytest.mark.parametrize('target', ['gpu', 'mgpu', 'mgpu_ws'])

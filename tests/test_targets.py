@@ -122,11 +122,14 @@ def test_kernel_family_follows_the_compute_capability():
       'gmm': 'gpu', 'tgmm': 'gpu'}
   assert capability.gpu_families((7, 5)) is None
   # Ada's 99 KiB opt-in: the Triton tgmm's 3 stages of 48 KiB (the compiler asked 147456 bytes
-  # of 101376) pipeline 2 deep; A100's 163 KiB take the defaults; Hopper keeps ops' defaults
+  # of 101376) pipeline 2 deep; A100's 163 KiB take the defaults; Hopper its default families,
+  # named (a program for it is its own on any machine)
   assert capability.gpu_tiles((8, 9)) == {'gmm': {'family': 'gpu'},
                                           'tgmm': {'family': 'gpu', 'num_stages': 2}}
   assert capability.gpu_tiles((8, 0)) == {'gmm': {'family': 'gpu'}, 'tgmm': {'family': 'gpu'}}
-  assert capability.gpu_tiles((9, 0)) is None and capability.gpu_tiles((7, 0)) is None
+  assert capability.gpu_tiles((9, 0)) == {op: {'family': f}
+                                          for op, f in defaults.GPU_DEFAULT.items()}
+  assert capability.gpu_tiles((7, 0)) is None and capability.gpu_tiles(None) is None
 
 
 def test_a_forced_family_the_target_cannot_run_names_the_capability_and_what_runs():
@@ -144,9 +147,12 @@ def test_a_forced_family_the_target_cannot_run_names_the_capability_and_what_run
       aot.kernel_runtime(targets.with_kernel_family(targets.get('rtx4090x1'), bad))
   forced = aot.kernel_runtime(targets.with_kernel_family(targets.get('h100x8'), 'gpu'))
   assert dict(forced.kernel_tiles)['gmm'] == (('family', 'gpu'),)
-  # no family asked: Hopper keeps the default runtime (the H100 program is unchanged)
-  from loopmoe_jax.runtime import Runtime
-  assert aot.kernel_runtime(targets.get('h100x8')) == Runtime.for_platform('gpu')
+  # no family asked: Hopper's default families, the same kernels and tiles as the platform's
+  # default on this CPU (the H100 program is unchanged)
+  from pallas_kernels import ops
+  h100 = aot.kernel_runtime(targets.get('h100x8')).kernels
+  assert ops.tiling(h100['target'], overrides=h100['tiles'], platform='gpu') == ops.tiling(
+      None, platform='gpu')
 
 
 def test_on_a_real_ada_gpu_the_default_is_triton_and_mosaic_gpu_is_refused(monkeypatch):
@@ -165,6 +171,15 @@ def test_on_a_real_ada_gpu_the_default_is_triton_and_mosaic_gpu_is_refused(monke
   with pytest.raises(ValueError, match=r"kernel family 'mgpu' \(Mosaic GPU\) \(gmm\) needs "
                      r'compute capability 9.0\+, the target has 8.9'):
     pk.gmm(lhs, rhs, jnp.array([4, 4]), target='mgpu', platform='gpu', interpret=False)
+  # a program built here for another GPU target is that target's, not this machine's: the
+  # H100's Mosaic GPU gmm and 3-stage Triton tgmm, the L4's 2-stage tgmm on a faked Hopper
+  for name, host, want in (('h100x8', (8, 9), (('mgpu', None), ('gpu', 3))),
+                           ('l4x1', (9, 0), (('gpu', 3), ('gpu', 2)))):
+    monkeypatch.setattr(capability, 'local_cc', lambda host=host: host)
+    kw = aot.kernel_runtime(targets.get(name)).kernels
+    got = [dict(op) for op in pk.ops.tiling(kw['target'], overrides=kw['tiles'],
+                                            platform='gpu')]
+    assert [(c['family'], c.get('num_stages')) for c in got] == list(want), name
 
 
 # Topologies and meshes -----------------------------------------------------------------------

@@ -50,10 +50,8 @@ def bench_export(quick: bool = False) -> dict[str, Any]:
                          'param_bytes': param_bytes}
   with tempfile.TemporaryDirectory() as work:
     looped = os.path.join(work, 'looped')
-    config, generation, tensors = looped_io.to_hf(cfg, params, step=0)
     with files.output_dir(looped) as tmp:
-      files.write_hf(tmp, config, generation, tensors)
-      looped_io.write_extras(tmp, cfg, 0)
+      files.write_looped(tmp, cfg, params, step=0)
     unrolled = os.path.join(work, 'mixtral')
     with files.output_dir(unrolled) as tmp:
       files.write_hf(tmp, *mixtral.to_hf(cfg, params))

@@ -35,7 +35,7 @@ from loopmoe_jax.experiment import build, load_config
 from loopmoe_jax.job import Job
 from loopmoe_jax.model import LoopedMoE
 from loopmoe_jax.moe import MoE
-from loopmoe_jax.runtime import HERE, Runtime
+from loopmoe_jax.runtime import Runtime
 
 
 DENSE_IN_E = ('xla', 'reference')

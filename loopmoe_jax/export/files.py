@@ -205,11 +205,7 @@ def export_workdir(workdir: str, out: str, fmt: str, step: int | None = None,
       safetensors_io.save_model(tmp, config, params, s)
       layers = cfg.executed_layers
     elif fmt == 'hf-looped':
-      hf_config, generation, tensors = looped_io.to_hf(cfg, params, run.router_bias, config,
-                                                       s, command)
-      write_hf(tmp, hf_config, generation, tensors)
-      extra = looped_io.write_extras(tmp, cfg, s, run.exp.data, command,
-                                     sum(a.nbytes for a in tensors.values()))
+      extra = write_looped(tmp, cfg, params, run.router_bias, config, s, run.exp.data, command)
       extra['param_bytes'] = sum(a.nbytes for a in safetensors_io.flatten(params).values())
       layers = cfg.executed_layers
     else:
@@ -223,6 +219,17 @@ def export_workdir(workdir: str, out: str, fmt: str, step: int | None = None,
   if verify:
     summary['verify'] = verify_export(run, out, fmt)
   return summary
+
+
+def write_looped(directory: str, cfg, params, router_bias=None, run_config: dict | None = None,
+                 step: int | None = None, data_cfg=None, command: str | None = None) -> dict:
+  """The hf-looped export of a model into `directory`: config, weights, modeling source,
+  tokenizer and README (looped_io.to_hf, write_extras: its summary is returned)."""
+  hf_config, generation, tensors = looped_io.to_hf(cfg, params, router_bias, run_config, step,
+                                                   command)
+  write_hf(directory, hf_config, generation, tensors)
+  return looped_io.write_extras(directory, cfg, step, data_cfg, command,
+                                sum(a.nbytes for a in tensors.values()))
 
 
 def import_hf(src: str, out: str, span: tuple[int, int, int] | None = None,
