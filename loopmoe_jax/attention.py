@@ -42,9 +42,9 @@ class AttentionWeights(nn.Module):
 class Attention(nn.Module):
   """Causal attention given its weights; in decode mode keeps a KV cache of `max_len` slots.
 
-  positions_BT are absolute positions; in decode mode row b's chunk is written to the cache at
-  positions_BT[b, 0] (rows may sit at different positions: batched.py) and attends to every
-  filled slot before it.
+  positions_BT are absolute positions; in decode mode row b's chunk is written to the cache
+  (heads-major, [B, G, S, K]) at positions_BT[b, 0] (rows may sit at different positions:
+  batched.py) and attends to every filled slot before it.
   The write comes before the read, so the chunk's own positions are always read as this call's
   fresh K/V: with the core's cache shared by the passes (model.kv_cache 'last_pass' or
   'first_pass'), each pass gets a copy of the shared slot (decode.py), so it attends to the
@@ -66,7 +66,7 @@ class Attention(nn.Module):
   probe: bool = False
 
   @nn.compact
-  def __call__(self, x_BTD, positions_BT, w):
+  def __call__(self, x_BTD, positions_BT, w, pass_index=None):
     c = self.cfg
     dt = x_BTD.dtype
     q_BTHK = jnp.einsum('btd,dhk->bthk', x_BTD, w['q'].astype(dt))
@@ -75,39 +75,95 @@ class Attention(nn.Module):
     q_BTHK = checkpoint_name(rope(q_BTHK, positions_BT, c.rope_theta), 'attn_qkv')
     k_BSGK = checkpoint_name(rope(k_BSGK, positions_BT, c.rope_theta), 'attn_qkv')
     v_BSGK = checkpoint_name(v_BSGK, 'attn_qkv')
-    k_pos_BS = positions_BT
     if self.decode:
-      initialized = self.has_variable('cache', 'k')
-      cache_k = self.variable('cache', 'k', jnp.zeros, k_BSGK.shape, k_BSGK.dtype)
-      cache_v = self.variable('cache', 'v', jnp.zeros, v_BSGK.shape, v_BSGK.dtype)
-      if initialized:
-        start_B = positions_BT[:, 0]
-        cache_k.value = write_rows(cache_k.value, k_BSGK, start_B)
-        cache_v.value = write_rows(cache_v.value, v_BSGK, start_B)
-        k_BSGK, v_BSGK = cache_k.value, cache_v.value
-        # Slots past the last written position are masked by causality (their position is
-        # larger than every query's).
-        k_pos_BS = jnp.broadcast_to(jnp.arange(k_BSGK.shape[1]), (x_BTD.shape[0],
-                                                                   k_BSGK.shape[1]))
-    if self.probe and not self.decode:
-      out_BTHK, sink_BH = attend(q_BTHK, k_BSGK, v_BSGK, positions_BT, k_pos_BS, sink=True)
+      out_BTHK = self._cached(q_BTHK, k_BSGK, v_BSGK, positions_BT, pass_index)
+    elif self.probe:
+      out_BTHK, sink_BH = attend(q_BTHK, k_BSGK, v_BSGK, positions_BT, positions_BT, sink=True)
       for name, val in (('q', q_BTHK), ('k', k_BSGK), ('v', v_BSGK), ('sink', sink_BH)):
         self.sow('intermediates', name, val.astype(jnp.float32))
-    elif self.decode or (impl := resolve(
-        self.runtime.run.attention_impl, c.dtype, self.runtime.target_platform,
-        c.resolved_head_dim)) == 'xla':
-      out_BTHK = checkpoint_name(attend(q_BTHK, k_BSGK, v_BSGK, positions_BT, k_pos_BS),
+    elif (impl := resolve(self.runtime.run.attention_impl, c.dtype, self.runtime.target_platform,
+                          c.resolved_head_dim)) == 'xla':
+      out_BTHK = checkpoint_name(attend(q_BTHK, k_BSGK, v_BSGK, positions_BT, positions_BT),
                                  'attention')
     else:
-      out_BTHK = attend_with(impl, q_BTHK, k_BSGK, v_BSGK, positions_BT, k_pos_BS,
+      out_BTHK = attend_with(impl, q_BTHK, k_BSGK, v_BSGK, positions_BT, positions_BT,
                              self.runtime.run.attention_block, runtime=self.runtime)
     return jnp.einsum('bthk,hkd->btd', out_BTHK, w['o'].astype(dt))
 
+  def _cached(self, q_BTHK, k_BTGK, v_BTGK, positions_BT, pass_index):
+    """Decode mode: the chunk's K/V written into the cache (heads-major [B, G, S, K], the
+    layout the attention's products read, so no step transposes the cache), then attention
+    over every filled slot; at init the chunk's own K/V only. With `pass_index` p (the
+    looped core's decode, core.Core) the cache holds every pass's slots, [L, B, G, S, K],
+    carried through the passes: the chunk is written into pass p's slot in place and that
+    slot read, so no pass copies its slot out and back."""
+    initialized = self.has_variable('cache', 'k')
+    k_BGTK, v_BGTK = heads_major(k_BTGK), heads_major(v_BTGK)
+    cache_k = self.variable('cache', 'k', jnp.zeros, k_BGTK.shape, k_BGTK.dtype)
+    cache_v = self.variable('cache', 'v', jnp.zeros, v_BGTK.shape, v_BGTK.dtype)
+    per_group = q_BTHK.shape[0] == 1 and self.runtime.target_platform == 'cpu'
+    if not initialized:
+      return attend_cached(q_BTHK, k_BGTK, v_BGTK, positions_BT, positions_BT, per_group)
+    start_B = positions_BT[:, 0]
+    cache_k.value = write_rows(cache_k.value, k_BGTK, start_B, pass_index)
+    cache_v.value = write_rows(cache_v.value, v_BGTK, start_B, pass_index)
+    slot = ((lambda x: x) if pass_index is None else
+            (lambda x: jax.lax.dynamic_index_in_dim(x, pass_index, 0, keepdims=False)))
+    k_BGSK, v_BGSK = slot(cache_k.value), slot(cache_v.value)
+    # Slots past the last written position are masked by causality (their position is larger
+    # than every query's).
+    slots = k_BGSK.shape[2]
+    k_pos_BS = jnp.broadcast_to(jnp.arange(slots), (q_BTHK.shape[0], slots))
+    return attend_cached(q_BTHK, k_BGSK, v_BGSK, positions_BT, k_pos_BS, per_group)
 
-def write_rows(cache_BSGK, new_BTGK, start_B):
-  """The cache with row b's T new entries at slots start_B[b] .. start_B[b] + T - 1."""
-  put = lambda c, x, s: jax.lax.dynamic_update_slice_in_dim(c, x, s, 0)
-  return jax.vmap(put)(cache_BSGK, new_BTGK.astype(cache_BSGK.dtype), start_B)
+
+def heads_major(x_BTGK):
+  """[B, T, G, K] -> [B, G, T, K]: the decode cache's layout."""
+  return x_BTGK.transpose(0, 2, 1, 3)
+
+
+def write_rows(cache, new_BGTK, start_B, pass_index=None):
+  """The cache ([B, G, S, K]; with `pass_index` p, [L, B, G, S, K] and pass p's slot) with
+  row b's T new entries at slots start_B[b] .. start_B[b] + T - 1: one scatter into the
+  cache's own layout (the compilers update it in place)."""
+  b, _, t, _ = new_BGTK.shape
+  rows_B1 = jnp.arange(b)[:, None]
+  slots_BT = start_B[:, None] + jnp.arange(t)
+  new_BTGK = new_BGTK.transpose(0, 2, 1, 3).astype(cache.dtype)
+  if pass_index is None:
+    return cache.at[rows_B1, :, slots_BT].set(new_BTGK, unique_indices=True)
+  return cache.at[pass_index, rows_B1, :, slots_BT].set(new_BTGK, unique_indices=True)
+
+
+def attend_cached(q_BTHK, k_BGSK, v_BGSK, q_pos_BT, k_pos_BS, per_group: bool = False):
+  """`attend` over heads-major keys and values (the decode cache's layout): the same
+  products, the T queries of a head group's H/G heads as one [T * H/G, S] block. With
+  `per_group` (one row on the CPU, Attention._cached) each head group's products are plain
+  2-D matmuls, which XLA:CPU runs faster than its small batched ones."""
+  b, t, h, k = q_BTHK.shape
+  g = k_BGSK.shape[1]
+  q_BGQK = q_BTHK.reshape(b, t, g, h // g, k).transpose(0, 2, 1, 3, 4).reshape(b, g, -1, k)
+  q_pos_BQ = jnp.repeat(q_pos_BT, h // g, axis=1)  # query (t, head) at t's position
+  mask_BQS = q_pos_BQ[:, :, None] >= k_pos_BS[:, None, :]
+  scale = jnp.sqrt(k).astype(jnp.float32)
+
+  def products(q_QK, k_SK, v_SK, mask_QS, spec):  # spec: the leading (batch) dims' letters
+    scores = jnp.einsum(f'{spec}qk,{spec}sk->{spec}qs', q_QK, k_SK,
+                        preferred_element_type=jnp.float32) / scale
+    probs = _masked_softmax(scores, mask_QS).astype(v_SK.dtype)
+    return jnp.einsum(f'{spec}qs,{spec}sk->{spec}qk', probs, v_SK)
+
+  if per_group:
+    out = jnp.stack([jnp.stack([products(q_BGQK[r, i], k_BGSK[r, i], v_BGSK[r, i], mask_BQS[r],
+                                         '') for i in range(g)]) for r in range(b)])
+  else:
+    out = products(q_BGQK, k_BGSK, v_BGSK, mask_BQS[:, None], 'bg')
+  return out.reshape(b, g, t, h // g, k).transpose(0, 2, 1, 3, 4).reshape(b, t, h, k)
+
+
+def _masked_softmax(scores, mask):
+  """Softmax over the last axis of float32 scores, masked positions at the float32 minimum."""
+  return jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(jnp.float32).min), axis=-1)
 
 
 def attend(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, sink: bool = False):
@@ -122,8 +178,7 @@ def attend(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, sink: bool = False):
   scores = jnp.einsum('btgqk,bsgk->bgqts', q, k_BSGK,
                       preferred_element_type=jnp.float32) / jnp.sqrt(k).astype(jnp.float32)
   mask = q_pos_BT[:, None, None, :, None] >= k_pos_BS[:, None, None, None, :]
-  scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_BSGK.dtype)
+  probs = _masked_softmax(scores, mask).astype(v_BSGK.dtype)
   out = jnp.einsum('bgqts,bsgk->btgqk', probs, v_BSGK)
   if sink:
     col0 = probs[..., 1:, 0].astype(jnp.float32) if t > 1 else probs[..., 0].astype(jnp.float32)

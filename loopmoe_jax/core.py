@@ -4,7 +4,9 @@ The core's C layers run L times through `nn.scan` with `variable_broadcast` over
 ('params' among them), so its shared weights appear once in the param tree. With untied
 attention ("Foil") the core owns one attention set per pass, stacked along a leading `loops`
 axis, and feeds pass l its slice as the scanned input; experts and routers stay shared. The
-KV cache is scanned per pass (PER_PASS), so there is one slot per executed (pass, layer).
+KV cache is scanned per pass (PER_PASS), so there is one slot per executed (pass, layer);
+decoding carries it through the passes whole, each pass writing its slot in place
+(CorePlan.carry_cache).
 Every scan of the passes (the plain forward, truncated backprop's two parts, early exit's and
 gate training's, early_exit.py) is made by `scan_passes`.
 """
@@ -34,15 +36,20 @@ BROADCAST = ('params', 'routing_mask')
 PER_PASS = {'cache': 0, 'intermediates': 0}
 
 
-def scan_passes(fn, length: int, per_pass: bool):
+def scan_passes(fn, length: int, per_pass: bool, carry_cache: bool = False):
   """`fn` (a Stack class, or a function of (module, carry, pass_attn, e_BTD, positions_BT,
   bias)) scanned over `length` passes: BROADCAST shared, PER_PASS stacked per pass, the
   untied attention slices (and a per-pass router bias when `per_pass`) scanned, the injected
-  input and the positions broadcast."""
+  input and the positions broadcast. With `carry_cache` (decoding: CorePlan.carry_cache) the
+  KV cache is the scan's carry, whole, and `fn` takes one more scanned input, the pass index
+  (CorePlan.pass_indices), so each pass writes its slot in place."""
+  in_axes = (0, nn.broadcast, nn.broadcast, 0 if per_pass else nn.broadcast)
+  if carry_cache:
+    return nn.scan(fn, variable_broadcast=BROADCAST, variable_carry='cache',
+                   variable_axes={k: v for k, v in PER_PASS.items() if k != 'cache'},
+                   split_rngs={'params': False}, in_axes=in_axes + (0,), length=length)
   return nn.scan(fn, variable_broadcast=BROADCAST, variable_axes=PER_PASS,
-                 split_rngs={'params': False},
-                 in_axes=(0, nn.broadcast, nn.broadcast, 0 if per_pass else nn.broadcast),
-                 length=length)
+                 split_rngs={'params': False}, in_axes=in_axes, length=length)
 
 
 _save = jax.checkpoint_policies.save_only_these_names
@@ -99,13 +106,13 @@ class Layer(nn.Module):
   probe: bool = False       # sow the attention's probes (attention.Attention)
 
   @nn.compact
-  def __call__(self, x_BTD, positions_BT, attn_w=None, bias_E=None):
+  def __call__(self, x_BTD, positions_BT, attn_w=None, bias_E=None, pass_index=None):
     c = self.cfg
     if attn_w is None:
       attn_w = AttentionWeights(c, name='attn')()
     norm = lambda name: RMSNorm(c.norm_gain, c.norm_eps, c.param_dtype, name=name)
     attention = Attention(c, self.decode, self.runtime, self.probe, name='attention')
-    h = attention(norm('attn_norm')(x_BTD), positions_BT, attn_w)
+    h = attention(norm('attn_norm')(x_BTD), positions_BT, attn_w, pass_index)
     x_BTD = x_BTD + self.scale * h
     u = norm('mlp_norm')(x_BTD)
     if self.num_experts:
@@ -133,7 +140,7 @@ class Stack(nn.Module):
   layer_remat: str = ''
 
   @nn.compact
-  def __call__(self, x_BTD, pass_attn, e_BTD, positions_BT, bias_CE=None):
+  def __call__(self, x_BTD, pass_attn, e_BTD, positions_BT, bias_CE=None, pass_index=None):
     c = self.cfg
     if self.injection == 'add':
       x_BTD = x_BTD + e_BTD
@@ -148,7 +155,7 @@ class Stack(nn.Module):
       layer = cls(c, self.num_experts, self.scale, self.decode, self.record, self.runtime,
                   self.probe, name=f'layer_{i}')
       x_BTD, s = layer(x_BTD, positions_BT, None if pass_attn is None else pass_attn[i],
-                       None if bias_CE is None else bias_CE[i])
+                       None if bias_CE is None else bias_CE[i], pass_index)
       stats.append(s)
     stacked = jax.tree.map(lambda *a: jnp.stack(a), *stats) if stats[0] else {}
     return x_BTD, stacked
@@ -200,9 +207,10 @@ class Core(nn.Module):
         probe=self.probe, name='body')
     inputs = CoreInputs(x_BTD, pass_attn, x_BTD if c.injection != 'none' else None,
                         positions_BT, bias)
-    passes = lambda fn, length=num_loops: scan_passes(fn, length, per_pass)
+    passes = lambda fn, length=num_loops: scan_passes(fn, length, per_pass, plan.carry_cache)
     if plan.path == Path.EARLY_EXIT:
-      return early_exit_lib.scan_core(passes, stack, inputs, request.readout)
+      return early_exit_lib.scan_core(passes, stack, inputs, request.readout,
+                                      plan.pass_indices())
     if plan.path == Path.PASS_STATES:
       return _with_pass_states(passes, stack, inputs)
     if plan.path == Path.UNROLL:
@@ -233,7 +241,8 @@ class Core(nn.Module):
     else:
       path = rt.core_path(batch, decode=self.decode, record=self.record, probe=self.probe,
                           initializing=self.is_initializing())
-    return CorePlan(path, num_loops, split, per_pass)
+    carry = self.decode and not self.is_initializing()  # init makes the stacked slots
+    return CorePlan(path, num_loops, split, per_pass, carry_cache=carry)
 
 
 def _scanned(passes, stack, inputs: CoreInputs, plan: CorePlan) -> CoreOutputs:
@@ -252,7 +261,7 @@ def _scanned(passes, stack, inputs: CoreInputs, plan: CorePlan) -> CoreOutputs:
       part_inputs = part_inputs.passes(part, plan.per_pass)
     scan = passes(run, length=part.stop - part.start)
     x_BTD, s = (core_once_lib.core_once(scan, stack, part_inputs, BROADCAST, layouts) if once
-                else scan(stack, *part_inputs))
+                else scan(stack, *part_inputs, *plan.pass_indices(part)))
     if plan.split and part.start == 0:  # no gradient to the carry, the statistics or weights
       x_BTD, s = jax.lax.stop_gradient((x_BTD, s))
     stats.append(s)

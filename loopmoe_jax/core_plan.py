@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 import flax
 import jax
+import jax.numpy as jnp
 
 
 class Path(enum.Enum):
@@ -34,12 +35,21 @@ class CoreRequest(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class CorePlan:
   """One forward's passes: the path, how many, the first with gradient (`split`, 0: all:
-  truncated backprop runs passes [0, split) without gradient), and whether the router bias
-  is per pass (scanned with them)."""
+  truncated backprop runs passes [0, split) without gradient), whether the router bias
+  is per pass (scanned with them), and whether the KV cache is carried through the passes
+  whole (`carry_cache`: decoding; each pass writes its own slot in place, attention.py) rather
+  than stacked per pass."""
   path: Path
   num_loops: int
   split: int = 0
   per_pass: bool = False
+  carry_cache: bool = False
+
+  def pass_indices(self, part: slice | None = None) -> tuple:
+    """The scanned pass indices of the passes in `part` (all by default) that a scan carrying
+    the cache takes as its last input; () otherwise."""
+    part = part or slice(0, self.num_loops)
+    return (jnp.arange(part.start, part.stop),) if self.carry_cache else ()
 
   @property
   def parts(self) -> tuple[slice, ...]:

@@ -13,10 +13,10 @@ Prelude and coda layers keep one cache slot each. The looped core's layout is
 `model.kv_cache`, a decoding option (training and the full-sequence forward never read it, so
 a model trained under one decodes under any):
 
-- 'per_pass' (default): one slot per executed (pass, layer), leaves [L, B, S, G, K]. Decoding
+- 'per_pass' (default): one slot per executed (pass, layer), leaves [L, B, G, S, K]. Decoding
   is the full forward exactly, however the text is cut into steps.
 - 'last_pass' and 'first_pass': one slot per core layer shared by every pass, leaves
-  [B, S, G, K], L times smaller (Huginn's KV-cache sharing with a budget of one entry,
+  [B, G, S, K], L times smaller (Huginn's KV-cache sharing with a budget of one entry,
   Geiping et al. 2025, 'Scaling up Test-Time Compute with Latent Reasoning'; the recursive KV
   sharing of Mixture-of-Recursions, Bae et al. 2025). In a step that feeds the tokens of
   positions [s, e) (a prompt, or one token), pass p at core layer l attends to
@@ -127,8 +127,8 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, num_loops: int | None
 
 
 def cache_length(cache) -> int:
-  """Slots per row of a cache (k/v leaves are [..., B, S, G, K])."""
-  return next(x.shape[-3] for x in jax.tree.leaves(cache) if x.ndim >= 4)
+  """Slots per row of a cache (k/v leaves are heads-major, [..., B, G, S, K])."""
+  return next(x.shape[-2] for x in jax.tree.leaves(cache) if x.ndim >= 4)
 
 
 def decode_step(cfg: ModelConfig, params, cache, tokens_BT, num_loops: int | None = None,

@@ -139,21 +139,23 @@ def update(r: Readout, aux: dict, y_BTD) -> dict:
   return out
 
 
-def scan_core(scan_passes, stack: nn.Module, inputs: CoreInputs,
-              readout: Readout) -> CoreOutputs:
+def scan_core(scan_passes, stack: nn.Module, inputs: CoreInputs, readout: Readout,
+              pass_indices: tuple = ()) -> CoreOutputs:
   """The core's passes with early exit: the state and the passes each token ran. `stack` is
   the core's Stack named 'body', run through `scan_passes` (core.Core's, a function of the
-  step) as the plain forward runs it (same params and per-pass cache)."""
+  step) as the plain forward runs it (same params and per-pass cache; `pass_indices`: the
+  scanned pass index where the scan carries the cache, CorePlan.pass_indices)."""
   x_BTD, *rest = inputs
 
-  def step(mdl, carry, attn_l, e, positions, bias_l):
+  def step(mdl, carry, attn_l, e, positions, bias_l, *pass_index):
     x, aux = carry
-    run = lambda m, h: m(h, attn_l, e, positions, bias_l)[0]
+    run = lambda m, h: m(h, attn_l, e, positions, bias_l, *pass_index)[0]
     y = nn.cond(jnp.all(aux['exited']), lambda m, h: h, run, mdl, x)
     y = jnp.where(aux['exited'][..., None], x, y)  # exited tokens keep their state
     return (y, update(readout, aux, y)), None
 
-  (x_BTD, aux), _ = scan_passes(step)(stack, (x_BTD, init_aux(readout, x_BTD)), *rest)
+  (x_BTD, aux), _ = scan_passes(step)(stack, (x_BTD, init_aux(readout, x_BTD)), *rest,
+                                      *pass_indices)
   return CoreOutputs(x_BTD, {}, exit_passes_BT=aux['passes'])
 
 
@@ -162,17 +164,17 @@ def extras(passes_BT) -> dict:
 
 
 def fill_skipped(core_cache, passes_BT, start):
-  """The core's per-pass cache (leaves [L, B, S, G, K]) with the slots of every pass a token
+  """The core's per-pass cache (leaves [L, B, G, S, K]) with the slots of every pass a token
   skipped (pass index >= its passes run), at the step's positions [start, start + T), holding
   its last computed pass's K/V. `start`: one position for every row, or one per row ([B])."""
   t = passes_BT.shape[1]
   start_B = jnp.broadcast_to(start, passes_BT.shape[:1])
 
-  def fill_row(x_LSGK, passes_T, s):
-    win = jax.lax.dynamic_slice_in_dim(x_LSGK, s, t, axis=1)   # [L, T, G, K]
-    idx_LT = jnp.minimum(jnp.arange(x_LSGK.shape[0])[:, None], passes_T[None] - 1)
-    win = jnp.take_along_axis(win, idx_LT[..., None, None], axis=0)
-    return jax.lax.dynamic_update_slice_in_dim(x_LSGK, win, s, axis=1)
+  def fill_row(x_LGSK, passes_T, s):
+    win = jax.lax.dynamic_slice_in_dim(x_LGSK, s, t, axis=2)   # [L, G, T, K]
+    idx_LT = jnp.minimum(jnp.arange(x_LGSK.shape[0])[:, None], passes_T[None] - 1)
+    win = jnp.take_along_axis(win, idx_LT[:, None, :, None], axis=0)
+    return jax.lax.dynamic_update_slice_in_dim(x_LGSK, win, s, axis=2)
   fill = jax.vmap(fill_row, in_axes=(1, 0, 0), out_axes=1)
   return jax.tree.map(lambda x: fill(x, passes_BT, start_B), core_cache)
 

@@ -72,10 +72,11 @@ def _positions(start, batch: int, length: int):
 
 
 def _apply_stack(pf: PassForward, stack: Stack, params, cache, x_BTD, pass_attn, e_BTD, pos_BT,
-                 bias):
-  """One core.Stack forward in decode mode: (its output, its cache subtree)."""
+                 bias, pass_index=None):
+  """One core.Stack forward in decode mode: (its output, its cache subtree). With
+  `pass_index` the cache holds every pass's slots and that pass's are written in place."""
   (y_BTD, _), mutated = stack.apply({'params': params, 'cache': cache}, x_BTD, pass_attn, e_BTD,
-                                    pos_BT, bias, mutable=['cache'])
+                                    pos_BT, bias, pass_index, mutable=['cache'])
   return y_BTD, mutated['cache']
 
 
@@ -89,10 +90,10 @@ def _segment(pf: PassForward, name: str, layers: int, experts: int, cache, x_BTD
 
 def run_passes(pf: PassForward, cache, x_BTD, e_BTD, start, first, stop):
   """Core passes [first, stop) of the L-pass forward on states `x_BTD` (after pass `first`),
-  as core.Core runs them: the shared Stack with pass p's cache slot, untied attention slice
-  and per-pass router bias, the residual scale of L passes. `first` and `stop` may be traced
-  (one program serves every cut: a loop over a dynamic range). Returns (states after pass
-  `stop`, cache)."""
+  as core.Core runs them: the shared Stack writing pass p's cache slot in place, its untied
+  attention slice and per-pass router bias, the residual scale of L passes. `first` and
+  `stop` may be traced (one program serves every cut: a loop over a dynamic range). Returns
+  (states after pass `stop`, cache)."""
   c = pf.cfg
   stack = Stack(c, c.core_layers, c.core_experts, residual_scale(c, pf.loops), c.injection,
                 decode=True, runtime=pf.runtime)
@@ -108,9 +109,7 @@ def run_passes(pf: PassForward, cache, x_BTD, e_BTD, start, first, stop):
     bias = pf.bias('core')
     if bias is not None and bias.ndim == 3:  # per pass; past the trained count the last one's
       bias = bias[jnp.minimum(p, bias.shape[0] - 1)]
-    y, slot = _apply_stack(pf, stack, core_p['body'], at(body, p), x, attn, e_in, pos_BT, bias)
-    body = jax.tree.map(lambda a, s: jax.lax.dynamic_update_index_in_dim(a, s, p, 0), body, slot)
-    return y, body
+    return _apply_stack(pf, stack, core_p['body'], body, x, attn, e_in, pos_BT, bias, p)
 
   x_BTD, body = jax.lax.fori_loop(first, stop, one_pass, (x_BTD, cache['core']['body']))
   return x_BTD, {**cache, 'core': {**cache['core'], 'body': body}}

@@ -149,11 +149,11 @@ def test_decode_batch_one_skipping_equals_masked_batch_and_fills_skipped_slots()
   np.testing.assert_allclose(np.asarray(one[0]), np.asarray(two[0]), rtol=1e-4, atol=1e-4)
   assert 1.0 <= float(mean_passes(cache1)) < cfg.num_loops
   core = cache1['core']
-  k = jax.tree.leaves(core)[0]  # [L, B, S, G, K]
+  k = jax.tree.leaves(core)[0]  # [L, B, G, S, K]
   # per token: the slots of passes >= its passes run equal those of its last pass
   cache_passes = []
   for t in range(toks.shape[1]):
-    same = [bool(np.array_equal(np.asarray(k[l, 0, t]), np.asarray(k[l - 1, 0, t])))
+    same = [bool(np.array_equal(np.asarray(k[l, 0, :, t]), np.asarray(k[l - 1, 0, :, t])))
             for l in range(1, cfg.num_loops)]
     cache_passes.append(1 + next((i for i, s in enumerate(same) if all(same[i:])), len(same)))
   assert min(cache_passes) < cfg.num_loops
@@ -379,7 +379,7 @@ def test_fill_skipped_matches_a_loop(per_row):
   positions; every other slot is untouched (a plain loop over rows, tokens and passes)."""
   rng = np.random.default_rng(0)
   L, B, S, T = 4, 3, 12, 2
-  x = rng.normal(size=(L, B, S, 2, 3)).astype(np.float32)
+  x = rng.normal(size=(L, B, 2, S, 3)).astype(np.float32)  # [L, B, G, S, K]
   passes_BT = rng.integers(1, L + 1, (B, T))
   start = np.asarray([0, 5, 9]) if per_row else np.asarray(4)
   got = early_exit.fill_skipped({'k': jnp.asarray(x)}, jnp.asarray(passes_BT),
@@ -389,5 +389,5 @@ def test_fill_skipped_matches_a_loop(per_row):
     s = int(np.broadcast_to(start, (B,))[b])
     for t in range(T):
       n = passes_BT[b, t]
-      want[n:, b, s + t] = x[n - 1, b, s + t]
+      want[n:, b, :, s + t] = x[n - 1, b, :, s + t]
   np.testing.assert_array_equal(np.asarray(got), want)

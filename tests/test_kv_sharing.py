@@ -146,7 +146,10 @@ step_fn = decode_step_fn
 
 
 def core_kv(cache, layer=0):
-  return cache['core']['body'][f'layer_{layer}']['attention']
+  """A core layer's cache entries {'k', 'v'} as [..., B, S, G, K], the reference's layout (the
+  cache keeps them heads-major, [..., B, G, S, K])."""
+  kv = cache['core']['body'][f'layer_{layer}']['attention']
+  return {n: jnp.swapaxes(x, -3, -2) for n, x in kv.items()}
 
 
 # 1. The cache and the accounting ---------------------------------------------------------------

@@ -226,9 +226,9 @@ def test_decode_matches_full_forward(name):
   for i in range(cfg.core_layers):
     for kv in ('k', 'v'):
       assert cache['core']['body'][f'layer_{i}']['attention'][kv].shape == (
-          cfg.num_loops, B, T + 3, cfg.kv_heads, cfg.resolved_head_dim)
+          cfg.num_loops, B, cfg.kv_heads, T + 3, cfg.resolved_head_dim)  # heads-major
   assert cache['prelude']['layer_0']['attention']['k'].shape == (
-      B, T + 3, cfg.kv_heads, cfg.resolved_head_dim)
+      B, cfg.kv_heads, T + 3, cfg.resolved_head_dim)
   assert int(cache['position']) == T
 
 
