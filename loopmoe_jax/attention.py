@@ -98,15 +98,16 @@ class Attention(nn.Module):
     carried through the passes: the chunk is written into pass p's slot in place and that
     slot read, so no pass copies its slot out and back."""
     initialized = self.has_variable('cache', 'k')
-    k_BGTK, v_BGTK = heads_major(k_BTGK), heads_major(v_BTGK)
-    cache_k = self.variable('cache', 'k', jnp.zeros, k_BGTK.shape, k_BGTK.dtype)
-    cache_v = self.variable('cache', 'v', jnp.zeros, v_BGTK.shape, v_BGTK.dtype)
-    per_group = q_BTHK.shape[0] == 1 and self.runtime.target_platform == 'cpu'
+    b, t, g, k = k_BTGK.shape
+    cache_k = self.variable('cache', 'k', jnp.zeros, (b, g, t, k), k_BTGK.dtype)
+    cache_v = self.variable('cache', 'v', jnp.zeros, (b, g, t, k), v_BTGK.dtype)
+    per_group = b == 1 and self.runtime.target_platform == 'cpu'
     if not initialized:
-      return attend_cached(q_BTHK, k_BGTK, v_BGTK, positions_BT, positions_BT, per_group)
+      return attend_cached(q_BTHK, heads_major(k_BTGK), heads_major(v_BTGK), positions_BT,
+                           positions_BT, per_group)
     start_B = positions_BT[:, 0]
-    cache_k.value = write_rows(cache_k.value, k_BGTK, start_B, pass_index)
-    cache_v.value = write_rows(cache_v.value, v_BGTK, start_B, pass_index)
+    cache_k.value = write_rows(cache_k.value, k_BTGK, start_B, pass_index)
+    cache_v.value = write_rows(cache_v.value, v_BTGK, start_B, pass_index)
     slot = ((lambda x: x) if pass_index is None else
             (lambda x: jax.lax.dynamic_index_in_dim(x, pass_index, 0, keepdims=False)))
     k_BGSK, v_BGSK = slot(cache_k.value), slot(cache_v.value)
@@ -122,14 +123,15 @@ def heads_major(x_BTGK):
   return x_BTGK.transpose(0, 2, 1, 3)
 
 
-def write_rows(cache, new_BGTK, start_B, pass_index=None):
+def write_rows(cache, new_BTGK, start_B, pass_index=None):
   """The cache ([B, G, S, K]; with `pass_index` p, [L, B, G, S, K] and pass p's slot) with
   row b's T new entries at slots start_B[b] .. start_B[b] + T - 1: one scatter into the
-  cache's own layout (the compilers update it in place)."""
-  b, _, t, _ = new_BGTK.shape
+  cache's own layout (the compilers update it in place; an entry past the cache is dropped,
+  and decode_step's logits say so)."""
+  b, t = new_BTGK.shape[:2]
   rows_B1 = jnp.arange(b)[:, None]
   slots_BT = start_B[:, None] + jnp.arange(t)
-  new_BTGK = new_BGTK.transpose(0, 2, 1, 3).astype(cache.dtype)
+  new_BTGK = new_BTGK.astype(cache.dtype)
   if pass_index is None:
     return cache.at[rows_B1, :, slots_BT].set(new_BTGK, unique_indices=True)
   return cache.at[pass_index, rows_B1, :, slots_BT].set(new_BTGK, unique_indices=True)

@@ -347,6 +347,38 @@ def _one_gpu_cfg():
   return cfg
 
 
+@needs('cuda')
+def test_a_decode_step_keeps_its_cache_in_place_on_the_gpu():
+  """A decode step compiled by XLA:GPU for an H100 writes the new K/V into the cache where it
+  lies: no cache-sized transpose or copy in the optimized program (the scan once sliced each
+  pass's slot out and back and the dots transposed the [B, S, G, K] cache: 28 such ops and
+  more temporaries than the whole cache), and temporaries well under the cache."""
+  from loopmoe_jax.decode import cache_shapes, decode_step
+  from loopmoe_jax.experiment import build
+  from loopmoe_jax.model import LoopedMoE, for_init
+  cfg = build(_one_gpu_cfg()).model.replace(num_loops=3)
+  target = targets.get('h100x1')
+  shard = jax.sharding.SingleDeviceSharding(target.devices()[0])
+  spec = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shard)
+  batch, slots = 4, 1024
+  params = jax.eval_shape(lambda: for_init(LoopedMoE(cfg)).init(
+      jax.random.key(0), jnp.zeros((1, 8), jnp.int32))['params'])
+  cache = jax.tree.map(spec, cache_shapes(cfg, batch, slots))
+  runtime = aot.kernel_runtime(target)
+  step = jax.jit(lambda p, c, t: decode_step(cfg, p, c, t, runtime=runtime), donate_argnums=1)
+  compiled = step.lower(jax.tree.map(spec, params), cache,
+                        jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=shard)).compile()
+  one_slot = batch * cfg.kv_heads * slots * cfg.resolved_head_dim
+  big = []
+  for line in compiled.as_text().splitlines():
+    m = re.match(r'\s*(?:ROOT )?%\S+ = \w+\[([\d,]*)\]\S* (transpose|copy)\(', line)
+    if m and np.prod([int(d) for d in m.group(1).split(',') if d]) >= one_slot:
+      big.append(line.strip()[:120])
+  assert not big, big
+  cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+  assert compiled.memory_analysis().temp_size_in_bytes < cache_bytes / 4
+
+
 @pytest.mark.slow
 @needs('cuda')
 @pytest.mark.parametrize('name', ['a100x1', 'rtx4090x1'])
