@@ -146,7 +146,7 @@ def lower_step(cfg_dict, target: targets.Target):
     args = job.step_args()
     return job.train_step().lower(*args), args, job.mesh, job.exp
   except ValueError as e:
-    raise ValueError(f'target {target.name}: {e}') from None
+    raise ValueError(f'target {target.name}: {e}') from e
 
 
 def summarize(compiled, platform: str) -> dict:

@@ -57,7 +57,8 @@ class Attention(nn.Module):
   1..T-1. Otherwise nothing is sown and the traced program is unchanged.
 
   `run.attention_impl` picks the implementation (attention_impls.py); decoding (the cache
-  path) and the probes (they read the attention weights) use 'xla' whatever it says. q, k and
+  path: `attend_cached` over the heads-major cache, `pass_index` the core's pass) and the
+  probes (they read the attention weights) take their own products whatever it says. q, k and
   v carry the checkpoint name 'attn_qkv', the attention output 'attention'.
   """
   cfg: ModelConfig

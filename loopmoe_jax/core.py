@@ -31,7 +31,8 @@ ACTIVATION = ('batch', 'length', 'act_embed')  # the residual stream's logical a
 
 # Variable collections the core's scan shares across passes (the weights, and read-only
 # per-layer inputs such as the expert masks of analysis/masking.py) and those it stacks
-# per pass (the KV cache, and values sown for probes under 'intermediates').
+# per pass (the KV cache at init, and values sown for probes under 'intermediates'; a
+# decode scan carries the stacked cache instead: CorePlan.carry_cache).
 BROADCAST = ('params', 'routing_mask')
 PER_PASS = {'cache': 0, 'intermediates': 0}
 
@@ -127,7 +128,8 @@ class Stack(nn.Module):
   """One pass over `num_layers` layers. Attention weights come from the layers themselves, or,
   when `pass_attn` is given (untied core), from it: one weight dict per layer. `layer_remat`:
   the policy each layer is rematerialised under on its own (run.remat 'full' and
-  'full_keep_exchange', `remat`); '' none."""
+  'full_keep_exchange', `remat`); '' none. `pass_index`: the pass, where a decode scan
+  carries every pass's cache slots (the layers' attention writes and reads that pass's)."""
   cfg: ModelConfig
   num_layers: int
   num_experts: int
@@ -241,7 +243,8 @@ class Core(nn.Module):
     else:
       path = rt.core_path(batch, decode=self.decode, record=self.record, probe=self.probe,
                           initializing=self.is_initializing())
-    carry = self.decode and not self.is_initializing()  # init makes the stacked slots
+    # init makes the stacked slots; early exit's per-pass cond would copy a carried cache
+    carry = self.decode and not self.is_initializing() and path != Path.EARLY_EXIT
     return CorePlan(path, num_loops, split, per_pass, carry_cache=carry)
 
 
@@ -253,6 +256,7 @@ def _scanned(passes, stack, inputs: CoreInputs, plan: CorePlan) -> CoreOutputs:
   joined by pass."""
   run = lambda mdl, *a: mdl(*a)
   once = plan.path == Path.ONCE
+  assert not (once and plan.carry_cache), 'decoding never takes the ONCE path'
   layouts = core_once_lib.layouts(stack, inputs, plan.per_pass) if once else None  # both parts'
   x_BTD, stats = inputs.x_BTD, []
   for part in plan.parts:

@@ -36,9 +36,9 @@ a model trained under one decodes under any):
   Sharing needs one K/V projection for every pass: untied attention (model.tie_attention=
   False) is refused by the config.
   Memory: the cache between steps is the shared one; inside a step the core's scan
-  (core.Core, cache axis 0 per pass) runs on a per-pass copy that decode_step broadcasts
-  from it and reads the named pass's slot back from, so a step's peak holds L copies of the
-  core's slots (as 'per_pass' does throughout).
+  (core.Core, carrying an [L, ...] cache that each pass writes its own slot of in place)
+  runs on L copies that decode_step broadcasts from it and reads the named pass's slot back
+  from, so a step's peak holds L copies of the core's slots (as 'per_pass' does throughout).
 
 `accounting.count(cfg)['kv_per_token']` and `cache_bytes` follow the layout.
 
@@ -63,7 +63,7 @@ from loopmoe_jax.objective import token_nll_of_logits
 from loopmoe_jax.runtime import HERE, Runtime
 from loopmoe_jax.sampling import Sampling
 
-CORE = 'core'  # the cache's subtree that the core's scan stacks per pass (core.PER_PASS)
+CORE = 'core'  # the cache's subtree with a slot per pass, [L, B, G, S, K] (core.Core)
 
 
 def shares_passes(cfg: ModelConfig) -> bool:
@@ -152,10 +152,9 @@ def decode_step(cfg: ModelConfig, params, cache, tokens_BT, num_loops: int | Non
   if concrete_end is not None and concrete_end > max_len:
     raise ValueError(f'decode_step: position {concrete_end - tokens_BT.shape[1]} + '
                      f'{tokens_BT.shape[1]} tokens exceeds the cache length max_len={max_len}')
-  shared = shares_passes(cfg)
-  _check_layout(cfg, cache, shared)
+  shared, passes = shares_passes(cfg), check_loops(cfg, num_loops)
+  _check_layout(cfg, cache, shared, passes)
   if shared:  # the scan's per-pass layout, each pass's slot a copy of the shared one
-    passes = check_loops(cfg, num_loops)
     cache = _with_core(cache, lambda x: jnp.broadcast_to(x, (passes,) + x.shape))
   cache = dict(cache)
   counts = cache.pop(EXIT, None)
@@ -174,8 +173,10 @@ def decode_step(cfg: ModelConfig, params, cache, tokens_BT, num_loops: int | Non
   return jnp.where(end > max_len, jnp.nan, logits), cache
 
 
-def _check_layout(cfg: ModelConfig, cache, shared: bool) -> None:
-  """A cache made under another model.kv_cache is an error naming it."""
+def _check_layout(cfg: ModelConfig, cache, shared: bool, passes: int) -> None:
+  """A cache made under another model.kv_cache, or per pass for another pass count, is an
+  error naming it (the core's scan writes pass p's slot in place: a missing slot would be
+  dropped silently)."""
   if CORE not in cache:
     return
   ndim = {x.ndim for x in jax.tree.leaves(cache[CORE])}
@@ -185,6 +186,10 @@ def _check_layout(cfg: ModelConfig, cache, shared: bool) -> None:
     raise ValueError(f'decode_step: the cache has {made} core layout, but model.kv_cache='
                      f'{cfg.kv_cache!r} needs core leaves of {want} dimensions: make the cache '
                      'with init_cache under the same model.kv_cache')
+  made = {x.shape[0] for x in jax.tree.leaves(cache[CORE])}
+  if not shared and made != {passes}:
+    raise ValueError(f'decode_step: the cache holds {sorted(made)[0]} passes\' slots but '
+                     f'num_loops={passes}: make it with init_cache(..., num_loops={passes})')
 
 
 def sample(logits_BV, key, temperature: float):

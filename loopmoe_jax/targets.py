@@ -34,8 +34,6 @@ import math
 import os
 import re
 
-from pallas_kernels import capability
-
 GIB = 2**30
 
 
@@ -75,6 +73,7 @@ class GpuSpec:
   @property
   def smem_optin(self) -> int:
     """Shared memory a block may opt into: the capability table's (pallas_kernels)."""
+    from pallas_kernels import capability  # pylint: disable=import-outside-toplevel
     return capability.smem_optin_bytes(self.cc)
 
 

@@ -83,16 +83,16 @@ def _stages_within(op: str, family: str, smem: int) -> dict:
 
 def gpu_tiles(cc: tuple[int, int] | None, family: str | None = None) -> dict | None:
   """`tiles` for pallas_kernels.gmm on compute capability `cc`: per op its family (`family`
-  for both when given, else `gpu_families`) and fewer Triton pipeline stages where the
-  defaults outgrow the shared memory a block may opt into. Every family is named, so a
-  program built for `cc` on a machine with another GPU is `cc`'s (pallas_kernels.ops.tiling
-  takes no adjustment from this machine's GPU for a named family). None where cc is unknown
-  or no Pallas GPU family runs."""
+  for both when given, else `gpu_families`), the capability itself ('cc': a program built
+  for `cc` on a machine with another GPU is `cc`'s, pallas_kernels.ops.tiling) and fewer
+  Triton pipeline stages where the defaults outgrow the shared memory a block may opt into.
+  None where cc is unknown or no Pallas GPU family runs."""
   runs = {op: family for op in OPS} if family else gpu_families(cc)
   if cc is None or runs is None:
     return None
   smem = smem_optin_bytes(cc)
-  return {op: dict(family=runs[op], **_stages_within(op, runs[op], smem)) for op in OPS}
+  return {op: dict(family=runs[op], cc=tuple(cc), **_stages_within(op, runs[op], smem))
+          for op in OPS}
 
 
 def plan(cc: tuple[int, int], family: str | None = None) -> tuple[dict | None, str, str]:

@@ -13,8 +13,8 @@ built for ('cpu', 'gpu', 'tpu'; None: this machine's). `target` picks the kernel
 same, warp-specialised); None follows the platform ('tpu' on TPU, GPU_DEFAULT on GPU, or on
 this machine's GPU what its compute capability runs: Triton below sm_90, capability.py;
 interpreted 'gpu' on CPU). A family this machine's GPU cannot run is refused, naming it;
-families named in `tiles` (a program built for a named GPU target, loopmoe_jax.aot) are that
-target's. `interpret` None means: interpret on CPU (TPU kernels under
+a compute capability named in `tiles` ('cc': a program built for a named GPU target,
+loopmoe_jax.aot) is the one checked and tiled for instead. `interpret` None means: interpret on CPU (TPU kernels under
 pltpu.InterpretParams()). Tile sizes are parameters; None takes the per-target default in
 TILES. Nothing here is set from outside: every choice is an argument.
 """
@@ -81,10 +81,9 @@ def tiling(target: str | None, tile_m=None, tile_n=None, overrides=None,
            platform: str | None = None):
   """Per op, its family and tiles as a hashable tuple: the family from `overrides`
   ({'gmm': {'family': ..., 'tile_m': ...}, 'tgmm': {...}}), else `families(target,
-  platform)`; the tiles TILES[family][op], then the overrides, then tile_m / tile_n. A
-  family named in `overrides` is a program built for a named GPU (loopmoe_jax.aot: its
-  compute capability's families and tiles), so this machine's GPU changes nothing of it
-  (`_here` applies to the families chosen here)."""
+  platform)`; the tiles TILES[family][op], then the overrides, then tile_m / tile_n. An
+  override's 'cc' is the compute capability the program is built for (a named GPU target,
+  loopmoe_jax.aot), checked and tiled for in place of this machine's GPU (`_here`)."""
   default = families(target, platform)
   unknown = set(overrides or {}) - set(OPS)
   if unknown:
@@ -92,29 +91,30 @@ def tiling(target: str | None, tile_m=None, tile_n=None, overrides=None,
   ops = []
   for op in OPS:
     cfg = dict((overrides or {}).get(op, {}))
-    named = 'family' in cfg
+    cc = cfg.pop('cc', None)
     family = cfg.pop('family', default[op])
     if family not in KERNELS:
       raise ValueError(f'family={family!r} for {op}: must be one of {sorted(KERNELS)}')
-    here = {} if named else _here(family, op, platform)
-    cfg = dict(TILES[family][op], **here, **cfg, family=family)
+    cfg = {**TILES[family][op], **_here(family, op, platform, cc), **cfg, 'family': family}
     cfg.update({k: v for k, v in (('tile_m', tile_m), ('tile_n', tile_n)) if v})
     ops.append(tuple(sorted(cfg.items())))
   return tuple(ops)
 
 
-def _here(family: str, op: str, platform: str | None) -> dict:
-  """For a program built for this machine's GPU: a family its compute capability cannot run
-  refused (naming it), else the tiles that capability changes ({'num_stages': 2} for Triton on
-  Ada's 99 KiB of shared memory; capability.gpu_tiles); {} elsewhere."""
-  if platform_of(platform) != 'gpu' or platform_of(None) != 'gpu':
+def _here(family: str, op: str, platform: str | None, cc=None) -> dict:
+  """For a program built for a GPU of compute capability `cc` (a named target's), or else for
+  this machine's GPU: a family that capability cannot run refused (naming it), else the tiles
+  it changes ({'num_stages': 2} for Triton on Ada's 99 KiB of shared memory;
+  capability.gpu_tiles); {} elsewhere."""
+  if platform_of(platform) != 'gpu':
     return {}
-  cc = capability.local_cc()
+  if cc is None:
+    cc = capability.local_cc() if platform_of(None) == 'gpu' else None
   why = cc and capability.family_refusal(family, cc, f' ({op})')
   if why:
     raise ValueError(f'pallas_kernels: {why}')
   tiles = (capability.gpu_tiles(cc, family) or {}).get(op, {})
-  return {k: v for k, v in tiles.items() if k != 'family'}
+  return {k: v for k, v in tiles.items() if k not in ('family', 'cc')}
 
 
 def _shape_error(op: str, what: str):

@@ -320,3 +320,8 @@ def test_bad_kv_cache_is_refused_naming_the_key():
   with pytest.raises(ValueError, match=r"per-pass core layout.*model\.kv_cache='last_pass'"):
     decode_step(cfg.replace(kv_cache='last_pass'), params, init_cache(cfg, B, T), toks,
                 runtime=REF)
+  # a per-pass cache made for another pass count (its missing slots would be dropped)
+  with pytest.raises(ValueError, match=r"the cache holds 2 passes' slots but num_loops=4: "
+                                       r'make it with init_cache\(\.\.\., num_loops=4\)'):
+    decode_step(cfg, params, init_cache(cfg, B, T), toks, num_loops=4, runtime=REF)
+  decode_step(cfg, params, init_cache(cfg, B, T, num_loops=4), toks, num_loops=4, runtime=REF)

@@ -124,10 +124,11 @@ def test_kernel_family_follows_the_compute_capability():
   # Ada's 99 KiB opt-in: the Triton tgmm's 3 stages of 48 KiB (the compiler asked 147456 bytes
   # of 101376) pipeline 2 deep; A100's 163 KiB take the defaults; Hopper its default families,
   # named (a program for it is its own on any machine)
-  assert capability.gpu_tiles((8, 9)) == {'gmm': {'family': 'gpu'},
-                                          'tgmm': {'family': 'gpu', 'num_stages': 2}}
-  assert capability.gpu_tiles((8, 0)) == {'gmm': {'family': 'gpu'}, 'tgmm': {'family': 'gpu'}}
-  assert capability.gpu_tiles((9, 0)) == {op: {'family': f}
+  ada, ampere, hopper = (8, 9), (8, 0), (9, 0)
+  assert capability.gpu_tiles(ada) == {'gmm': {'family': 'gpu', 'cc': ada},
+                                       'tgmm': {'family': 'gpu', 'cc': ada, 'num_stages': 2}}
+  assert capability.gpu_tiles(ampere) == {op: {'family': 'gpu', 'cc': ampere} for op in defaults.OPS}
+  assert capability.gpu_tiles(hopper) == {op: {'family': f, 'cc': hopper}
                                           for op, f in defaults.GPU_DEFAULT.items()}
   assert capability.gpu_tiles((7, 0)) is None and capability.gpu_tiles(None) is None
 
@@ -146,7 +147,7 @@ def test_a_forced_family_the_target_cannot_run_names_the_capability_and_what_run
                                          'one of gpu, mgpu, mgpu_ws'):
       aot.kernel_runtime(targets.with_kernel_family(targets.get('rtx4090x1'), bad))
   forced = aot.kernel_runtime(targets.with_kernel_family(targets.get('h100x8'), 'gpu'))
-  assert dict(forced.kernel_tiles)['gmm'] == (('family', 'gpu'),)
+  assert dict(forced.kernel_tiles)['gmm'] == (('cc', (9, 0)), ('family', 'gpu'))
   # no family asked: Hopper's default families, the same kernels and tiles as the platform's
   # default on this CPU (the H100 program is unchanged)
   from pallas_kernels import ops
@@ -171,6 +172,8 @@ def test_on_a_real_ada_gpu_the_default_is_triton_and_mosaic_gpu_is_refused(monke
   with pytest.raises(ValueError, match=r"kernel family 'mgpu' \(Mosaic GPU\) \(gmm\) needs "
                      r'compute capability 9.0\+, the target has 8.9'):
     pk.gmm(lhs, rhs, jnp.array([4, 4]), target='mgpu', platform='gpu', interpret=False)
+  with pytest.raises(ValueError, match=r"kernel family 'mgpu' \(Mosaic GPU\) \(gmm\) needs"):
+    pk.ops.tiling(None, overrides={'gmm': {'family': 'mgpu'}}, platform='gpu')  # named here
   # a program built here for another GPU target is that target's, not this machine's: the
   # H100's Mosaic GPU gmm and 3-stage Triton tgmm, the L4's 2-stage tgmm on a faked Hopper
   for name, host, want in (('h100x8', (8, 9), (('mgpu', None), ('gpu', 3))),
@@ -348,15 +351,18 @@ def _one_gpu_cfg():
 
 
 @needs('cuda')
-def test_a_decode_step_keeps_its_cache_in_place_on_the_gpu():
+@pytest.mark.parametrize('layout', [dict(), dict(tie_attention=False)], ids=['tied', 'untied'])
+def test_a_decode_step_keeps_its_cache_in_place_on_the_gpu(layout):
   """A decode step compiled by XLA:GPU for an H100 writes the new K/V into the cache where it
   lies: no cache-sized transpose or copy in the optimized program (the scan once sliced each
   pass's slot out and back and the dots transposed the [B, S, G, K] cache: 28 such ops and
-  more temporaries than the whole cache), and temporaries well under the cache."""
+  more temporaries than the whole cache), and temporaries well under the cache. (The shared
+  layouts copy their slot to every pass by design, decode.py; early exit keeps the stacked
+  scan, core.Core.plan.)"""
   from loopmoe_jax.decode import cache_shapes, decode_step
   from loopmoe_jax.experiment import build
   from loopmoe_jax.model import LoopedMoE, for_init
-  cfg = build(_one_gpu_cfg()).model.replace(num_loops=3)
+  cfg = build(_one_gpu_cfg()).model.replace(num_loops=3, **layout)
   target = targets.get('h100x1')
   shard = jax.sharding.SingleDeviceSharding(target.devices()[0])
   spec = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shard)
