@@ -85,13 +85,17 @@ def dispatch_dense(x_TD, experts_Tk, weights_Tk, params, tile=None, plan=None, r
   del tile, plan, runtime
   e, d, f = params['gate'].shape
   acc = accumulation_dtype(x_TD, params['gate'])
-  mm = lambda a, w: jnp.dot(a, w, preferred_element_type=acc).astype(x_TD.dtype)
-  wide = lambda w: w.transpose(1, 0, 2).reshape(d, e * f)
-  h_TEF = _swiglu(mm(x_TD, wide(params['gate'])), mm(x_TD, wide(params['up']))).reshape(-1, e, f)
+  x_ETD = jnp.broadcast_to(x_TD, (e,) + x_TD.shape)
+  # the experts as the products' batch: the weights read where they lie ([E, D, F], no copy)
+  up = lambda w: jnp.einsum('etd,edf->etf', x_ETD, w, preferred_element_type=acc).astype(
+      x_TD.dtype)
+  h_ETF = _swiglu(up(params['gate']), up(params['up']))
   w_TE = jnp.zeros((x_TD.shape[0], e), jnp.float32).at[
       jnp.arange(x_TD.shape[0])[:, None], experts_Tk].add(weights_Tk.astype(jnp.float32))
-  h_TEF = (h_TEF.astype(jnp.float32) * w_TE[..., None]).astype(x_TD.dtype)
-  return mm(h_TEF.reshape(-1, e * f), params['down'].reshape(e * f, d))
+  h_ETF = (h_ETF.astype(jnp.float32) * w_TE.T[..., None]).astype(x_TD.dtype)
+  h_TX = h_ETF.transpose(1, 0, 2).reshape(-1, e * f)  # [E, F, D] is [E * F, D] as it lies
+  return jnp.dot(h_TX, params['down'].reshape(e * f, d), preferred_element_type=acc).astype(
+      x_TD.dtype)
 
 
 def inverse_permutation(perm_N):
