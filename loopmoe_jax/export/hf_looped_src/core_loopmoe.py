@@ -138,19 +138,27 @@ def hold_slots(ctx, first_idx, config, x):
     ctx.cache.update(zeros, zeros.clone(), first_idx + i)
 
 
+def last_computed(stacked, passes_BT, passes):
+  """For each pass p in `passes` (a list of ints), every token's entry of pass
+  min(p, its passes run - 1): the pass it last computed where it skipped p. `stacked`
+  [P, B, G, T, K] holds the passes that ran, in order; returns [len(passes), B, G, T, K]."""
+  index = torch.minimum(torch.tensor(passes, device=passes_BT.device)[:, None, None],
+                        passes_BT[None] - 1).clamp(max=stacked.shape[0] - 1)  # [len, B, T]
+  return torch.gather(stacked, 0, index[:, :, None, :, None].expand(
+      (len(passes),) + stacked.shape[1:]))
+
+
 def fill_skipped(cache, first_idx, layers, num_loops, passes_BT, past):
   """The cache entries of every pass a token skipped (pass index >= its passes run), at this
   forward's positions [past, past + T), set to its last computed pass's K/V."""
   t = passes_BT.shape[1]
   if bool((passes_BT >= num_loops).all()):  # no token skipped a pass: nothing to fill
     return
-  index = torch.minimum(torch.arange(num_loops, device=passes_BT.device)[:, None, None],
-                        passes_BT[None] - 1)  # [P, B, T]
   for i in range(layers):
     entries = [cache.layers[first_idx + p * layers + i] for p in range(num_loops)]
     for name in ('keys', 'values'):
       win = torch.stack([getattr(e, name)[:, :, past:past + t] for e in entries])  # [P,B,G,T,K]
-      new = torch.gather(win, 0, index[:, :, None, :, None].expand_as(win))
+      new = last_computed(win, passes_BT, list(range(num_loops)))
       for p, entry in enumerate(entries):
         getattr(entry, name)[:, :, past:past + t] = new[p]
 
@@ -190,8 +198,7 @@ class SharedKV:
       ran = [self.step[(p, i)] for p in range(self.num_loops) if (p, i) in self.step]
       k, v = ran[min(self.keep_pass, len(ran) - 1)]
       if passes_BT is not None and self.keep_pass:  # last_pass: a token's last computed pass
-        index = torch.clamp(passes_BT - 1, max=len(ran) - 1)[None, :, None, :, None]
-        pick = lambda j: torch.gather(torch.stack([r[j] for r in ran]), 0,
-                                      index.expand((1,) + ran[0][j].shape))[0]
+        pick = lambda j: last_computed(torch.stack([r[j] for r in ran]), passes_BT,
+                                       [self.keep_pass])[0]
         k, v = pick(0), pick(1)
       cache.update(k, v, self.first + i)
