@@ -77,11 +77,13 @@ def dispatch_reference(x_TD, experts_Tk, weights_Tk, params, tile=None, plan=Non
 
 
 def dispatch_dense(x_TD, experts_Tk, weights_Tk, params, tile=None, plan=None, runtime=None):
-  """Every expert on every row in three whole matmuls, each token's output the sum of its
-  chosen experts' weighted outputs (the others weighted by exactly 0): E/k times the routed
-  multiply-adds in a handful of ops; for the few rows of a decode step of a model with few
-  experts (DENSE_MAX_MACS, `dispatch`), where the grouped backends' sort, tiles and scatters
-  cost more than the rows. Accumulates as the grouped matmuls do."""
+  """Every expert on every row in three products (gate and up batched over the experts,
+  down over the experts' widths side by side), each reading its weights as they lie; each
+  token's output the sum of its chosen experts' weighted outputs (the others weighted by
+  exactly 0): E/k times the routed multiply-adds in a handful of ops, for the few rows of a
+  decode step of a model with few experts (DENSE_MAX_MACS, `dispatch`), where the grouped
+  backends' sort, tiles and scatters cost more than the rows. Accumulates as the grouped
+  matmuls do."""
   del tile, plan, runtime
   e, d, f = params['gate'].shape
   acc = accumulation_dtype(x_TD, params['gate'])
