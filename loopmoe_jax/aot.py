@@ -140,8 +140,7 @@ def lower_step(cfg_dict, target: targets.Target):
   compile-only devices, the kernels, dispatch and exchange its platform picks (Pallas kernels
   compiled, not interpreted)."""
   runtime = kernel_runtime(target)
-  try:  # a setting the target cannot run (attention_impls.check; run.dispatch='pallas' where
-    # no Pallas family runs there: dispatch.resolve_backend), a mesh
+  try:  # a setting the target cannot run (attention_impls.check, dispatch), a mesh
     job = Job.build(build(cfg_dict), target.devices(), runtime)
     args = job.step_args()
     return job.train_step().lower(*args), args, job.mesh, job.exp
@@ -155,8 +154,7 @@ def summarize(compiled, platform: str) -> dict:
   mem = compiled.memory_analysis()
   text = compiled.as_text()
   cost = compiled.cost_analysis()
-  if isinstance(cost, list):
-    cost = cost[0] if cost else None
+  cost = (cost[0] if cost else None) if isinstance(cost, list) else cost
   memory = {'arguments': int(mem.argument_size_in_bytes), 'outputs': int(mem.output_size_in_bytes),
             'aliases': int(mem.alias_size_in_bytes), 'temporaries': int(mem.temp_size_in_bytes),
             'code': int(mem.generated_code_size_in_bytes)}
@@ -182,10 +180,9 @@ def refusal(error: BaseException) -> dict | None:
   """{'temporaries', 'available'} (bytes) when `error` is the compiler refusing a program for
   its memory, else None."""
   m = _REFUSED.search(str(error))
-  if not m:
-    return None
   size = lambda value, unit: int(float(value) * _UNITS[unit])
-  return {'temporaries': size(m.group(1), m.group(2)), 'available': size(m.group(3), m.group(4))}
+  return m and {'temporaries': size(m.group(1), m.group(2)),
+                'available': size(m.group(3), m.group(4))}
 
 
 def _refused_summary(error: BaseException, refused: dict, args) -> dict:

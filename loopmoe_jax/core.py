@@ -45,12 +45,11 @@ def scan_passes(fn, length: int, per_pass: bool, carry_cache: bool = False):
   KV cache is the scan's carry, whole, and `fn` takes one more scanned input, the pass index
   (CorePlan.pass_indices), so each pass writes its slot in place."""
   in_axes = (0, nn.broadcast, nn.broadcast, 0 if per_pass else nn.broadcast)
-  if carry_cache:
-    return nn.scan(fn, variable_broadcast=BROADCAST, variable_carry='cache',
-                   variable_axes={k: v for k, v in PER_PASS.items() if k != 'cache'},
-                   split_rngs={'params': False}, in_axes=in_axes + (0,), length=length)
-  return nn.scan(fn, variable_broadcast=BROADCAST, variable_axes=PER_PASS,
-                 split_rngs={'params': False}, in_axes=in_axes, length=length)
+  return nn.scan(fn, variable_broadcast=BROADCAST,
+                 variable_axes={k: v for k, v in PER_PASS.items()
+                                if not (carry_cache and k == 'cache')},
+                 variable_carry='cache' if carry_cache else False, split_rngs={'params': False},
+                 in_axes=in_axes + ((0,) if carry_cache else ()), length=length)
 
 
 _save = jax.checkpoint_policies.save_only_these_names
