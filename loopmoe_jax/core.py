@@ -210,8 +210,7 @@ class Core(nn.Module):
                         positions_BT, bias)
     passes = lambda fn, length=num_loops: scan_passes(fn, length, per_pass, plan.carry_cache)
     if plan.path == Path.EARLY_EXIT:
-      return early_exit_lib.scan_core(passes, stack, inputs, request.readout,
-                                      plan.pass_indices())
+      return early_exit_lib.scan_core(passes, stack, inputs, request.readout)
     if plan.path == Path.PASS_STATES:
       return _with_pass_states(passes, stack, inputs)
     if plan.path == Path.UNROLL:

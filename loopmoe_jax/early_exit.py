@@ -139,23 +139,22 @@ def update(r: Readout, aux: dict, y_BTD) -> dict:
   return out
 
 
-def scan_core(scan_passes, stack: nn.Module, inputs: CoreInputs, readout: Readout,
-              pass_indices: tuple = ()) -> CoreOutputs:
+def scan_core(scan_passes, stack: nn.Module, inputs: CoreInputs,
+              readout: Readout) -> CoreOutputs:
   """The core's passes with early exit: the state and the passes each token ran. `stack` is
   the core's Stack named 'body', run through `scan_passes` (core.Core's, a function of the
-  step) as the plain forward runs it (same params and per-pass cache; `pass_indices`: the
-  scanned pass index where the scan carries the cache, CorePlan.pass_indices)."""
+  step) as the plain forward runs it (same params and per-pass cache, stacked per pass even
+  while decoding: this scan's per-pass cond would copy a carried cache whole)."""
   x_BTD, *rest = inputs
 
-  def step(mdl, carry, attn_l, e, positions, bias_l, *pass_index):
+  def step(mdl, carry, attn_l, e, positions, bias_l):
     x, aux = carry
-    run = lambda m, h: m(h, attn_l, e, positions, bias_l, *pass_index)[0]
+    run = lambda m, h: m(h, attn_l, e, positions, bias_l)[0]
     y = nn.cond(jnp.all(aux['exited']), lambda m, h: h, run, mdl, x)
     y = jnp.where(aux['exited'][..., None], x, y)  # exited tokens keep their state
     return (y, update(readout, aux, y)), None
 
-  (x_BTD, aux), _ = scan_passes(step)(stack, (x_BTD, init_aux(readout, x_BTD)), *rest,
-                                      *pass_indices)
+  (x_BTD, aux), _ = scan_passes(step)(stack, (x_BTD, init_aux(readout, x_BTD)), *rest)
   return CoreOutputs(x_BTD, {}, exit_passes_BT=aux['passes'])
 
 
