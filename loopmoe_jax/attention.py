@@ -102,10 +102,9 @@ class Attention(nn.Module):
     b, t, g, k = k_BTGK.shape
     cache_k = self.variable('cache', 'k', jnp.zeros, (b, g, t, k), k_BTGK.dtype)
     cache_v = self.variable('cache', 'v', jnp.zeros, (b, g, t, k), v_BTGK.dtype)
-    per_group = b == 1 and self.runtime.target_platform == 'cpu'
     if not initialized:
       return attend_cached(q_BTHK, heads_major(k_BTGK), heads_major(v_BTGK), positions_BT,
-                           positions_BT, per_group)
+                           positions_BT)
     start_B = positions_BT[:, 0]
     cache_k.value = write_rows(cache_k.value, k_BTGK, start_B, pass_index)
     cache_v.value = write_rows(cache_v.value, v_BTGK, start_B, pass_index)
@@ -116,7 +115,7 @@ class Attention(nn.Module):
     # than every query's).
     slots = k_BGSK.shape[2]
     k_pos_BS = jnp.broadcast_to(jnp.arange(slots), (q_BTHK.shape[0], slots))
-    return attend_cached(q_BTHK, k_BGSK, v_BGSK, positions_BT, k_pos_BS, per_group)
+    return attend_cached(q_BTHK, k_BGSK, v_BGSK, positions_BT, k_pos_BS)
 
 
 def heads_major(x_BTGK):
@@ -138,29 +137,19 @@ def write_rows(cache, new_BTGK, start_B, pass_index=None):
   return cache.at[pass_index, rows_B1, :, slots_BT].set(new_BTGK, unique_indices=True)
 
 
-def attend_cached(q_BTHK, k_BGSK, v_BGSK, q_pos_BT, k_pos_BS, per_group: bool = False):
+def attend_cached(q_BTHK, k_BGSK, v_BGSK, q_pos_BT, k_pos_BS):
   """`attend` over heads-major keys and values (the decode cache's layout): the same
-  products, the T queries of a head group's H/G heads as one [T * H/G, S] block. With
-  `per_group` (one row on the CPU, Attention._cached) each head group's products are plain
-  2-D matmuls, which XLA:CPU runs faster than its small batched ones."""
+  products, the T queries of a head group's H/G heads as one [T * H/G, S] block, batched
+  over rows and groups."""
   b, t, h, k = q_BTHK.shape
   g = k_BGSK.shape[1]
   q_BGQK = q_BTHK.reshape(b, t, g, h // g, k).transpose(0, 2, 1, 3, 4).reshape(b, g, -1, k)
   q_pos_BQ = jnp.repeat(q_pos_BT, h // g, axis=1)  # query (t, head) at t's position
-  mask_BQS = q_pos_BQ[:, :, None] >= k_pos_BS[:, None, :]
-  scale = jnp.sqrt(k).astype(jnp.float32)
-
-  def products(q_QK, k_SK, v_SK, mask_QS, spec):  # spec: the leading (batch) dims' letters
-    scores = jnp.einsum(f'{spec}qk,{spec}sk->{spec}qs', q_QK, k_SK,
-                        preferred_element_type=jnp.float32) / scale
-    probs = _masked_softmax(scores, mask_QS).astype(v_SK.dtype)
-    return jnp.einsum(f'{spec}qs,{spec}sk->{spec}qk', probs, v_SK)
-
-  if per_group:
-    out = jnp.stack([jnp.stack([products(q_BGQK[r, i], k_BGSK[r, i], v_BGSK[r, i], mask_BQS[r],
-                                         '') for i in range(g)]) for r in range(b)])
-  else:
-    out = products(q_BGQK, k_BGSK, v_BGSK, mask_BQS[:, None], 'bg')
+  mask_BGQS = (q_pos_BQ[:, :, None] >= k_pos_BS[:, None, :])[:, None]
+  scores = jnp.einsum('bgqk,bgsk->bgqs', q_BGQK, k_BGSK,
+                      preferred_element_type=jnp.float32) / jnp.sqrt(k).astype(jnp.float32)
+  probs = _masked_softmax(scores, mask_BGQS).astype(v_BGSK.dtype)
+  out = jnp.einsum('bgqs,bgsk->bgqk', probs, v_BGSK)
   return out.reshape(b, g, t, h // g, k).transpose(0, 2, 1, 3, 4).reshape(b, t, h, k)
 
 
