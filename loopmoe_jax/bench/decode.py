@@ -9,7 +9,8 @@ speculative.py), on a model trained here with sampled pass counts.
   `spec_identical` says every token was plain greedy's, at every d. Target >= 1.5.
 - Calibration (`calibrate`), the rule that picks d and g: 2 other prompts x 32 tokens decoded
   at every d < L for each g in (2, 4, 6) (one program per g: d is traced); the fastest (d, g)
-  by measured tokens/s wins.
+  by measured tokens/s (best of 3 timings: one timing of 64 tokens picked a (d, g) 10% slower
+  than plain decoding on a host hiccup) wins.
 - Per d (at the chosen g, on the 8 prompts): `acceptance.d{d}` (drafted tokens kept over
   drafted), `verified_passes_per_token.d{d}` (the verifier's sequential passes per emitted
   token; plain decoding runs L) and `passes_per_token.d{d}` (draft and verifier together).
@@ -101,7 +102,8 @@ def speculative_figures(run, quick: bool) -> dict[str, Any]:
   tok = pipeline.data_tokenizer(run.exp.data)
   tokens, repeats = (16, 1) if quick else (64, 5)
   prompts = _prompts(tok, PROMPTS, 16)
-  d, g, speed = calibrate(run, _prompts(tok, CALIBRATION, 16), tokens // 2, 1)
+  d, g, speed = calibrate(run, _prompts(tok, CALIBRATION, 16), tokens // 2,
+                         1 if quick else 3)
   plain = lambda: [generate(cfg, run.params, p, tokens, jax.random.key(0), router_bias=bias,
                             runtime=rt) for p in prompts]
   plain_out = plain()
