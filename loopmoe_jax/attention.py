@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from loopmoe_jax.attention_impls import attend_with, resolve
+from loopmoe_jax.attention_impls import (attend_with, decode_attend, decode_kernel_runs,
+                                         resolve)
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.layers import DTYPES, fan_in_init, param, rope
 from loopmoe_jax.runtime import HERE, Runtime
@@ -57,9 +58,10 @@ class Attention(nn.Module):
   1..T-1. Otherwise nothing is sown and the traced program is unchanged.
 
   `run.attention_impl` picks the implementation (attention_impls.py); decoding (the cache
-  path: `attend_cached` over the heads-major cache, `pass_index` the core's pass) and the
-  probes (they read the attention weights) take their own products whatever it says. q, k and
-  v carry the checkpoint name 'attn_qkv', the attention output 'attention'.
+  path, `pass_index` the core's pass) runs the Pallas decode kernel where it resolves to
+  splash (attention_impls.decode_attend), else `attend_cached` over the heads-major cache;
+  the probes (they read the attention weights) take their own products whatever it says.
+  q, k and v carry the checkpoint name 'attn_qkv', the attention output 'attention'.
   """
   cfg: ModelConfig
   decode: bool = False
@@ -106,6 +108,11 @@ class Attention(nn.Module):
       return attend_cached(q_BTHK, heads_major(k_BTGK), heads_major(v_BTGK), positions_BT,
                            positions_BT)
     start_B = positions_BT[:, 0]
+    if decode_kernel_runs(self.runtime, self.cfg, cache_k.value):  # the slots where they lie
+      out_BTHK, cache_k.value, cache_v.value = decode_attend(
+          q_BTHK, k_BTGK, v_BTGK, cache_k.value, cache_v.value, start_B, pass_index,
+          runtime=self.runtime)
+      return out_BTHK
     cache_k.value = write_rows(cache_k.value, k_BTGK, start_B, pass_index)
     cache_v.value = write_rows(cache_v.value, v_BTGK, start_B, pass_index)
     slot = ((lambda x: x) if pass_index is None else

@@ -350,6 +350,33 @@ def _one_gpu_cfg():
   return cfg
 
 
+def _decode_step(cfg, target_name, batch=4, slots=1024, **run):
+  """(compiled decode step of `cfg` on one device of the target with the run settings `run`,
+  cache bytes, the ops of the optimized program that make an array at least one slot's size:
+  copies, transposes, slices and scatters of the cache)."""
+  from loopmoe_jax.decode import cache_shapes, decode_step
+  from loopmoe_jax.model import LoopedMoE, for_init
+  target = targets.get(target_name)
+  shard = jax.sharding.SingleDeviceSharding(target.devices()[0])
+  spec = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shard)
+  params = jax.eval_shape(lambda: for_init(LoopedMoE(cfg)).init(
+      jax.random.key(0), jnp.zeros((1, 8), jnp.int32))['params'])
+  cache = jax.tree.map(spec, cache_shapes(cfg, batch, slots))
+  runtime = aot.kernel_runtime(target).with_run(**run)
+  step = jax.jit(lambda p, c, t: decode_step(cfg, p, c, t, runtime=runtime), donate_argnums=1)
+  with compile_cache.off():  # compile-only devices: nothing to load a kept program onto
+    compiled = step.lower(jax.tree.map(spec, params), cache,
+                          jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=shard)).compile()
+  one_slot = batch * cfg.kv_heads * slots * cfg.resolved_head_dim
+  big = []
+  for line in compiled.as_text().splitlines():
+    m = re.match(r'\s*(?:ROOT )?%\S+ = \w+\[([\d,]*)\]\S* ([\w-]+)\(', line)
+    if m and m.group(2) not in ('parameter', 'get-tuple-element', 'bitcast', 'custom-call') and (
+        np.prod([int(d) for d in m.group(1).split(',') if d]) >= one_slot):
+      big.append(line.strip()[:120])
+  return compiled, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)), big
+
+
 @needs('cuda')
 @pytest.mark.parametrize('layout', [dict(), dict(tie_attention=False)], ids=['tied', 'untied'])
 def test_a_decode_step_keeps_its_cache_in_place_on_the_gpu(layout):
@@ -359,30 +386,33 @@ def test_a_decode_step_keeps_its_cache_in_place_on_the_gpu(layout):
   more temporaries than the whole cache), and temporaries well under the cache. (The shared
   layouts copy their slot to every pass by design, decode.py; early exit keeps the stacked
   scan, core.Core.plan.)"""
-  from loopmoe_jax.decode import cache_shapes, decode_step
   from loopmoe_jax.experiment import build
-  from loopmoe_jax.model import LoopedMoE, for_init
   cfg = build(_one_gpu_cfg()).model.replace(num_loops=3, **layout)
-  target = targets.get('h100x1')
-  shard = jax.sharding.SingleDeviceSharding(target.devices()[0])
-  spec = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shard)
-  batch, slots = 4, 1024
-  params = jax.eval_shape(lambda: for_init(LoopedMoE(cfg)).init(
-      jax.random.key(0), jnp.zeros((1, 8), jnp.int32))['params'])
-  cache = jax.tree.map(spec, cache_shapes(cfg, batch, slots))
-  runtime = aot.kernel_runtime(target)
-  step = jax.jit(lambda p, c, t: decode_step(cfg, p, c, t, runtime=runtime), donate_argnums=1)
-  compiled = step.lower(jax.tree.map(spec, params), cache,
-                        jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=shard)).compile()
-  one_slot = batch * cfg.kv_heads * slots * cfg.resolved_head_dim
-  big = []
-  for line in compiled.as_text().splitlines():
-    m = re.match(r'\s*(?:ROOT )?%\S+ = \w+\[([\d,]*)\]\S* (transpose|copy)\(', line)
-    if m and np.prod([int(d) for d in m.group(1).split(',') if d]) >= one_slot:
-      big.append(line.strip()[:120])
+  compiled, cache_bytes, big = _decode_step(cfg, 'h100x1')
+  big = [line for line in big if re.search(r' (transpose|copy)\(', line)]
   assert not big, big
-  cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
   assert compiled.memory_analysis().temp_size_in_bytes < cache_bytes / 4
+
+
+@needs('tpu')
+def test_a_tpu_decode_step_reads_its_cache_once_in_the_pallas_kernels():
+  """On a TPU a decode step's attention runs in the Pallas decode kernels (heads of 128):
+  the cache is written by DMA and read where it lies, so the optimized program holds no
+  cache-sized op but the kernels' calls, its temporaries are a sliver of the cache, and its
+  bytes (XLA's count, plus at most the whole cache the kernels read) are under the XLA path's,
+  which copies the carried cache to and from its scatter's and its products' layouts."""
+  from loopmoe_jax.experiment import build
+  cfg = build(tiny()).model.replace(num_loops=3, head_dim=128, num_heads=4, num_kv_heads=2,
+                                    d_model=64)
+  compiled, cache_bytes, big = _decode_step(cfg, 'v5p:2x2x1')
+  assert not big, big
+  assert 'tpu_custom_call' in compiled.as_text()
+  assert compiled.memory_analysis().temp_size_in_bytes < cache_bytes / 8
+  xla, _, xla_big = _decode_step(cfg, 'v5p:2x2x1', attention_impl='xla')
+  assert xla_big  # the XLA path moves the cache around
+  accessed = lambda c: (c.cost_analysis()[0] if isinstance(c.cost_analysis(), list)
+                        else c.cost_analysis())['bytes accessed']
+  assert accessed(compiled) + cache_bytes < accessed(xla)
 
 
 @pytest.mark.slow

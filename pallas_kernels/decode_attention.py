@@ -1,0 +1,180 @@
+"""Decode attention over the KV cache where it lies (TPU Pallas Mosaic; interpreted on CPU).
+
+    k_cache, v_cache = write_rows(k_cache, v_cache, k_new, v_new, start_B, pass_index)
+    out_BGQK = decode_attention(q_BGQK, k_cache, v_cache, start_B, pass_index, tokens=T)
+
+A decode step's T new tokens per row are written into the cache and attend to its slots,
+causally by position. The cache is heads-major, [B, G, S, K], or with a looped core's slot
+per pass [L, B, G, S, K] and `pass_index` p. XLA:TPU, left to itself, lays the carried cache
+out for its scatter and its products and copies it to and from that layout and a pass's slot
+out of it at every step (docs/results.md: 3.8 times the cache's bytes a step). Here:
+
+- `write_rows` DMAs each row's [G, T, K] block into the cache, which it aliases (updated in
+  place; XLA never writes it, so its layout stays the one the kernels read);
+- `decode_attention` reads pass p's slot in key blocks straight from the cache (the block's
+  index names the pass, a scalar prefetched into SMEM), and only the blocks up to the row's
+  last query position (later grid steps repeat the last one's index, which the pipeline does
+  not fetch again): a step reads the filled part of the cache once.
+
+Head dims that are multiples of the 128 lanes only (`supports`): XLA:TPU keeps a cache with a
+smaller head dim slots-minor, where a DMA of a few slots is not tile-aligned; such caches keep
+XLA's products (attention.attend_cached).
+
+Queries: a head group's T x H/G queries as Q rows, query i at token t = i // (H/G), token t
+of row b at position start_B[b] + t (decoding feeds consecutive positions). Grid (B, G, key
+blocks), the key blocks innermost with the online softmax (running max, sum and output in
+float32 VMEM scratch), written once at the last block.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+MASKED = float(jnp.finfo(jnp.float32).min)  # a masked score, as attention._masked_softmax
+LANES = 128  # TPU vreg lanes: the head dim's multiple; the running max and sum's width
+VMEM_BLOCKS = 8 << 20  # bytes of key and value blocks (double-buffered) a call may hold
+
+
+def key_block(slots: int, block: int = 512) -> int:
+  """The key block: the largest of `block`, 256, ..., 8 that divides `slots`, else `slots`
+  (one block: a TPU block's second-minor dimension is a multiple of 8 or the whole axis)."""
+  for size in (block, 256, 128, 64, 32, 16, 8):
+    if size <= block and slots % size == 0:
+      return size
+  return slots
+
+
+def supports(slots: int, head_dim: int, itemsize: int, block: int = 512) -> bool:
+  """Whether the kernels serve a cache of `slots` x `head_dim` (module docstring): a head
+  dim of whole lanes, key and value blocks within VMEM_BLOCKS."""
+  return (head_dim % LANES == 0 and
+          4 * key_block(slots, block) * head_dim * itemsize <= VMEM_BLOCKS)
+
+
+def _attend_kernel(pass_ref, start_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *,
+                   tokens: int, per_group: int, block: int):
+  del pass_ref  # read by the index maps only
+  b, s = pl.program_id(0), pl.program_id(2)
+  start = start_ref[b]
+
+  @pl.when(s == 0)
+  def _init():
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  @pl.when(s * block <= start + tokens - 1)  # a block holding a slot some query sees
+  def _block():
+    q, k, v = q_ref[...], k_ref[...], v_ref[...]
+    scale = jnp.sqrt(jnp.float32(q.shape[-1]))
+    scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32) / scale
+    shape = scores.shape
+    # lax.div, not //: floor division lowers through `sign`, which asks the chip's generation
+    q_pos = start + jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, shape, 0), per_group)
+    k_pos = s * block + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    scores = jnp.where(q_pos >= k_pos, scores, MASKED)
+    m_prev = m_ref[:, :1]
+    m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
+    p = jnp.exp(scores - m_new)
+    alpha = jnp.exp(m_prev - m_new)
+    l_ref[...] = jnp.broadcast_to(alpha * l_ref[:, :1] + jnp.sum(p, axis=1, keepdims=True),
+                                  l_ref.shape)
+    acc_ref[...] = alpha * acc_ref[...] + jax.lax.dot_general(
+        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    m_ref[...] = jnp.broadcast_to(m_new, m_ref.shape)
+
+  @pl.when(s == pl.num_programs(2) - 1)
+  def _store():
+    o_ref[...] = (acc_ref[...] / l_ref[:, :1]).astype(o_ref.dtype)
+
+
+def _with_passes(k_cache, v_cache, pass_index):
+  """A [B, G, S, K] cache as one pass's [1, B, G, S, K] (pass 0)."""
+  if k_cache.ndim == 4:
+    return k_cache[None], v_cache[None], 0
+  return k_cache, v_cache, pass_index
+
+
+def _scalars(pass_index, start_B):
+  return jnp.asarray(pass_index, jnp.int32).reshape(1), start_B.astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=('tokens', 'block', 'interpret'))
+def decode_attention(q_BGQK, k_cache, v_cache, start_B, pass_index=None, *, tokens: int,
+                     block: int = 512, interpret=False):
+  """Causal attention of a decode step's queries over the cache (module docstring):
+  q_BGQK [B, G, Q, K] with Q = tokens x H/G; k_cache, v_cache [B, G, S, K], or
+  [L, B, G, S, K] read at pass `pass_index` (an int32 scalar); start_B [B] int32, each row's
+  first new position. Returns [B, G, Q, K] in q's dtype. `interpret`: False, True or
+  pltpu.InterpretParams() (a CPU)."""
+  k_cache, v_cache, pass_index = _with_passes(k_cache, v_cache, pass_index)
+  b, g, q, kd = q_BGQK.shape
+  slots = k_cache.shape[3]
+  if q % tokens:
+    raise ValueError(f'decode_attention: {q} query rows per group is not a multiple of '
+                     f'tokens={tokens}')
+  bs = key_block(slots, block)
+  last = lambda r, st_ref, s: jnp.minimum(s, jax.lax.div(st_ref[r] + tokens - 1, bs))
+  kv_spec = pl.BlockSpec((None, None, None, bs, kd),
+                         lambda r, h, s, p_ref, st_ref: (p_ref[0], r, h, last(r, st_ref, s), 0))
+  q_spec = pl.BlockSpec((None, None, q, kd), lambda r, h, s, *_: (r, h, 0, 0))
+  spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=2, grid=(b, g, slots // bs),
+      in_specs=[q_spec, kv_spec, kv_spec], out_specs=q_spec,
+      scratch_shapes=[pltpu.VMEM((q, LANES), jnp.float32), pltpu.VMEM((q, LANES), jnp.float32),
+                      pltpu.VMEM((q, kd), jnp.float32)])
+  kernel = functools.partial(_attend_kernel, tokens=tokens, per_group=q // tokens, block=bs)
+  return pl.pallas_call(
+      kernel, grid_spec=spec, out_shape=jax.ShapeDtypeStruct(q_BGQK.shape, q_BGQK.dtype),
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=('parallel', 'parallel', 'arbitrary')),
+      cost_estimate=pl.CostEstimate(
+          flops=4 * b * g * q * slots * kd, transcendentals=b * g * q * slots,
+          bytes_accessed=2 * b * g * slots * kd * k_cache.dtype.itemsize + 2 * q_BGQK.nbytes),
+      interpret=interpret)(*_scalars(pass_index, start_B), q_BGQK, k_cache, v_cache)
+
+
+def _write_kernel(pass_ref, start_ref, k_new_ref, v_new_ref, k_in, v_in, k_out, v_out, sems, *,
+                  tokens: int, slots: int):
+  del k_in, v_in  # the same buffers as k_out, v_out (aliased)
+  b = pl.program_id(0)
+  start = start_ref[b]
+
+  @pl.when(start + tokens <= slots)  # a chunk reaching past the cache is dropped
+  def _write():
+    copies = [pltpu.make_async_copy(new.at[0], out.at[pass_ref[0], b, :, pl.ds(start, tokens)],
+                                    sems.at[i])
+              for i, (new, out) in enumerate(((k_new_ref, k_out), (v_new_ref, v_out)))]
+    for copy in copies:
+      copy.start()
+    for copy in copies:
+      copy.wait()
+
+
+@functools.partial(jax.jit, static_argnames=('interpret',), donate_argnums=(0, 1))
+def write_rows(k_cache, v_cache, k_new, v_new, start_B, pass_index=None, *, interpret=False):
+  """The caches ([B, G, S, K], or [L, B, G, S, K] at pass `pass_index`) with row b's T new
+  entries k_new, v_new [B, G, T, K] at slots start_B[b] .. start_B[b] + T - 1, written in
+  place by DMA; a row whose chunk reaches past the cache is not written (decode_step's
+  logits say so)."""
+  squeeze = k_cache.ndim == 4
+  k_cache, v_cache, pass_index = _with_passes(k_cache, v_cache, pass_index)
+  new_spec = pl.BlockSpec((1,) + k_new.shape[1:], lambda r, *_: (r, 0, 0, 0))
+  hbm = pl.BlockSpec(memory_space=pl.ANY)
+  spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=2, grid=(k_new.shape[0],), in_specs=[new_spec, new_spec, hbm, hbm],
+      out_specs=[hbm, hbm], scratch_shapes=[pltpu.SemaphoreType.DMA((2,))])
+  k_cache, v_cache = pl.pallas_call(
+      functools.partial(_write_kernel, tokens=k_new.shape[2], slots=k_cache.shape[3]),
+      grid_spec=spec, out_shape=(jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                                 jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
+      input_output_aliases={4: 0, 5: 1},
+      compiler_params=pltpu.CompilerParams(dimension_semantics=('arbitrary',)),
+      interpret=interpret)(*_scalars(pass_index, start_B), k_new.astype(k_cache.dtype),
+                           v_new.astype(v_cache.dtype), k_cache, v_cache)
+  return (k_cache[0], v_cache[0]) if squeeze else (k_cache, v_cache)

@@ -1,0 +1,126 @@
+"""The Pallas decode kernels (pallas_kernels/decode_attention.py), interpreted on this CPU.
+
+- write_rows == attention.write_rows (the XLA scatter) and decode_attention == the XLA
+  products over the written slot (attention.attend_cached), for one and three new tokens,
+  with and without a pass axis, rows at different positions (one at the cache's last slots),
+  many key blocks most of which a row does not reach; a row whose chunk reaches past the
+  cache is not written.
+- attention_impls.decode_attend (what Attention._cached calls) == the XLA path, output and
+  cache; a looped model decoding with run.attention_impl='splash' (the kernels, interpreted)
+  gives the XLA decode's logits, cache and batched greedy tokens (slow).
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from helpers import make_cfg, rt
+from loopmoe_jax import attention_impls
+from loopmoe_jax.attention import attend_cached, write_rows
+from loopmoe_jax.batched import generate_batch
+from loopmoe_jax.decode import decode_step, init_cache
+from loopmoe_jax.model import LoopedMoE, for_init
+from pallas_kernels import decode_attention as dk
+
+INTERPRET = pltpu.InterpretParams()
+
+
+def _case(rng, lead, b, g, slots, kd, t, heads):
+  normal = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+  return (normal(*lead, b, g, slots, kd), normal(*lead, b, g, slots, kd),
+          normal(b, t, heads, kd), normal(b, t, g, kd), normal(b, t, g, kd))
+
+
+@pytest.mark.parametrize('tokens', [1, 3])
+@pytest.mark.parametrize('passes', [0, 3], ids=['no pass axis', 'per pass'])
+@pytest.mark.parametrize('kd', [16, 128])
+def test_kernels_write_and_attend_as_the_xla_path(tokens, passes, kd):
+  b, g, slots, heads = 3, 2, 96, 4
+  rng = np.random.default_rng(tokens + passes + kd)
+  lead = (passes,) if passes else ()
+  kc, vc, q, kn, vn = _case(rng, lead, b, g, slots, kd, tokens, heads)
+  start = jnp.asarray([0, 37, slots - tokens], jnp.int32)  # block 0 only, a middle, the end
+  p = jnp.asarray(1, jnp.int32) if passes else None
+  ref_k, ref_v = write_rows(kc, kn, start, p), write_rows(vc, vn, start, p)
+  got_k, got_v = dk.write_rows(kc, vc, kn.transpose(0, 2, 1, 3), vn.transpose(0, 2, 1, 3),
+                               start, p, interpret=INTERPRET)
+  np.testing.assert_array_equal(got_k, ref_k)
+  np.testing.assert_array_equal(got_v, ref_v)
+  slot = (lambda x: x[1]) if passes else (lambda x: x)
+  pos = start[:, None] + jnp.arange(tokens)
+  ref = attend_cached(q, slot(ref_k), slot(ref_v), pos, jnp.broadcast_to(jnp.arange(slots),
+                                                                          (b, slots)))
+  q_bgqk = q.reshape(b, tokens, g, heads // g, kd).transpose(0, 2, 1, 3, 4).reshape(b, g, -1, kd)
+  out = dk.decode_attention(q_bgqk, got_k, got_v, start, p, tokens=tokens, block=16,
+                            interpret=INTERPRET)
+  out = out.reshape(b, g, tokens, heads // g, kd).transpose(0, 2, 1, 3, 4).reshape(q.shape)
+  np.testing.assert_allclose(out, ref, atol=1e-5 * float(jnp.abs(ref).max()))
+
+
+def test_decode_attend_takes_the_layer_layouts_and_returns_the_written_cache():
+  """attention_impls.decode_attend, what Attention._cached calls: [B, T, H, K] queries and
+  [B, T, G, K] new K/V in, the XLA path's output and cache out."""
+  b, g, slots, kd, t, heads = 2, 2, 32, 128, 2, 4
+  kc, vc, q, kn, vn = _case(np.random.default_rng(1), (3,), b, g, slots, kd, t, heads)
+  start, p = jnp.asarray([3, 20], jnp.int32), jnp.asarray(2, jnp.int32)
+  ref_k, ref_v = write_rows(kc, kn, start, p), write_rows(vc, vn, start, p)
+  ref = attend_cached(q, ref_k[2], ref_v[2], start[:, None] + jnp.arange(t),
+                      jnp.broadcast_to(jnp.arange(slots), (b, slots)))
+  out, got_k, got_v = attention_impls.decode_attend(q, kn, vn, kc, vc, start, p,
+                                                    runtime=rt(attention_impl='splash'))
+  np.testing.assert_allclose(out, ref, atol=1e-5 * float(jnp.abs(ref).max()))
+  np.testing.assert_array_equal(got_k, ref_k)
+  np.testing.assert_array_equal(got_v, ref_v)
+
+
+def test_a_chunk_past_the_cache_is_not_written():
+  rng = np.random.default_rng(0)
+  kc, vc, _, kn, vn = _case(rng, (), 2, 1, 16, 128, 3, 2)
+  start = jnp.asarray([4, 14], jnp.int32)  # row 1's slots 14, 15, 16: past 16 slots
+  before = np.asarray(kc)  # write_rows donates the caches
+  got_k, _ = dk.write_rows(kc, vc, kn.transpose(0, 2, 1, 3), vn.transpose(0, 2, 1, 3), start,
+                           interpret=INTERPRET)
+  np.testing.assert_array_equal(got_k[1], before[1])
+  np.testing.assert_array_equal(got_k[0, :, 4:7], kn[0].transpose(1, 0, 2))
+
+
+def test_supports_whole_lane_head_dims_and_blocks_within_vmem():
+  assert dk.supports(4096, 128, 4) and dk.supports(1000, 256, 2)
+  assert not dk.supports(4096, 64, 4)          # slots-minor on TPU: XLA's products
+  assert not dk.supports(999_999, 128, 4)      # no block divides: one block over VMEM
+  assert dk.key_block(4096) == 512 and dk.key_block(1000) == 8 and dk.key_block(999) == 999
+
+
+@pytest.fixture(scope='module')
+def looped():
+  cfg = make_cfg(head_dim=128, num_kv_heads=2, injection='add', core_layers=1,
+                 num_loops=2)
+  v = nn.unbox(for_init(LoopedMoE(cfg)).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
+  return cfg, v['params']
+
+
+def test_decode_with_the_kernels_is_the_xla_decode(looped):
+  cfg, params = looped
+  kernels, xla = rt(attention_impl='splash'), rt(attention_impl='xla')
+  cache = init_cache(cfg, 2, 16)
+  assert attention_impls.decode_kernel_runs(kernels, cfg, cache['core']['body']['layer_0'][
+      'attention']['k'])
+  toks = jnp.asarray([[3, 5, 7, 9, 11], [2, 4, 6, 8, 10]], jnp.int32)
+  caches = {name: init_cache(cfg, 2, 16) for name in ('kernels', 'xla')}
+  for chunk in (toks, toks[:, 1:3]):  # a prefill, then two tokens
+    out = {}
+    for name, runtime in (('kernels', kernels), ('xla', xla)):
+      out[name], caches[name] = decode_step(cfg, params, caches[name], chunk, runtime=runtime)
+    np.testing.assert_allclose(out['kernels'], out['xla'], atol=2e-5)
+  for a, b in zip(jax.tree.leaves(caches['kernels']), jax.tree.leaves(caches['xla'])):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_batched_greedy_generation_with_the_kernels_is_the_xla_ones(looped):
+  cfg, params = looped
+  prompts = [[3, 5, 7], [2, 4, 6, 8, 10, 12], [9]]
+  gen = lambda runtime: generate_batch(cfg, params, prompts, 4, jax.random.key(0),
+                                       batch_size=3, runtime=runtime)
+  assert gen(rt(attention_impl='splash')) == gen(rt(attention_impl='xla'))
