@@ -7,7 +7,8 @@
   cache is not written.
 - attention_impls.decode_attend (what Attention._cached calls) == the XLA path, output and
   cache; a looped model decoding with run.attention_impl='splash' (the kernels, interpreted)
-  gives the XLA decode's logits, cache and batched greedy tokens (slow).
+  gives the XLA decode's logits, cache and batched greedy tokens, and on a mesh (rows over
+  `data`, head groups over `tensor`) its logits (slow).
 """
 import flax.linen as nn
 import jax
@@ -20,8 +21,10 @@ from helpers import make_cfg, rt
 from loopmoe_jax import attention_impls
 from loopmoe_jax.attention import attend_cached, write_rows
 from loopmoe_jax.batched import generate_batch
+from loopmoe_jax.config.mesh import MeshConfig
 from loopmoe_jax.decode import decode_step, init_cache
 from loopmoe_jax.model import LoopedMoE, for_init
+from loopmoe_jax.sharding import make_mesh
 from pallas_kernels import decode_attention as dk
 
 INTERPRET = pltpu.InterpretParams()
@@ -124,3 +127,15 @@ def test_batched_greedy_generation_with_the_kernels_is_the_xla_ones(looped):
   gen = lambda runtime: generate_batch(cfg, params, prompts, 4, jax.random.key(0),
                                        batch_size=3, runtime=runtime)
   assert gen(rt(attention_impl='splash')) == gen(rt(attention_impl='xla'))
+
+
+def test_on_a_mesh_the_kernels_run_per_shard_and_equal_the_xla_decode(looped):
+  """Rows over `data`, the two head groups over `tensor`: decode_attend's shard_map."""
+  cfg, params = looped
+  toks = jnp.asarray(np.arange(20).reshape(4, 5) % cfg.vocab_size, jnp.int32)
+  ref, _ = decode_step(cfg, params, init_cache(cfg, 4, 16), toks,
+                       runtime=rt(attention_impl='xla'))
+  with jax.set_mesh(make_mesh(MeshConfig(data=4, tensor=2))):
+    out, _ = jax.jit(lambda p, c, t: decode_step(cfg, p, c, t, runtime=rt(
+        attention_impl='splash')))(params, init_cache(cfg, 4, 16), toks)
+  np.testing.assert_allclose(out, ref, atol=2e-5)
