@@ -10,12 +10,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
-from loopmoe_jax.attention_impls import (attend_with, decode_attend, decode_kernel_runs,
-                                         resolve)
+import pallas_kernels
+from loopmoe_jax import sharding
+from loopmoe_jax.attention_impls import attend_with, resolve
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.layers import DTYPES, fan_in_init, param, rope
 from loopmoe_jax.runtime import HERE, Runtime
+from pallas_kernels import decode_attention as decode_kernel
 
 
 class AttentionWeights(nn.Module):
@@ -59,7 +62,7 @@ class Attention(nn.Module):
 
   `run.attention_impl` picks the implementation (attention_impls.py); decoding (the cache
   path, `pass_index` the core's pass) runs the Pallas decode kernel where it resolves to
-  splash (attention_impls.decode_attend), else `attend_cached` over the heads-major cache;
+  splash (`decode_attend`), else `attend_cached` over the heads-major cache;
   the probes (they read the attention weights) take their own products whatever it says.
   q, k and v carry the checkpoint name 'attn_qkv', the attention output 'attention'.
   """
@@ -108,7 +111,7 @@ class Attention(nn.Module):
       return attend_cached(q_BTHK, heads_major(k_BTGK), heads_major(v_BTGK), positions_BT,
                            positions_BT)
     start_B = positions_BT[:, 0]
-    if decode_kernel_runs(self.runtime, self.cfg, cache_k.value):  # the slots where they lie
+    if decode_kernel_runs(self.runtime, self.cfg, cache_k.value, t):  # slots where they lie
       out_BTHK, cache_k.value, cache_v.value = decode_attend(
           q_BTHK, k_BTGK, v_BTGK, cache_k.value, cache_v.value, start_B, pass_index,
           runtime=self.runtime)
@@ -183,3 +186,51 @@ def attend(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, sink: bool = False):
     col0 = probs[..., 1:, 0].astype(jnp.float32) if t > 1 else probs[..., 0].astype(jnp.float32)
     return out.reshape(b, t, h, k), jnp.mean(col0, axis=-1).reshape(b, h)
   return out.reshape(b, t, h, k)
+
+
+def decode_kernel_runs(runtime: Runtime, mc, cache, tokens: int) -> bool:
+  """Whether a decode step of `tokens` a row attending over `cache` ([B, G, S, K] or
+  [L, B, G, S, K]) runs in the Pallas decode kernels (module docstring)."""
+  impl = resolve(runtime.run.attention_impl, mc.dtype, runtime.target_platform,
+                 mc.resolved_head_dim)
+  return impl == 'splash' and decode_kernel.supports(cache.shape[-2], cache.shape[-1],
+                                                     cache.dtype.itemsize, tokens)
+
+
+def decode_attend(q_BTHK, k_BTGK, v_BTGK, k_cache, v_cache, start_B, pass_index, *,
+                  runtime: Runtime):
+  """A decode step's attention in the Pallas decode kernels: the new K/V [B, T, G, K] written
+  into the cache (pass `pass_index`'s slot of a [L, B, G, S, K] one) at positions
+  start_B[b] + t, then the queries [B, T, H, K] over it; (out [B, T, H, K], k_cache, v_cache).
+  Per batch shard (heads over `tensor` when it divides them) inside `jax.shard_map` when the
+  mesh splits work."""
+  b, t, h, k = q_BTHK.shape
+  g = k_cache.shape[-3]
+  interpret = pallas_kernels.ops.resolve_interpret('tpu', runtime.interpret,
+                                                   runtime.target_platform)
+
+  minor = decode_kernel.slots_minor(k)
+
+  def step(q_BGQK, k_new, v_new, kc, vc, start, p):
+    kc, vc = decode_kernel.write_rows(decode_kernel.view(kc, minor),
+                                      decode_kernel.view(vc, minor), k_new, v_new, start, p,
+                                      interpret=interpret)
+    out = decode_kernel.decode_attention(q_BGQK, kc, vc, start, p, tokens=t,
+                                         interpret=interpret)
+    return out, decode_kernel.view(kc, minor), decode_kernel.view(vc, minor)
+
+  pass_index = jnp.zeros((), jnp.int32) if pass_index is None else pass_index
+  runtime = runtime.resolved()
+  if runtime.sharded:
+    mesh, lead = runtime.mesh, (None,) * (k_cache.ndim - 4)
+    heads = 'tensor' if g % mesh.shape['tensor'] == 0 and mesh.shape['tensor'] > 1 else None
+    rows = sharding.batch_axes(mesh)
+    rows4, cache = P(rows, heads, None, None), P(*lead, rows, heads, None, None)
+    step = jax.shard_map(step, in_specs=(rows4, rows4, rows4, cache, cache, P(rows), P()),
+                         out_specs=(rows4, cache, cache), check_vma=False)
+  q_BGQK = q_BTHK.reshape(b, t, g, h // g, k).transpose(0, 2, 1, 3, 4).reshape(b, g, -1, k)
+  heads_major = lambda x: x.transpose(0, 2, 1, 3)
+  out, k_cache, v_cache = step(q_BGQK, heads_major(k_BTGK), heads_major(v_BTGK), k_cache,
+                               v_cache, start_B, pass_index)
+  out = out.reshape(b, g, t, h // g, k).transpose(0, 2, 1, 3, 4).reshape(b, t, h, k)
+  return out, k_cache, v_cache

@@ -2,7 +2,8 @@
 
 - `xla`: `attention.attend`, an einsum that materialises float32 scores [B, G, Q, T, S] and
   keeps them for the backward. The probes that read attention weights (the sink mass of
-  analysis/probes.py) and decoding with a KV cache always use it.
+  analysis/probes.py) always use it; decoding with a KV cache its heads-major form
+  (`attention.attend_cached`) unless the decode kernels run (below).
 - `chunked`: causal attention in plain JAX over query blocks and key blocks of
   `run.attention_block` with an online softmax (flash attention's recurrence: a running max
   m, normaliser l and output accumulator per query), and a custom VJP that recomputes each
@@ -19,12 +20,13 @@
   Pallas's interpreter (slow; for checking). The length is padded to a multiple of 128.
 - `auto`: splash on TPU, cudnn on a GPU with 16-bit compute, chunked otherwise.
 
-Decoding (`decode_attend`): where the implementation resolves to splash (a TPU, or splash named
-on the CPU, interpreted), a decode step's products run in pallas_kernels.decode_attention,
-which write the step's K/V into the cache by DMA and read its slots where they lie (a looped
-core's pass slot too), only up to each row's last position; elsewhere, and for caches the
-kernels do not serve (a head dim not a multiple of 128, a block over VMEM: `supports`),
-`attention.attend_cached`'s XLA products.
+Decoding (attention.decode_attend): where the implementation resolves to splash (a TPU, or
+splash named on the CPU, interpreted), a decode step's products run in the kernels of
+pallas_kernels.decode_attention, which write the step's K/V into the cache by DMA and read
+its slots where they lie (a looped core's pass slot too), only up to each row's last
+position; elsewhere, and for caches the kernels do not serve (`supports`: a key block over
+VMEM; read slots-minor, slots not of whole lane tiles), `attention.attend_cached`'s XLA
+products.
 
 The fused kernels run per batch shard inside `jax.shard_map` under a device mesh (their
 custom calls are not partitioned by XLA); the attention output and, in `chunked`, its saved
@@ -42,7 +44,6 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from loopmoe_jax import sharding
-from pallas_kernels import decode_attention as decode_kernel
 from loopmoe_jax.config import ATTENTION_IMPLS as IMPLS
 from loopmoe_jax.runtime import HERE, Runtime
 
@@ -351,47 +352,3 @@ def attend_with(impl: str, q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, block: in
   fn = {'cudnn': _cudnn, 'splash': functools.partial(_splash, interpret=interpret)}[impl]
   out = _per_shard(fn, q_BTHK, k_BSGK, v_BSGK, k_BSGK.shape[2], runtime)
   return checkpoint_name(out, 'attention')
-
-
-def decode_kernel_runs(runtime: Runtime, mc, cache) -> bool:
-  """Whether a decode step's attention over `cache` ([B, G, S, K] or [L, B, G, S, K]) runs in
-  the Pallas decode kernels (module docstring)."""
-  impl = resolve(runtime.run.attention_impl, mc.dtype, runtime.target_platform,
-                 mc.resolved_head_dim)
-  return impl == 'splash' and decode_kernel.supports(cache.shape[-2], cache.shape[-1],
-                                                     cache.dtype.itemsize)
-
-
-def decode_attend(q_BTHK, k_BTGK, v_BTGK, k_cache, v_cache, start_B, pass_index, *,
-                  runtime: Runtime):
-  """A decode step's attention in the Pallas decode kernels: the new K/V [B, T, G, K] written
-  into the cache (pass `pass_index`'s slot of a [L, B, G, S, K] one) at positions
-  start_B[b] + t, then the queries [B, T, H, K] over it; (out [B, T, H, K], k_cache, v_cache).
-  Per batch shard (heads over `tensor` when it divides them) inside `jax.shard_map` when the
-  mesh splits work."""
-  b, t, h, k = q_BTHK.shape
-  g = k_cache.shape[-3]
-  interpret = pallas_kernels.ops.resolve_interpret('tpu', runtime.interpret,
-                                                   runtime.target_platform)
-
-  def step(q_BGQK, k_new, v_new, kc, vc, start, p):
-    kc, vc = decode_kernel.write_rows(kc, vc, k_new, v_new, start, p, interpret=interpret)
-    out = decode_kernel.decode_attention(q_BGQK, kc, vc, start, p, tokens=t,
-                                         interpret=interpret)
-    return out, kc, vc
-
-  pass_index = jnp.zeros((), jnp.int32) if pass_index is None else pass_index
-  runtime = runtime.resolved()
-  if runtime.sharded:
-    mesh, lead = runtime.mesh, (None,) * (k_cache.ndim - 4)
-    heads = 'tensor' if g % mesh.shape['tensor'] == 0 and mesh.shape['tensor'] > 1 else None
-    rows = sharding.batch_axes(mesh)
-    rows4, cache = P(rows, heads, None, None), P(*lead, rows, heads, None, None)
-    step = jax.shard_map(step, in_specs=(rows4, rows4, rows4, cache, cache, P(rows), P()),
-                         out_specs=(rows4, cache, cache), check_vma=False)
-  q_BGQK = q_BTHK.reshape(b, t, g, h // g, k).transpose(0, 2, 1, 3, 4).reshape(b, g, -1, k)
-  heads_major = lambda x: x.transpose(0, 2, 1, 3)
-  out, k_cache, v_cache = step(q_BGQK, heads_major(k_BTGK), heads_major(v_BTGK), k_cache,
-                               v_cache, start_B, pass_index)
-  out = out.reshape(b, g, t, h // g, k).transpose(0, 2, 1, 3, 4).reshape(b, t, h, k)
-  return out, k_cache, v_cache

@@ -16,9 +16,11 @@ out of it at every step (docs/results.md: 3.8 times the cache's bytes a step). H
   last query position (later grid steps repeat the last one's index, which the pipeline does
   not fetch again): a step reads the filled part of the cache once.
 
-Head dims that are multiples of the 128 lanes only (`supports`): XLA:TPU keeps a cache with a
-smaller head dim slots-minor, where a DMA of a few slots is not tile-aligned; such caches keep
-XLA's products (attention.attend_cached).
+XLA:TPU keeps a cache whose head dim is not a multiple of the 128 lanes slots-minor (its
+[S, K] tiles would pad K), so the kernels read such a cache as [.., K, S] (`view`, a bitcast
+there; `slots_minor`), and `write_rows` writes its few new slots by reading the lane-aligned
+window around them, merging them in and writing the window back (a DMA at an unaligned lane
+offset is not allowed). `supports` says which caches they serve.
 
 Queries: a head group's T x H/G queries as Q rows, query i at token t = i // (H/G), token t
 of row b at position start_B[b] + t (decoding feeds consecutive positions). Grid (B, G, key
@@ -48,15 +50,46 @@ def key_block(slots: int, block: int = 512) -> int:
   return slots
 
 
-def supports(slots: int, head_dim: int, itemsize: int, block: int = 512) -> bool:
-  """Whether the kernels serve a cache of `slots` x `head_dim` (module docstring): a head
-  dim of whole lanes, key and value blocks within VMEM_BLOCKS."""
-  return (head_dim % LANES == 0 and
-          4 * key_block(slots, block) * head_dim * itemsize <= VMEM_BLOCKS)
+def key_block_of(slots: int, head_dim: int, block: int = 512) -> int:
+  """The key block of a cache: key_block, or read slots-minor the largest of `block` (in whole
+  lane tiles, at least one), 256 and 128 that divides `slots`, else `slots`."""
+  if not slots_minor(head_dim):
+    return key_block(slots, block)
+  top = max(block // LANES * LANES, LANES)
+  return next((s for s in (top, 256, 128) if s <= top and slots % s == 0), slots)
+
+
+def slots_minor(head_dim: int) -> bool:
+  """Whether the kernels read the cache as [.., K, S] (module docstring)."""
+  return head_dim % LANES != 0
+
+
+def window(tokens: int) -> int:
+  """The lanes a slots-minor write reads and writes back: whole lane tiles covering any
+  `tokens` consecutive slots."""
+  return LANES * (-(-tokens // LANES) + 1)
+
+
+def supports(slots: int, head_dim: int, itemsize: int, tokens: int = 1,
+             block: int = 512) -> bool:
+  """Whether the kernels serve a cache of `slots` x `head_dim` for steps of `tokens`: key and
+  value blocks within VMEM_BLOCKS, and read slots-minor, slots of whole lane tiles holding a
+  write's window."""
+  padded = -(-head_dim // LANES) * LANES
+  fits = 4 * key_block_of(slots, head_dim, block) * padded * itemsize <= VMEM_BLOCKS
+  if not slots_minor(head_dim):
+    return fits
+  return fits and slots % LANES == 0 and slots >= window(tokens)
+
+
+def view(cache, minor: bool):
+  """The cache as the kernels read it: itself, or `minor` with its last two axes swapped
+  ([.., K, S]; the swap is its own inverse)."""
+  return jnp.swapaxes(cache, -1, -2) if minor else cache
 
 
 def _attend_kernel(pass_ref, start_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *,
-                   tokens: int, per_group: int, block: int):
+                   tokens: int, per_group: int, block: int, minor: bool):
   del pass_ref  # read by the index maps only
   b, s = pl.program_id(0), pl.program_id(2)
   start = start_ref[b]
@@ -71,7 +104,8 @@ def _attend_kernel(pass_ref, start_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref
   def _block():
     q, k, v = q_ref[...], k_ref[...], v_ref[...]
     scale = jnp.sqrt(jnp.float32(q.shape[-1]))
-    scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+    # key and value blocks [bs, K], or [K, bs] read slots-minor
+    scores = jax.lax.dot_general(q, k, (((1,), (0 if minor else 1,)), ((), ())),
                                  preferred_element_type=jnp.float32) / scale
     shape = scores.shape
     # lax.div, not //: floor division lowers through `sign`, which asks the chip's generation
@@ -85,7 +119,8 @@ def _attend_kernel(pass_ref, start_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref
     l_ref[...] = jnp.broadcast_to(alpha * l_ref[:, :1] + jnp.sum(p, axis=1, keepdims=True),
                                   l_ref.shape)
     acc_ref[...] = alpha * acc_ref[...] + jax.lax.dot_general(
-        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        p.astype(v.dtype), v, (((1,), (1 if minor else 0,)), ((), ())),
+        preferred_element_type=jnp.float32)
     m_ref[...] = jnp.broadcast_to(m_new, m_ref.shape)
 
   @pl.when(s == pl.num_programs(2) - 1)
@@ -105,30 +140,35 @@ def _scalars(pass_index, start_B):
 
 
 @functools.partial(jax.jit, static_argnames=('tokens', 'block', 'interpret'))
-def decode_attention(q_BGQK, k_cache, v_cache, start_B, pass_index=None, *, tokens: int,
+def decode_attention(q_BGQK, k_view, v_view, start_B, pass_index=None, *, tokens: int,
                      block: int = 512, interpret=False):
   """Causal attention of a decode step's queries over the cache (module docstring):
-  q_BGQK [B, G, Q, K] with Q = tokens x H/G; k_cache, v_cache [B, G, S, K], or
-  [L, B, G, S, K] read at pass `pass_index` (an int32 scalar); start_B [B] int32, each row's
-  first new position. Returns [B, G, Q, K] in q's dtype. `interpret`: False, True or
-  pltpu.InterpretParams() (a CPU)."""
-  k_cache, v_cache, pass_index = _with_passes(k_cache, v_cache, pass_index)
+  q_BGQK [B, G, Q, K] with Q = tokens x H/G; k_view, v_view the cache's `view`s ([B, G, S, K]
+  or [L, B, G, S, K] read at pass `pass_index`, an int32 scalar; slots-minor [.., K, S]);
+  start_B [B] int32, each row's first new position. Returns [B, G, Q, K] in q's dtype.
+  `interpret`: False, True or pltpu.InterpretParams() (a CPU)."""
+  k_cache, v_cache, pass_index = _with_passes(k_view, v_view, pass_index)
   b, g, q, kd = q_BGQK.shape
-  slots = k_cache.shape[3]
+  minor = slots_minor(kd)
+  slots = k_cache.shape[4 if minor else 3]
   if q % tokens:
     raise ValueError(f'decode_attention: {q} query rows per group is not a multiple of '
                      f'tokens={tokens}')
-  bs = key_block(slots, block)
+  bs = key_block_of(slots, kd, block)
   last = lambda r, st_ref, s: jnp.minimum(s, jax.lax.div(st_ref[r] + tokens - 1, bs))
-  kv_spec = pl.BlockSpec((None, None, None, bs, kd),
-                         lambda r, h, s, p_ref, st_ref: (p_ref[0], r, h, last(r, st_ref, s), 0))
+  kv_spec = (pl.BlockSpec((None, None, None, kd, bs),
+                          lambda r, h, s, p_ref, st_ref: (p_ref[0], r, h, 0, last(r, st_ref, s)))
+             if minor else
+             pl.BlockSpec((None, None, None, bs, kd),
+                          lambda r, h, s, p_ref, st_ref: (p_ref[0], r, h, last(r, st_ref, s), 0)))
   q_spec = pl.BlockSpec((None, None, q, kd), lambda r, h, s, *_: (r, h, 0, 0))
   spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2, grid=(b, g, slots // bs),
       in_specs=[q_spec, kv_spec, kv_spec], out_specs=q_spec,
       scratch_shapes=[pltpu.VMEM((q, LANES), jnp.float32), pltpu.VMEM((q, LANES), jnp.float32),
                       pltpu.VMEM((q, kd), jnp.float32)])
-  kernel = functools.partial(_attend_kernel, tokens=tokens, per_group=q // tokens, block=bs)
+  kernel = functools.partial(_attend_kernel, tokens=tokens, per_group=q // tokens, block=bs,
+                             minor=minor)
   return pl.pallas_call(
       kernel, grid_spec=spec, out_shape=jax.ShapeDtypeStruct(q_BGQK.shape, q_BGQK.dtype),
       compiler_params=pltpu.CompilerParams(
@@ -139,42 +179,71 @@ def decode_attention(q_BGQK, k_cache, v_cache, start_B, pass_index=None, *, toke
       interpret=interpret)(*_scalars(pass_index, start_B), q_BGQK, k_cache, v_cache)
 
 
-def _write_kernel(pass_ref, start_ref, k_new_ref, v_new_ref, k_in, v_in, k_out, v_out, sems, *,
-                  tokens: int, slots: int):
+def _write_kernel(pass_ref, start_ref, k_new_ref, v_new_ref, k_in, v_in, k_out, v_out, *scratch,
+                  tokens: int, slots: int, minor: bool):
   del k_in, v_in  # the same buffers as k_out, v_out (aliased)
   b = pl.program_id(0)
-  start = start_ref[b]
+  start, p = start_ref[b], pass_ref[0]
+  pairs = ((k_new_ref, k_out), (v_new_ref, v_out))
 
   @pl.when(start + tokens <= slots)  # a chunk reaching past the cache is dropped
   def _write():
-    copies = [pltpu.make_async_copy(new.at[0], out.at[pass_ref[0], b, :, pl.ds(start, tokens)],
-                                    sems.at[i])
-              for i, (new, out) in enumerate(((k_new_ref, k_out), (v_new_ref, v_out)))]
-    for copy in copies:
-      copy.start()
-    for copy in copies:
-      copy.wait()
+    if not minor:
+      sems, = scratch
+      copies = [pltpu.make_async_copy(new.at[0], out.at[p, b, :, pl.ds(start, tokens)],
+                                      sems.at[i]) for i, (new, out) in enumerate(pairs)]
+      for copy in copies:
+        copy.start()
+      for copy in copies:
+        copy.wait()
+      return
+    # slots-minor: the lane tiles around the new slots, read, merged, written back
+    buf, sems = scratch
+    width = buf.shape[-1]
+    first = pl.multiple_of(jnp.minimum(jax.lax.div(start, LANES) * LANES, slots - width),
+                           LANES)
+    offset = start - first
+    span = lambda out: out.at[p, b, :, :, pl.ds(first, width)]
+    for i, (_, out) in enumerate(pairs):
+      pltpu.make_async_copy(span(out), buf.at[i], sems.at[i]).start()
+    for i, (new, out) in enumerate(pairs):
+      pltpu.make_async_copy(span(out), buf.at[i], sems.at[i]).wait()
+      lane = jax.lax.broadcasted_iota(jnp.int32, buf.shape[1:], 2)
+      fresh = pltpu.roll(new[0], offset, 2)  # the new slots moved to their lanes
+      buf[i] = jnp.where((lane >= offset) & (lane < offset + tokens), fresh, buf[i])
+      pltpu.make_async_copy(buf.at[i], span(out), sems.at[i]).start()
+    for i, (_, out) in enumerate(pairs):
+      pltpu.make_async_copy(buf.at[i], span(out), sems.at[i]).wait()
 
 
 @functools.partial(jax.jit, static_argnames=('interpret',), donate_argnums=(0, 1))
-def write_rows(k_cache, v_cache, k_new, v_new, start_B, pass_index=None, *, interpret=False):
-  """The caches ([B, G, S, K], or [L, B, G, S, K] at pass `pass_index`) with row b's T new
-  entries k_new, v_new [B, G, T, K] at slots start_B[b] .. start_B[b] + T - 1, written in
-  place by DMA; a row whose chunk reaches past the cache is not written (decode_step's
-  logits say so)."""
-  squeeze = k_cache.ndim == 4
-  k_cache, v_cache, pass_index = _with_passes(k_cache, v_cache, pass_index)
-  new_spec = pl.BlockSpec((1,) + k_new.shape[1:], lambda r, *_: (r, 0, 0, 0))
+def write_rows(k_view, v_view, k_new, v_new, start_B, pass_index=None, *, interpret=False):
+  """The caches' `view`s ([B, G, S, K], or [L, B, G, S, K] at pass `pass_index`; slots-minor
+  [.., K, S]) with row b's T new entries k_new, v_new [B, G, T, K] at slots start_B[b] ..
+  start_B[b] + T - 1, written in place by DMA (module docstring); a row whose chunk reaches
+  past the cache is not written (decode_step's logits say so)."""
+  squeeze = k_view.ndim == 4
+  k_cache, v_cache, pass_index = _with_passes(k_view, v_view, pass_index)
+  b, g, tokens, kd = k_new.shape
+  minor = slots_minor(kd)
+  slots = k_cache.shape[4 if minor else 3]
+  news = [x.astype(k_cache.dtype) for x in (k_new, v_new)]
+  scratch = [pltpu.SemaphoreType.DMA((2,))]
+  if minor:  # [B, G, K, window]: the new slots first, moved to their lanes in the kernel
+    width = window(tokens)
+    news = [jnp.pad(x.transpose(0, 1, 3, 2), ((0, 0), (0, 0), (0, 0), (0, width - tokens)))
+            for x in news]
+    scratch = [pltpu.VMEM((2, g, kd, width), k_cache.dtype)] + scratch
+  new_spec = pl.BlockSpec((1,) + news[0].shape[1:], lambda r, *_: (r, 0, 0, 0))
   hbm = pl.BlockSpec(memory_space=pl.ANY)
   spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=2, grid=(k_new.shape[0],), in_specs=[new_spec, new_spec, hbm, hbm],
-      out_specs=[hbm, hbm], scratch_shapes=[pltpu.SemaphoreType.DMA((2,))])
+      num_scalar_prefetch=2, grid=(b,), in_specs=[new_spec, new_spec, hbm, hbm],
+      out_specs=[hbm, hbm], scratch_shapes=scratch)
   k_cache, v_cache = pl.pallas_call(
-      functools.partial(_write_kernel, tokens=k_new.shape[2], slots=k_cache.shape[3]),
+      functools.partial(_write_kernel, tokens=tokens, slots=slots, minor=minor),
       grid_spec=spec, out_shape=(jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                                  jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
       input_output_aliases={4: 0, 5: 1},
       compiler_params=pltpu.CompilerParams(dimension_semantics=('arbitrary',)),
-      interpret=interpret)(*_scalars(pass_index, start_B), k_new.astype(k_cache.dtype),
-                           v_new.astype(v_cache.dtype), k_cache, v_cache)
+      interpret=interpret)(*_scalars(pass_index, start_B), *news, k_cache, v_cache)
   return (k_cache[0], v_cache[0]) if squeeze else (k_cache, v_cache)

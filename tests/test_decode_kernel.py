@@ -5,7 +5,7 @@
   with and without a pass axis, rows at different positions (one at the cache's last slots),
   many key blocks most of which a row does not reach; a row whose chunk reaches past the
   cache is not written.
-- attention_impls.decode_attend (what Attention._cached calls) == the XLA path, output and
+- attention.decode_attend (what Attention._cached calls) == the XLA path, output and
   cache; a looped model decoding with run.attention_impl='splash' (the kernels, interpreted)
   gives the XLA decode's logits, cache and batched greedy tokens, and on a mesh (rows over
   `data`, head groups over `tensor`) its logits (slow).
@@ -18,7 +18,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from helpers import make_cfg, rt
-from loopmoe_jax import attention_impls
+from loopmoe_jax import attention
 from loopmoe_jax.attention import attend_cached, write_rows
 from loopmoe_jax.batched import generate_batch
 from loopmoe_jax.config.mesh import MeshConfig
@@ -38,32 +38,34 @@ def _case(rng, lead, b, g, slots, kd, t, heads):
 
 @pytest.mark.parametrize('tokens', [1, 3])
 @pytest.mark.parametrize('passes', [0, 3], ids=['no pass axis', 'per pass'])
-@pytest.mark.parametrize('kd', [16, 128])
+@pytest.mark.parametrize('kd', [16, 128], ids=['slots minor', 'heads of 128'])
 def test_kernels_write_and_attend_as_the_xla_path(tokens, passes, kd):
-  b, g, slots, heads = 3, 2, 96, 4
+  b, g, slots, heads = 4, 2, 384, 4
   rng = np.random.default_rng(tokens + passes + kd)
   lead = (passes,) if passes else ()
   kc, vc, q, kn, vn = _case(rng, lead, b, g, slots, kd, tokens, heads)
-  start = jnp.asarray([0, 37, slots - tokens], jnp.int32)  # block 0 only, a middle, the end
+  # block 0 only; across a lane tile's edge; a middle; the end (the last lane tiles)
+  start = jnp.asarray([0, 127, 200, slots - tokens], jnp.int32)
   p = jnp.asarray(1, jnp.int32) if passes else None
   ref_k, ref_v = write_rows(kc, kn, start, p), write_rows(vc, vn, start, p)
-  got_k, got_v = dk.write_rows(kc, vc, kn.transpose(0, 2, 1, 3), vn.transpose(0, 2, 1, 3),
-                               start, p, interpret=INTERPRET)
-  np.testing.assert_array_equal(got_k, ref_k)
-  np.testing.assert_array_equal(got_v, ref_v)
+  minor = dk.slots_minor(kd)
+  got_k, got_v = dk.write_rows(dk.view(kc, minor), dk.view(vc, minor), kn.transpose(0, 2, 1, 3),
+                               vn.transpose(0, 2, 1, 3), start, p, interpret=INTERPRET)
+  np.testing.assert_array_equal(dk.view(got_k, minor), ref_k)
+  np.testing.assert_array_equal(dk.view(got_v, minor), ref_v)
   slot = (lambda x: x[1]) if passes else (lambda x: x)
   pos = start[:, None] + jnp.arange(tokens)
   ref = attend_cached(q, slot(ref_k), slot(ref_v), pos, jnp.broadcast_to(jnp.arange(slots),
                                                                           (b, slots)))
   q_bgqk = q.reshape(b, tokens, g, heads // g, kd).transpose(0, 2, 1, 3, 4).reshape(b, g, -1, kd)
-  out = dk.decode_attention(q_bgqk, got_k, got_v, start, p, tokens=tokens, block=16,
-                            interpret=INTERPRET)
+  out = dk.decode_attention(q_bgqk, got_k, got_v, start, p, tokens=tokens,
+                            block=128 if minor else 16, interpret=INTERPRET)
   out = out.reshape(b, g, tokens, heads // g, kd).transpose(0, 2, 1, 3, 4).reshape(q.shape)
   np.testing.assert_allclose(out, ref, atol=1e-5 * float(jnp.abs(ref).max()))
 
 
 def test_decode_attend_takes_the_layer_layouts_and_returns_the_written_cache():
-  """attention_impls.decode_attend, what Attention._cached calls: [B, T, H, K] queries and
+  """attention.decode_attend, what Attention._cached calls: [B, T, H, K] queries and
   [B, T, G, K] new K/V in, the XLA path's output and cache out."""
   b, g, slots, kd, t, heads = 2, 2, 32, 128, 2, 4
   kc, vc, q, kn, vn = _case(np.random.default_rng(1), (3,), b, g, slots, kd, t, heads)
@@ -71,47 +73,59 @@ def test_decode_attend_takes_the_layer_layouts_and_returns_the_written_cache():
   ref_k, ref_v = write_rows(kc, kn, start, p), write_rows(vc, vn, start, p)
   ref = attend_cached(q, ref_k[2], ref_v[2], start[:, None] + jnp.arange(t),
                       jnp.broadcast_to(jnp.arange(slots), (b, slots)))
-  out, got_k, got_v = attention_impls.decode_attend(q, kn, vn, kc, vc, start, p,
+  out, got_k, got_v = attention.decode_attend(q, kn, vn, kc, vc, start, p,
                                                     runtime=rt(attention_impl='splash'))
   np.testing.assert_allclose(out, ref, atol=1e-5 * float(jnp.abs(ref).max()))
   np.testing.assert_array_equal(got_k, ref_k)
   np.testing.assert_array_equal(got_v, ref_v)
 
 
-def test_a_chunk_past_the_cache_is_not_written():
+@pytest.mark.parametrize('kd', [16, 128], ids=['slots minor', 'heads of 128'])
+def test_a_chunk_past_the_cache_is_not_written(kd):
   rng = np.random.default_rng(0)
-  kc, vc, _, kn, vn = _case(rng, (), 2, 1, 16, 128, 3, 2)
-  start = jnp.asarray([4, 14], jnp.int32)  # row 1's slots 14, 15, 16: past 16 slots
+  kc, vc, _, kn, vn = _case(rng, (), 2, 1, 256, kd, 3, 2)
+  start = jnp.asarray([4, 254], jnp.int32)  # row 1's slots 254, 255, 256: past 256 slots
   before = np.asarray(kc)  # write_rows donates the caches
-  got_k, _ = dk.write_rows(kc, vc, kn.transpose(0, 2, 1, 3), vn.transpose(0, 2, 1, 3), start,
-                           interpret=INTERPRET)
+  minor = dk.slots_minor(kd)
+  got_k, _ = dk.write_rows(dk.view(kc, minor), dk.view(vc, minor), kn.transpose(0, 2, 1, 3),
+                           vn.transpose(0, 2, 1, 3), start, interpret=INTERPRET)
+  got_k = dk.view(got_k, minor)
   np.testing.assert_array_equal(got_k[1], before[1])
   np.testing.assert_array_equal(got_k[0, :, 4:7], kn[0].transpose(1, 0, 2))
+  np.testing.assert_array_equal(got_k[0, :, 7:], before[0, :, 7:])
 
 
-def test_supports_whole_lane_head_dims_and_blocks_within_vmem():
-  assert dk.supports(4096, 128, 4) and dk.supports(1000, 256, 2)
-  assert not dk.supports(4096, 64, 4)          # slots-minor on TPU: XLA's products
+def test_supports_blocks_within_vmem_and_slots_minor_caches_of_whole_lane_tiles():
+  assert dk.supports(4096, 128, 4) and dk.supports(1000, 256, 2) and dk.supports(4096, 64, 4)
   assert not dk.supports(999_999, 128, 4)      # no block divides: one block over VMEM
+  assert not dk.supports(1000, 64, 4)          # slots-minor, slots not of whole lane tiles
+  assert not dk.supports(256, 64, 4, tokens=200)  # a write's window wider than the cache
   assert dk.key_block(4096) == 512 and dk.key_block(1000) == 8 and dk.key_block(999) == 999
+  assert dk.key_block_of(384, 64, block=16) == 128 and dk.key_block_of(384, 128, 16) == 16
 
 
-@pytest.fixture(scope='module')
-def looped():
-  cfg = make_cfg(head_dim=128, num_kv_heads=2, injection='add', core_layers=1,
+def _looped(head_dim):
+  cfg = make_cfg(head_dim=head_dim, num_kv_heads=2, injection='add', core_layers=1,
                  num_loops=2)
   v = nn.unbox(for_init(LoopedMoE(cfg)).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
   return cfg, v['params']
 
 
-def test_decode_with_the_kernels_is_the_xla_decode(looped):
-  cfg, params = looped
+@pytest.fixture(scope='module')
+def looped():
+  return _looped(128)
+
+
+@pytest.mark.parametrize('head_dim', [128, 16], ids=['heads of 128', 'slots minor'])
+def test_decode_with_the_kernels_is_the_xla_decode(head_dim):
+  cfg, params = _looped(head_dim)
   kernels, xla = rt(attention_impl='splash'), rt(attention_impl='xla')
-  cache = init_cache(cfg, 2, 16)
-  assert attention_impls.decode_kernel_runs(kernels, cfg, cache['core']['body']['layer_0'][
-      'attention']['k'])
+  slots = 256  # slots-minor: whole lane tiles, a write's window of two
+  cache = init_cache(cfg, 2, slots)
+  assert attention.decode_kernel_runs(kernels, cfg, cache['core']['body']['layer_0'][
+      'attention']['k'], 5)
   toks = jnp.asarray([[3, 5, 7, 9, 11], [2, 4, 6, 8, 10]], jnp.int32)
-  caches = {name: init_cache(cfg, 2, 16) for name in ('kernels', 'xla')}
+  caches = {name: init_cache(cfg, 2, slots) for name in ('kernels', 'xla')}
   for chunk in (toks, toks[:, 1:3]):  # a prefill, then two tokens
     out = {}
     for name, runtime in (('kernels', kernels), ('xla', xla)):

@@ -395,20 +395,23 @@ def test_a_decode_step_keeps_its_cache_in_place_on_the_gpu(layout):
 
 
 @needs('tpu')
-def test_a_tpu_decode_step_reads_its_cache_once_in_the_pallas_kernels():
-  """On a TPU a decode step's attention runs in the Pallas decode kernels (heads of 128):
-  the cache is written by DMA and read where it lies, so the optimized program holds no
-  cache-sized op but the kernels' calls, its temporaries are a sliver of the cache, and its
-  bytes (XLA's count, plus at most the whole cache the kernels read) are under the XLA path's,
-  which copies the carried cache to and from its scatter's and its products' layouts."""
+@pytest.mark.parametrize('head_dim', [128, 32], ids=['heads of 128', 'slots minor'])
+def test_a_tpu_decode_step_reads_its_cache_once_in_the_pallas_kernels(head_dim):
+  """On a TPU a decode step's attention runs in the Pallas decode kernels: the cache is
+  written by DMA and read where it lies (heads under 128 lanes: in the slots-minor layout XLA
+  keeps it in), so the optimized program holds no cache-sized op but the kernels' calls, its
+  temporaries are a sliver of the cache, and its bytes (XLA's count, plus at most the whole
+  cache the kernels read) are under the XLA path's, which copies the carried cache to and
+  from its scatter's and its products' layouts."""
   from loopmoe_jax.experiment import build
-  cfg = build(tiny()).model.replace(num_loops=3, head_dim=128, num_heads=4, num_kv_heads=2,
-                                    d_model=64)
-  compiled, cache_bytes, big = _decode_step(cfg, 'v5p:2x2x1')
+  cfg = build(tiny()).model.replace(num_loops=3, head_dim=head_dim, num_heads=4,
+                                    num_kv_heads=2, d_model=64)
+  size = dict(batch=8, slots=4096)
+  compiled, cache_bytes, big = _decode_step(cfg, 'v5p:2x2x1', **size)
   assert not big, big
   assert 'tpu_custom_call' in compiled.as_text()
   assert compiled.memory_analysis().temp_size_in_bytes < cache_bytes / 8
-  xla, _, xla_big = _decode_step(cfg, 'v5p:2x2x1', attention_impl='xla')
+  xla, _, xla_big = _decode_step(cfg, 'v5p:2x2x1', **size, attention_impl='xla')
   assert xla_big  # the XLA path moves the cache around
   accessed = lambda c: (c.cost_analysis()[0] if isinstance(c.cost_analysis(), list)
                         else c.cost_analysis())['bytes accessed']
