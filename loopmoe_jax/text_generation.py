@@ -18,6 +18,7 @@ import logging
 import jax
 import numpy as np
 
+from loopmoe_jax import attention_impls
 from loopmoe_jax.batched import generate_batch
 from loopmoe_jax.data import pipeline
 from loopmoe_jax.model import check_loops
@@ -32,7 +33,9 @@ log = logging.getLogger(__name__)
 class Options:
   """What to generate: `tokens` new tokens at most per prompt, drawn by `sampling`, stopping
   after any of `stop` (strings of one token each), `batch_size` prompts a batch, or with
-  `speculative` = (draft_loops, lookahead) the loop-draft decode (batch 1)."""
+  `speculative` = (draft_loops, lookahead) the loop-draft decode (batch 1); `attention_impl`
+  the run's run.attention_impl replaced (on a TPU 'xla' keeps XLA's decode products instead
+  of the Pallas decode kernels)."""
   tokens: int = 200
   sampling: Sampling = Sampling()
   seed: int = 0
@@ -43,6 +46,7 @@ class Options:
   kv_cache: str | None = None
   stop: tuple[str, ...] = ()
   speculative: tuple[int, int] | None = None
+  attention_impl: str | None = None
 
 
 def read_prompts(path: str) -> list[str]:
@@ -105,6 +109,10 @@ def generate_texts(workdir, prompts: list[str], opts: Options) -> list[dict]:
   check_loops(cfg, opts.num_loops)
   if opts.speculative:
     check_speculative(cfg, opts.num_loops, *opts.speculative)
+  runtime = run.runtime
+  if opts.attention_impl:
+    runtime = runtime.with_run(attention_impl=opts.attention_impl)
+    attention_impls.check(runtime, cfg)
   tok = pipeline.data_tokenizer(run.exp.data)
   if tok is None:
     raise ValueError(f'{run.workdir}: the tokenizer of its training data '
@@ -116,11 +124,11 @@ def generate_texts(workdir, prompts: list[str], opts: Options) -> list[dict]:
                 f'the {run.exp.data.seq_len} tokens the model was trained on')
   key = jax.random.key(opts.seed)
   if opts.speculative:
-    made = _speculative_rows(cfg, params, bias, run.runtime, ids, stops, key, opts)
+    made = _speculative_rows(cfg, params, bias, runtime, ids, stops, key, opts)
   else:
     made = [(g.tokens, g.stopped, {}) for g in generate_batch(
         cfg, params, ids, opts.tokens, key, opts.sampling, stops, opts.batch_size,
-        opts.num_loops, bias, run.runtime)]
+        opts.num_loops, bias, runtime)]
   return [{'prompt': p, 'text': tok.decode(np.asarray(t, np.int32)), 'tokens': len(t),
            'stopped': s, **extra} for p, (t, s, extra) in zip(prompts, made)]
 

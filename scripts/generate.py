@@ -13,6 +13,8 @@ passes per token), in the input order; without --out the prompt and its text are
 Prompts of different lengths share a batch, each row what it would be alone (batched.py).
 --speculative drafts --lookahead tokens with the first --draft_loops passes of the core and
 verifies them with the rest (speculative.py; batch 1, model.kv_cache='per_pass').
+On a TPU the KV cache is written and read in Pallas kernels (pallas_kernels/decode_attention.py);
+--attention_impl=xla keeps XLA's products.
 """
 import math
 
@@ -20,6 +22,7 @@ from absl import flags
 
 from loopmoe_jax.cli import (check_output_file, distributed_flags, initialize_distributed,
                              main_process, run)
+from loopmoe_jax.config import ATTENTION_IMPLS
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory.', required=True)
 _PROMPT = flags.DEFINE_string('prompt', 'def ', 'Prompt text (ignored with --prompts).')
@@ -41,6 +44,9 @@ _KV = flags.DEFINE_string('kv_cache', None, "The core's KV-cache layout, model.k
 _SPEC = flags.DEFINE_bool('speculative', False, 'Loop-draft speculative decoding (batch 1).')
 _DRAFT = flags.DEFINE_integer('draft_loops', 1, 'Core passes of the draft (< the pass count).')
 _LOOKAHEAD = flags.DEFINE_integer('lookahead', 4, 'Tokens drafted per round.')
+_ATTENTION = flags.DEFINE_string('attention_impl', None, "The run's run.attention_impl replaced "
+                                 "(on a TPU, 'xla': XLA's decode products instead of the Pallas "
+                                 'decode kernels).')
 _DISTRIBUTED = distributed_flags()
 
 
@@ -65,6 +71,9 @@ def check_decoding() -> None:
       raise ValueError(f'--lookahead={_LOOKAHEAD.value}: must be >= 1 (tokens drafted a round)')
     if _DRAFT.value < 0:
       raise ValueError(f'--draft_loops={_DRAFT.value}: must be >= 0 and below the pass count')
+  if _ATTENTION.value is not None and _ATTENTION.value not in ATTENTION_IMPLS:
+    raise ValueError(f'--attention_impl={_ATTENTION.value}: must be one of '
+                     f'{", ".join(ATTENTION_IMPLS)}')
   check_output_file('--out', _OUT.value)
 
 
@@ -83,7 +92,8 @@ def main(argv):
                     seed=_SEED.value, batch_size=_BATCH.value, num_loops=_LOOPS.value,
                     step=_STEP.value, scale_passes=_SCALE.value, kv_cache=_KV.value,
                     stop=tuple(_STOP.value),
-                    speculative=(_DRAFT.value, _LOOKAHEAD.value) if _SPEC.value else None)
+                    speculative=(_DRAFT.value, _LOOKAHEAD.value) if _SPEC.value else None,
+                    attention_impl=_ATTENTION.value)
   rows = tg.generate_texts(_WORKDIR.value, prompts, opts)
   if not main_process():
     return

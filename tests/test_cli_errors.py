@@ -63,6 +63,8 @@ def _cases(tmp_path):
       ('generate', nowork, '--temperature=-1'):
           'error: --temperature=-1.0: must be a finite number >= 0 (0: greedy)',
       ('generate', nowork, '--tokens=0'): 'error: --tokens=0: must be >= 1',
+      ('generate', nowork, '--attention_impl=flash'):
+          'error: --attention_impl=flash: must be one of auto, xla, chunked, cudnn, splash',
   }
 
 

@@ -7,10 +7,11 @@ speculative.py), on a model trained here with sampled pass counts.
 - spec_tokens_per_s_over_plain: 8 prompts x 64 new tokens at batch 1, greedy, decoded by
   speculative.generate_speculative at the (d, g) the calibration picked over decode.generate;
   `spec_identical` says every token was plain greedy's, at every d. Target >= 1.5.
-- Calibration (`calibrate`), the rule that picks d and g: 2 other prompts x 32 tokens decoded
+- Calibration (`calibrate`), the rule that picks d and g: 4 other prompts x 64 tokens decoded
   at every d < L for each g in (2, 4, 6) (one program per g: d is traced); the fastest (d, g)
-  by measured tokens/s (best of 3 timings: one timing of 64 tokens picked a (d, g) 10% slower
-  than plain decoding on a host hiccup) wins.
+  by measured tokens/s (best of 3 timings) wins. (2 prompts x 32 tokens, timed once or best
+  of 3, picked settings 10-17% slower than plain decoding on the benchmark's prompts: d = 5,
+  g = 4 and d = 3, g = 6, where d = 1, g = 2 is faster than plain.)
 - Per d (at the chosen g, on the 8 prompts): `acceptance.d{d}` (drafted tokens kept over
   drafted), `verified_passes_per_token.d{d}` (the verifier's sequential passes per emitted
   token; plain decoding runs L) and `passes_per_token.d{d}` (draft and verifier together).
@@ -41,7 +42,7 @@ from loopmoe_jax.train.trainer import train
 PROMPTS = ('def __init__(self', 'import os\nimport ', 'class Foo(object):\n    ',
            '    return self.', 'for i in range(', "if __name__ == '", '# Copyright ',
            'raise ValueError(')
-CALIBRATION = ('def main(', '    if not ')
+CALIBRATION = ('def main(', '    if not ', 'from typing import ', '        self.')
 LOOKAHEADS = (2, 4, 6)
 
 
@@ -102,8 +103,7 @@ def speculative_figures(run, quick: bool) -> dict[str, Any]:
   tok = pipeline.data_tokenizer(run.exp.data)
   tokens, repeats = (16, 1) if quick else (64, 5)
   prompts = _prompts(tok, PROMPTS, 16)
-  d, g, speed = calibrate(run, _prompts(tok, CALIBRATION, 16), tokens // 2,
-                         1 if quick else 3)
+  d, g, speed = calibrate(run, _prompts(tok, CALIBRATION, 16), tokens, 1 if quick else 3)
   plain = lambda: [generate(cfg, run.params, p, tokens, jax.random.key(0), router_bias=bias,
                             runtime=rt) for p in prompts]
   plain_out = plain()
