@@ -111,7 +111,7 @@ class Attention(nn.Module):
       return attend_cached(q_BTHK, heads_major(k_BTGK), heads_major(v_BTGK), positions_BT,
                            positions_BT)
     start_B = positions_BT[:, 0]
-    if decode_kernel_runs(self.runtime, self.cfg, cache_k.value, t):  # slots where they lie
+    if decode_kernel_runs(self.runtime, self.cfg, cache_k.value):  # the slots where they lie
       out_BTHK, cache_k.value, cache_v.value = decode_attend(
           q_BTHK, k_BTGK, v_BTGK, cache_k.value, cache_v.value, start_B, pass_index,
           runtime=self.runtime)
@@ -188,13 +188,18 @@ def attend(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, sink: bool = False):
   return out.reshape(b, t, h, k)
 
 
-def decode_kernel_runs(runtime: Runtime, mc, cache, tokens: int) -> bool:
-  """Whether a decode step of `tokens` a row attending over `cache` ([B, G, S, K] or
-  [L, B, G, S, K]) runs in the Pallas decode kernels (module docstring)."""
-  impl = resolve(runtime.run.attention_impl, mc.dtype, runtime.target_platform,
-                 mc.resolved_head_dim)
-  return impl == 'splash' and decode_kernel.supports(cache.shape[-2], cache.shape[-1],
-                                                     cache.dtype.itemsize, tokens)
+def decode_kernels(runtime: Runtime, mc) -> bool:
+  """Whether decode steps run the Pallas decode kernels: `run.attention_impl` resolves to
+  splash (a TPU; on the CPU named, interpreted)."""
+  return resolve(runtime.run.attention_impl, mc.dtype, runtime.target_platform,
+                 mc.resolved_head_dim) == 'splash'
+
+
+def decode_kernel_runs(runtime: Runtime, mc, cache) -> bool:
+  """Whether a decode step's attention over `cache` ([B, G, S, K] or [L, B, G, S, K]) runs
+  in the Pallas decode kernels (`decode_kernels` and a cache they serve)."""
+  return decode_kernels(runtime, mc) and decode_kernel.supports(
+      cache.shape[-2], cache.shape[-1], cache.dtype.itemsize)
 
 
 def decode_attend(q_BTHK, k_BTGK, v_BTGK, k_cache, v_cache, start_B, pass_index, *,

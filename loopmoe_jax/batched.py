@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from loopmoe_jax.config import ModelConfig
-from loopmoe_jax.decode import decode_step, init_cache
+from loopmoe_jax.decode import decode_step, init_cache, slots_for
 from loopmoe_jax.model import check_loops
 from loopmoe_jax.runtime import HERE, Runtime
 from loopmoe_jax.sampling import GREEDY, Sampling
@@ -96,7 +96,8 @@ def _program(cfg: ModelConfig, params, prompts_BN, lengths_B, keys_B, max_new: i
   """One batch: the rows' prefill and decode steps (`_stepper`); returns the continuations
   [B, max_new] (past a row's stop token: unspecified)."""
   batch, width = prompts_BN.shape
-  caches, step = _stepper(cfg, params, batch, width + max_new, num_loops, router_bias, runtime)
+  caches, step = _stepper(cfg, params, batch, slots_for(cfg, runtime, width + max_new),
+                          num_loops, router_bias, runtime)
   logits_BNV, caches = step(caches, prompts_BN)
   last_BV = jnp.take_along_axis(logits_BNV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
   caches = {**caches, 'position': lengths_B.reshape(caches['position'].shape)}

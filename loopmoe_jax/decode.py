@@ -57,11 +57,13 @@ import jax
 import jax.numpy as jnp
 
 from loopmoe_jax import early_exit as early_exit_lib
+from loopmoe_jax.attention import decode_kernels
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.model import LoopedMoE, check_loops, for_init, variables
 from loopmoe_jax.objective import token_nll_of_logits
 from loopmoe_jax.runtime import HERE, Runtime
 from loopmoe_jax.sampling import Sampling
+from pallas_kernels import decode_attention as decode_kernel
 
 CORE = 'core'  # the cache's subtree with a slot per pass, [L, B, G, S, K] (core.Core)
 
@@ -118,6 +120,16 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, num_loops: int | Non
                        for x in jax.tree.leaves(cache_shapes(cfg, batch, n, num_loops)))
   one, two = size(1), size(2)
   return one + (two - one) * (max_len - 1)
+
+
+def slots_for(cfg: ModelConfig, runtime: Runtime, length: int) -> int:
+  """The slots a decoding program allocates for `length` positions: `length`, rounded up to
+  whole 128-slot lane tiles where the Pallas decode kernels run (attention.decode_kernels:
+  they serve a slots-minor cache of whole tiles); the slots past `length` are never written
+  and the causal mask hides them."""
+  if not decode_kernels(runtime.resolved(), cfg):
+    return length
+  return -(-length // decode_kernel.LANES) * decode_kernel.LANES
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, num_loops: int | None = None):
@@ -212,7 +224,7 @@ def generate(cfg: ModelConfig, params, prompt_BT, steps: int, key, temperature: 
   if jnp.issubdtype(prompt_BT.dtype, jnp.floating):
     raise ValueError('prompt tokens must be integer ids')
   batch, plen = prompt_BT.shape
-  cache = init_cache(cfg, batch, plen + steps, num_loops)
+  cache = init_cache(cfg, batch, slots_for(cfg, runtime, plen + steps), num_loops)
   logits, cache = decode_step(cfg, params, cache, prompt_BT, num_loops, router_bias, runtime)
   sampling = Sampling(temperature, top_k, top_p)
   first = sampling.sample(logits[:, -1], jax.random.fold_in(key, 0))

@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 
 from loopmoe_jax.config import ModelConfig
-from loopmoe_jax.decode import decode_step, init_cache
+from loopmoe_jax.decode import decode_step, init_cache, slots_for
 from loopmoe_jax.model import check_loops
 from loopmoe_jax.pass_range import PassForward, run_back, run_front, run_readout
 from loopmoe_jax.runtime import HERE, Runtime
@@ -188,7 +188,7 @@ def _program(cfg: ModelConfig, params, prompt_1T, steps: int, key, draft_loops, 
   rounds until `steps` tokens are emitted or a stop token is."""
   loops = check_loops(cfg, num_loops)
   plen = prompt_1T.shape[1]
-  cache = init_cache(cfg, 1, plen + steps + lookahead + 1, loops)
+  cache = init_cache(cfg, 1, slots_for(cfg, runtime, plen + steps + lookahead + 1), loops)
   logits, cache = decode_step(cfg, params, cache, prompt_1T, loops, router_bias, runtime)
   first = sampling.sample(logits[0, -1], jax.random.fold_in(key, 0))
   pf = PassForward.of(cfg, params, router_bias, runtime, loops)

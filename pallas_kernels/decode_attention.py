@@ -64,22 +64,18 @@ def slots_minor(head_dim: int) -> bool:
   return head_dim % LANES != 0
 
 
-def window(tokens: int) -> int:
+def window(tokens: int, slots: int) -> int:
   """The lanes a slots-minor write reads and writes back: whole lane tiles covering any
-  `tokens` consecutive slots."""
-  return LANES * (-(-tokens // LANES) + 1)
+  `tokens` consecutive slots, or the whole cache when it is narrower."""
+  return min(LANES * (-(-tokens // LANES) + 1), slots)
 
 
-def supports(slots: int, head_dim: int, itemsize: int, tokens: int = 1,
-             block: int = 512) -> bool:
-  """Whether the kernels serve a cache of `slots` x `head_dim` for steps of `tokens`: key and
-  value blocks within VMEM_BLOCKS, and read slots-minor, slots of whole lane tiles holding a
-  write's window."""
+def supports(slots: int, head_dim: int, itemsize: int, block: int = 512) -> bool:
+  """Whether the kernels serve a cache of `slots` x `head_dim`: key and value blocks within
+  VMEM_BLOCKS, and read slots-minor, slots of whole lane tiles."""
   padded = -(-head_dim // LANES) * LANES
   fits = 4 * key_block_of(slots, head_dim, block) * padded * itemsize <= VMEM_BLOCKS
-  if not slots_minor(head_dim):
-    return fits
-  return fits and slots % LANES == 0 and slots >= window(tokens)
+  return fits and (slots % LANES == 0 or not slots_minor(head_dim))
 
 
 def view(cache, minor: bool):
@@ -230,7 +226,7 @@ def write_rows(k_view, v_view, k_new, v_new, start_B, pass_index=None, *, interp
   news = [x.astype(k_cache.dtype) for x in (k_new, v_new)]
   scratch = [pltpu.SemaphoreType.DMA((2,))]
   if minor:  # [B, G, K, window]: the new slots first, moved to their lanes in the kernel
-    width = window(tokens)
+    width = window(tokens, slots)
     news = [jnp.pad(x.transpose(0, 1, 3, 2), ((0, 0), (0, 0), (0, 0), (0, width - tokens)))
             for x in news]
     scratch = [pltpu.VMEM((2, g, kd, width), k_cache.dtype)] + scratch

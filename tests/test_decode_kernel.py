@@ -7,8 +7,9 @@
   cache is not written.
 - attention.decode_attend (what Attention._cached calls) == the XLA path, output and
   cache; a looped model decoding with run.attention_impl='splash' (the kernels, interpreted)
-  gives the XLA decode's logits, cache and batched greedy tokens, and on a mesh (rows over
-  `data`, head groups over `tensor`) its logits (slow).
+  gives the XLA decode's logits, cache and batched greedy tokens, on a mesh (rows over
+  `data`, head groups over `tensor`) its logits, and the loop-draft plain greedy's tokens
+  (slow).
 """
 import flax.linen as nn
 import jax
@@ -22,9 +23,10 @@ from loopmoe_jax import attention
 from loopmoe_jax.attention import attend_cached, write_rows
 from loopmoe_jax.batched import generate_batch
 from loopmoe_jax.config.mesh import MeshConfig
-from loopmoe_jax.decode import decode_step, init_cache
+from loopmoe_jax.decode import decode_step, generate, init_cache
 from loopmoe_jax.model import LoopedMoE, for_init
 from loopmoe_jax.sharding import make_mesh
+from loopmoe_jax.speculative import generate_speculative
 from pallas_kernels import decode_attention as dk
 
 INTERPRET = pltpu.InterpretParams()
@@ -99,7 +101,7 @@ def test_supports_blocks_within_vmem_and_slots_minor_caches_of_whole_lane_tiles(
   assert dk.supports(4096, 128, 4) and dk.supports(1000, 256, 2) and dk.supports(4096, 64, 4)
   assert not dk.supports(999_999, 128, 4)      # no block divides: one block over VMEM
   assert not dk.supports(1000, 64, 4)          # slots-minor, slots not of whole lane tiles
-  assert not dk.supports(256, 64, 4, tokens=200)  # a write's window wider than the cache
+  assert dk.window(1, 4096) == 256 and dk.window(200, 4096) == 384 and dk.window(3, 128) == 128
   assert dk.key_block(4096) == 512 and dk.key_block(1000) == 8 and dk.key_block(999) == 999
   assert dk.key_block_of(384, 64, block=16) == 128 and dk.key_block_of(384, 128, 16) == 16
 
@@ -120,10 +122,10 @@ def looped():
 def test_decode_with_the_kernels_is_the_xla_decode(head_dim):
   cfg, params = _looped(head_dim)
   kernels, xla = rt(attention_impl='splash'), rt(attention_impl='xla')
-  slots = 256  # slots-minor: whole lane tiles, a write's window of two
+  slots = 128  # slots-minor: whole lane tiles (the write's window the whole cache)
   cache = init_cache(cfg, 2, slots)
   assert attention.decode_kernel_runs(kernels, cfg, cache['core']['body']['layer_0'][
-      'attention']['k'], 5)
+      'attention']['k'])
   toks = jnp.asarray([[3, 5, 7, 9, 11], [2, 4, 6, 8, 10]], jnp.int32)
   caches = {name: init_cache(cfg, 2, slots) for name in ('kernels', 'xla')}
   for chunk in (toks, toks[:, 1:3]):  # a prefill, then two tokens
@@ -141,6 +143,17 @@ def test_batched_greedy_generation_with_the_kernels_is_the_xla_ones(looped):
   gen = lambda runtime: generate_batch(cfg, params, prompts, 4, jax.random.key(0),
                                        batch_size=3, runtime=runtime)
   assert gen(rt(attention_impl='splash')) == gen(rt(attention_impl='xla'))
+
+
+def test_loop_draft_with_the_kernels_is_plain_greedy(looped):
+  """The loop-draft's pass ranges (pass_range.py) write and read their slots in the kernels;
+  its cache rounds up to whole lane tiles (decode.slots_for)."""
+  cfg, params = looped
+  prompt = jnp.asarray([[3, 5, 7, 9]], jnp.int32)
+  plain = generate(cfg, params, prompt, 6, jax.random.key(0), runtime=rt(attention_impl='xla'))
+  spec = generate_speculative(cfg, params, prompt, 6, jax.random.key(0), draft_loops=1,
+                              lookahead=2, runtime=rt(attention_impl='splash'))
+  np.testing.assert_array_equal(spec.tokens, plain)
 
 
 def test_on_a_mesh_the_kernels_run_per_shard_and_equal_the_xla_decode(looped):
