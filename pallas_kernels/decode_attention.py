@@ -10,7 +10,9 @@ out for its scatter and its products and copies it to and from that layout and a
 out of it at every step (docs/results.md: 3.8 times the cache's bytes a step). Here:
 
 - `write_rows` DMAs each row's [G, T, K] block into the cache, which it aliases (updated in
-  place; XLA never writes it, so its layout stays the one the kernels read);
+  place; XLA never writes it, so its layout stays the one the kernels read); where a DMA
+  cannot start at any slot (a 16-bit cache's packed rows, a slots-minor cache's lanes) it
+  reads the whole tiles around the new slots, merges them in and writes the tiles back;
 - `decode_attention` reads pass p's slot in key blocks straight from the cache (the block's
   index names the pass, a scalar prefetched into SMEM), and only the blocks up to the row's
   last query position (later grid steps repeat the last one's index, which the pipeline does
@@ -18,9 +20,7 @@ out of it at every step (docs/results.md: 3.8 times the cache's bytes a step). H
 
 XLA:TPU keeps a cache whose head dim is not a multiple of the 128 lanes slots-minor (its
 [S, K] tiles would pad K), so the kernels read such a cache as [.., K, S] (`view`, a bitcast
-there; `slots_minor`), and `write_rows` writes its few new slots by reading the lane-aligned
-window around them, merging them in and writing the window back (a DMA at an unaligned lane
-offset is not allowed). `supports` says which caches they serve.
+there; `slots_minor`). `supports` says which caches they serve.
 
 Queries: a head group's T x H/G queries as Q rows, query i at token t = i // (H/G), token t
 of row b at position start_B[b] + t (decoding feeds consecutive positions). Grid (B, G, key
@@ -64,18 +64,27 @@ def slots_minor(head_dim: int) -> bool:
   return head_dim % LANES != 0
 
 
-def window(tokens: int, slots: int) -> int:
-  """The lanes a slots-minor write reads and writes back: whole lane tiles covering any
-  `tokens` consecutive slots, or the whole cache when it is narrower."""
-  return min(LANES * (-(-tokens // LANES) + 1), slots)
+def slot_tile(head_dim: int, itemsize: int) -> int:
+  """The slots of one tile along the cache's slot axis, the unit a write's DMA offset must
+  be a multiple of: 128 lanes read slots-minor, 8 sublanes of 32-bit words otherwise (16
+  rows of a 16-bit dtype, 32 of an 8-bit one); 1: any offset (32-bit, [S, K])."""
+  if slots_minor(head_dim):
+    return LANES
+  return 1 if itemsize >= 4 else 32 // itemsize
+
+
+def window(tokens: int, slots: int, tile: int) -> int:
+  """The slots a windowed write reads and writes back: whole tiles covering any `tokens`
+  consecutive slots, or the whole cache when it is narrower."""
+  return min(tile * (-(-tokens // tile) + 1), slots)
 
 
 def supports(slots: int, head_dim: int, itemsize: int, block: int = 512) -> bool:
   """Whether the kernels serve a cache of `slots` x `head_dim`: key and value blocks within
-  VMEM_BLOCKS, and read slots-minor, slots of whole lane tiles."""
+  VMEM_BLOCKS, and slots of whole tiles along the slot axis (`slot_tile`)."""
   padded = -(-head_dim // LANES) * LANES
   fits = 4 * key_block_of(slots, head_dim, block) * padded * itemsize <= VMEM_BLOCKS
-  return fits and (slots % LANES == 0 or not slots_minor(head_dim))
+  return fits and slots % slot_tile(head_dim, itemsize) == 0
 
 
 def view(cache, minor: bool):
@@ -176,67 +185,75 @@ def decode_attention(q_BGQK, k_view, v_view, start_B, pass_index=None, *, tokens
 
 
 def _write_kernel(pass_ref, start_ref, k_new_ref, v_new_ref, k_in, v_in, k_out, v_out, *scratch,
-                  tokens: int, slots: int, minor: bool):
+                  tokens: int, slots: int, minor: bool, tile: int):
   del k_in, v_in  # the same buffers as k_out, v_out (aliased)
   b = pl.program_id(0)
   start, p = start_ref[b], pass_ref[0]
   pairs = ((k_new_ref, k_out), (v_new_ref, v_out))
+  at = lambda out, first, n: (out.at[p, b, :, :, pl.ds(first, n)] if minor
+                              else out.at[p, b, :, pl.ds(first, n)])
 
   @pl.when(start + tokens <= slots)  # a chunk reaching past the cache is dropped
   def _write():
-    if not minor:
+    if tile == 1:  # any offset: the new rows themselves
       sems, = scratch
-      copies = [pltpu.make_async_copy(new.at[0], out.at[p, b, :, pl.ds(start, tokens)],
-                                      sems.at[i]) for i, (new, out) in enumerate(pairs)]
+      copies = [pltpu.make_async_copy(new.at[0], at(out, start, tokens), sems.at[i])
+                for i, (new, out) in enumerate(pairs)]
       for copy in copies:
         copy.start()
       for copy in copies:
         copy.wait()
       return
-    # slots-minor: the lane tiles around the new slots, read, merged, written back
+    # the whole tiles around the new slots, read, merged, written back
     buf, sems = scratch
-    width = buf.shape[-1]
-    first = pl.multiple_of(jnp.minimum(jax.lax.div(start, LANES) * LANES, slots - width),
-                           LANES)
+    axis = 2 if minor else 1  # the slot axis of a row's [G, K, W] or [G, W, K]
+    width = buf.shape[axis + 1]
+    first = pl.multiple_of(jnp.minimum(jax.lax.div(start, tile) * tile, slots - width), tile)
     offset = start - first
-    span = lambda out: out.at[p, b, :, :, pl.ds(first, width)]
     for i, (_, out) in enumerate(pairs):
-      pltpu.make_async_copy(span(out), buf.at[i], sems.at[i]).start()
+      pltpu.make_async_copy(at(out, first, width), buf.at[i], sems.at[i]).start()
     for i, (new, out) in enumerate(pairs):
-      pltpu.make_async_copy(span(out), buf.at[i], sems.at[i]).wait()
-      lane = jax.lax.broadcasted_iota(jnp.int32, buf.shape[1:], 2)
-      fresh = pltpu.roll(new[0], offset, 2)  # the new slots moved to their lanes
-      buf[i] = jnp.where((lane >= offset) & (lane < offset + tokens), fresh, buf[i])
-      pltpu.make_async_copy(buf.at[i], span(out), sems.at[i]).start()
+      pltpu.make_async_copy(at(out, first, width), buf.at[i], sems.at[i]).wait()
+      slot = jax.lax.broadcasted_iota(jnp.int32, buf.shape[1:], axis)
+      # the new slots moved to theirs (in float32: Mosaic rotates no packed type; exact)
+      fresh = pltpu.roll(new[0].astype(jnp.float32), offset, axis)
+      keep = buf[i].astype(jnp.float32)
+      buf[i] = jnp.where((slot >= offset) & (slot < offset + tokens), fresh,
+                         keep).astype(buf.dtype)
+      pltpu.make_async_copy(buf.at[i], at(out, first, width), sems.at[i]).start()
     for i, (_, out) in enumerate(pairs):
-      pltpu.make_async_copy(buf.at[i], span(out), sems.at[i]).wait()
+      pltpu.make_async_copy(buf.at[i], at(out, first, width), sems.at[i]).wait()
 
 
 @functools.partial(jax.jit, static_argnames=('interpret',), donate_argnums=(0, 1))
 def write_rows(k_view, v_view, k_new, v_new, start_B, pass_index=None, *, interpret=False):
   """The caches' `view`s ([B, G, S, K], or [L, B, G, S, K] at pass `pass_index`; slots-minor
   [.., K, S]) with row b's T new entries k_new, v_new [B, G, T, K] at slots start_B[b] ..
-  start_B[b] + T - 1, written in place by DMA (module docstring); a row whose chunk reaches
-  past the cache is not written (decode_step's logits say so)."""
+  start_B[b] + T - 1, written in place by DMA (module docstring): the rows themselves where
+  a DMA may start at any slot, else the whole tiles (`slot_tile`) around them, read, merged
+  and written back. A row whose chunk reaches past the cache is not written (decode_step's
+  logits say so)."""
   squeeze = k_view.ndim == 4
   k_cache, v_cache, pass_index = _with_passes(k_view, v_view, pass_index)
   b, g, tokens, kd = k_new.shape
   minor = slots_minor(kd)
   slots = k_cache.shape[4 if minor else 3]
+  tile = slot_tile(kd, k_cache.dtype.itemsize)
   news = [x.astype(k_cache.dtype) for x in (k_new, v_new)]
   scratch = [pltpu.SemaphoreType.DMA((2,))]
-  if minor:  # [B, G, K, window]: the new slots first, moved to their lanes in the kernel
-    width = window(tokens, slots)
-    news = [jnp.pad(x.transpose(0, 1, 3, 2), ((0, 0), (0, 0), (0, 0), (0, width - tokens)))
-            for x in news]
-    scratch = [pltpu.VMEM((2, g, kd, width), k_cache.dtype)] + scratch
+  if tile > 1:  # [B, G, K, W] or [B, G, W, K]: the new slots first, moved in the kernel
+    width = window(tokens, slots, tile)
+    pad = [(0, 0)] * 4
+    pad[3 if minor else 2] = (0, width - tokens)
+    news = [jnp.pad(x.transpose(0, 1, 3, 2) if minor else x, pad) for x in news]
+    scratch = [pltpu.VMEM((2,) + news[0].shape[1:], k_cache.dtype)] + scratch
   new_spec = pl.BlockSpec((1,) + news[0].shape[1:], lambda r, *_: (r, 0, 0, 0))
   hbm = pl.BlockSpec(memory_space=pl.ANY)
   spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2, grid=(b,), in_specs=[new_spec, new_spec, hbm, hbm],
       out_specs=[hbm, hbm], scratch_shapes=scratch)
   k_cache, v_cache = pl.pallas_call(
-      functools.partial(_write_kernel, tokens=tokens, slots=slots, minor=minor),
+      functools.partial(_write_kernel, tokens=tokens, slots=slots, minor=minor, tile=tile),
       grid_spec=spec, out_shape=(jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                                  jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
       input_output_aliases={4: 0, 5: 1},

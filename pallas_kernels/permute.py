@@ -12,6 +12,8 @@ family with an optional per-row weight:
 - 'tpu' (Mosaic): x stays in HBM (pl.ANY); the indices are scalar-prefetched into SMEM and each
   grid step DMAs the rows of its block of output rows into VMEM (straight into the output
   block for permute, into a [k, rows, D] scratch that is reduced in float32 for combine).
+  Rows of a 16- or 8-bit dtype move as 32-bit words (permute) or float32 (combine): Mosaic
+  DMAs no single packed row into a VMEM block.
   The R*k int32 indices sit in SMEM (1 MiB on current chips: ~250k assignments per call).
 Backward (custom_vjp): d_x of permute = combine(g, positions, ones); for combine, the
 cotangent is permuted once (g_MD) and both d_out[m] = w_M[m] * g_MD[m] and
@@ -151,13 +153,32 @@ def _gather_tpu(x_ND, idx_RJ, w_RJ, out_dtype, interpret):
       interpret=interpret)(idx_RJ.reshape(-1), *operands)
 
 
+def _gather_tpu_packed(x_ND, idx_RJ, w_RJ, out_dtype, interpret):
+  """_gather_tpu for a dtype of under 32 bits, whose rows Mosaic cannot DMA one at a time
+  into a VMEM block (a packed row at an unaligned sublane): a plain row copy as 32-bit words
+  (the row's bytes bitcast, exact), a weighted or summed gather on float32 rows (the kernel
+  sums in float32 anyway)."""
+  n, d = x_ND.shape
+  per_word = 4 // x_ND.dtype.itemsize
+  if idx_RJ.shape[1] == 1 and w_RJ is None and d % per_word == 0 and out_dtype == x_ND.dtype:
+    words = jax.lax.bitcast_convert_type(x_ND.reshape(n, d // per_word, per_word), jnp.uint32)
+    out = _gather_tpu(words, idx_RJ, None, jnp.uint32, interpret)
+    return jax.lax.bitcast_convert_type(out, x_ND.dtype).reshape(-1, d)
+  direct = idx_RJ.shape[1] == 1 and w_RJ is None
+  out = _gather_tpu(x_ND.astype(jnp.float32), idx_RJ, w_RJ,
+                    jnp.float32 if direct else out_dtype, interpret)
+  return out.astype(out_dtype)
+
+
 def _gather(x_ND, idx_RJ, w_RJ, cfg, out_dtype=None):
   """y[r] = sum_j w[r, j] * x[idx[r, j]] (w None: ones), float32 sums, [R, D] in out_dtype."""
   target, interpret = cfg
   out_dtype = out_dtype or x_ND.dtype
   if idx_RJ.shape[0] == 0 or x_ND.shape[1] == 0:
     return jnp.zeros((idx_RJ.shape[0], x_ND.shape[1]), out_dtype)
-  impl = _gather_tpu if target == 'tpu' else _gather_gpu
+  impl = _gather_gpu
+  if target == 'tpu':
+    impl = _gather_tpu if x_ND.dtype.itemsize >= 4 else _gather_tpu_packed
   return impl(x_ND, idx_RJ.astype(jnp.int32), w_RJ, out_dtype,
               resolve_interpret(target, interpret))
 

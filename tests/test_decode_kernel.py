@@ -2,9 +2,10 @@
 
 - write_rows == attention.write_rows (the XLA scatter) and decode_attention == the XLA
   products over the written slot (attention.attend_cached), for one and three new tokens,
-  with and without a pass axis, rows at different positions (one at the cache's last slots),
-  many key blocks most of which a row does not reach; a row whose chunk reaches past the
-  cache is not written.
+  with and without a pass axis, rows at different positions (one across a tile's edge, one
+  at the cache's last slots), many key blocks most of which a row does not reach, each way a
+  row is written (rows at any slot; a slots-minor cache's lane tiles; bf16's packed row
+  tiles); a row whose chunk reaches past the cache is not written.
 - attention.decode_attend (what Attention._cached calls) == the XLA path, output and
   cache; a looped model decoding with run.attention_impl='splash' (the kernels, interpreted)
   gives the XLA decode's logits, cache and batched greedy tokens, on a mesh (rows over
@@ -32,20 +33,21 @@ from pallas_kernels import decode_attention as dk
 INTERPRET = pltpu.InterpretParams()
 
 
-def _case(rng, lead, b, g, slots, kd, t, heads):
-  normal = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+def _case(rng, lead, b, g, slots, kd, t, heads, dtype=jnp.float32):
+  normal = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)
   return (normal(*lead, b, g, slots, kd), normal(*lead, b, g, slots, kd),
           normal(b, t, heads, kd), normal(b, t, g, kd), normal(b, t, g, kd))
 
 
 @pytest.mark.parametrize('tokens', [1, 3])
 @pytest.mark.parametrize('passes', [0, 3], ids=['no pass axis', 'per pass'])
-@pytest.mark.parametrize('kd', [16, 128], ids=['slots minor', 'heads of 128'])
-def test_kernels_write_and_attend_as_the_xla_path(tokens, passes, kd):
+@pytest.mark.parametrize('kd,dtype', [(16, 'float32'), (128, 'float32'), (128, 'bfloat16')],
+                         ids=['slots minor', 'heads of 128', 'packed rows'])
+def test_kernels_write_and_attend_as_the_xla_path(tokens, passes, kd, dtype):
   b, g, slots, heads = 4, 2, 384, 4
   rng = np.random.default_rng(tokens + passes + kd)
   lead = (passes,) if passes else ()
-  kc, vc, q, kn, vn = _case(rng, lead, b, g, slots, kd, tokens, heads)
+  kc, vc, q, kn, vn = _case(rng, lead, b, g, slots, kd, tokens, heads, jnp.dtype(dtype))
   # block 0 only; across a lane tile's edge; a middle; the end (the last lane tiles)
   start = jnp.asarray([0, 127, 200, slots - tokens], jnp.int32)
   p = jnp.asarray(1, jnp.int32) if passes else None
@@ -63,7 +65,9 @@ def test_kernels_write_and_attend_as_the_xla_path(tokens, passes, kd):
   out = dk.decode_attention(q_bgqk, got_k, got_v, start, p, tokens=tokens,
                             block=128 if minor else 16, interpret=INTERPRET)
   out = out.reshape(b, g, tokens, heads // g, kd).transpose(0, 2, 1, 3, 4).reshape(q.shape)
-  np.testing.assert_allclose(out, ref, atol=1e-5 * float(jnp.abs(ref).max()))
+  tol = 1e-5 if dtype == 'float32' else 2e-2
+  np.testing.assert_allclose(out.astype(jnp.float32), ref.astype(jnp.float32),
+                             atol=tol * float(jnp.abs(ref.astype(jnp.float32)).max()))
 
 
 def test_decode_attend_takes_the_layer_layouts_and_returns_the_written_cache():
@@ -82,10 +86,11 @@ def test_decode_attend_takes_the_layer_layouts_and_returns_the_written_cache():
   np.testing.assert_array_equal(got_v, ref_v)
 
 
-@pytest.mark.parametrize('kd', [16, 128], ids=['slots minor', 'heads of 128'])
-def test_a_chunk_past_the_cache_is_not_written(kd):
+@pytest.mark.parametrize('kd,dtype', [(16, 'float32'), (128, 'float32'), (128, 'bfloat16')],
+                         ids=['slots minor', 'heads of 128', 'packed rows'])
+def test_a_chunk_past_the_cache_is_not_written(kd, dtype):
   rng = np.random.default_rng(0)
-  kc, vc, _, kn, vn = _case(rng, (), 2, 1, 256, kd, 3, 2)
+  kc, vc, _, kn, vn = _case(rng, (), 2, 1, 256, kd, 3, 2, jnp.dtype(dtype))
   start = jnp.asarray([4, 254], jnp.int32)  # row 1's slots 254, 255, 256: past 256 slots
   before = np.asarray(kc)  # write_rows donates the caches
   minor = dk.slots_minor(kd)
@@ -97,11 +102,14 @@ def test_a_chunk_past_the_cache_is_not_written(kd):
   np.testing.assert_array_equal(got_k[0, :, 7:], before[0, :, 7:])
 
 
-def test_supports_blocks_within_vmem_and_slots_minor_caches_of_whole_lane_tiles():
-  assert dk.supports(4096, 128, 4) and dk.supports(1000, 256, 2) and dk.supports(4096, 64, 4)
+def test_supports_blocks_within_vmem_and_slots_of_whole_tiles():
+  assert dk.supports(4096, 128, 4) and dk.supports(1000, 128, 4) and dk.supports(4096, 64, 4)
+  assert dk.supports(1008, 256, 2) and not dk.supports(1000, 256, 2)  # bf16: 16-row tiles
   assert not dk.supports(999_999, 128, 4)      # no block divides: one block over VMEM
   assert not dk.supports(1000, 64, 4)          # slots-minor, slots not of whole lane tiles
-  assert dk.window(1, 4096) == 256 and dk.window(200, 4096) == 384 and dk.window(3, 128) == 128
+  assert dk.window(1, 4096, 128) == 256 and dk.window(200, 4096, 128) == 384
+  assert dk.window(3, 128, 128) == 128 and dk.window(3, 4096, 16) == 32
+  assert [dk.slot_tile(128, n) for n in (4, 2, 1)] == [1, 16, 32] and dk.slot_tile(64, 4) == 128
   assert dk.key_block(4096) == 512 and dk.key_block(1000) == 8 and dk.key_block(999) == 999
   assert dk.key_block_of(384, 64, block=16) == 128 and dk.key_block_of(384, 128, 16) == 16
 

@@ -395,17 +395,19 @@ def test_a_decode_step_keeps_its_cache_in_place_on_the_gpu(layout):
 
 
 @needs('tpu')
-@pytest.mark.parametrize('head_dim', [128, 32], ids=['heads of 128', 'slots minor'])
-def test_a_tpu_decode_step_reads_its_cache_once_in_the_pallas_kernels(head_dim):
+@pytest.mark.parametrize('head_dim,dtype', [(128, 'float32'), (32, 'float32'), (128, 'bfloat16')],
+                         ids=['heads of 128', 'slots minor', 'packed rows'])
+def test_a_tpu_decode_step_reads_its_cache_once_in_the_pallas_kernels(head_dim, dtype):
   """On a TPU a decode step's attention runs in the Pallas decode kernels: the cache is
   written by DMA and read where it lies (heads under 128 lanes: in the slots-minor layout XLA
   keeps it in), so the optimized program holds no cache-sized op but the kernels' calls, its
   temporaries are a sliver of the cache, and its bytes (XLA's count, plus at most the whole
   cache the kernels read) are under the XLA path's, which copies the carried cache to and
-  from its scatter's and its products' layouts."""
+  from its scatter's and its products' layouts. (bfloat16: the MoE's permute and combine
+  kernels compile for one chip too, permute.py.)"""
   from loopmoe_jax.experiment import build
   cfg = build(tiny()).model.replace(num_loops=3, head_dim=head_dim, num_heads=4,
-                                    num_kv_heads=2, d_model=64)
+                                    num_kv_heads=2, d_model=64, dtype=dtype)
   size = dict(batch=8, slots=4096)
   compiled, cache_bytes, big = _decode_step(cfg, 'v5p:2x2x1', **size)
   assert not big, big
