@@ -44,7 +44,7 @@ SLOW = {
     'test_attention_impls': ('test_chunked_equals_xla_outputs_and_gradients',),
     'test_benchmark': ('test_model_benchmark_quick', 'test_kernels_moe_layer_checks_pallas_and_times_every_stage'),
     'test_config': ('test_accounting_equals_init_for_every_config_variant', 'test_accounting_equals_init_for_extra_combos', 'test_flops_and_active_params_brute_force', 'test_kv_per_token_equals_real_cache'),
-    'test_decode_kernel': ('test_decode_with_the_kernels_is_the_xla_decode', 'test_batched_greedy_generation_with_the_kernels_is_the_xla_ones', 'test_on_a_mesh_the_kernels_run_per_shard_and_equal_the_xla_decode', 'test_loop_draft_with_the_kernels_is_plain_greedy'),
+    'test_decode_kernel': ('test_decode_with_the_kernels_is_the_xla_decode', 'test_batched_greedy_generation_with_the_kernels_is_the_xla_ones', 'test_on_a_mesh_the_kernels_run_per_shard_and_equal_the_xla_decode', 'test_loop_draft_with_the_kernels_is_plain_greedy', 'test_early_exit_and_shared_layouts_with_the_kernels_are_the_xla_decode'),
     'test_diagnostics': ('test_diagnose_end_to_end_on_a_trained_workdir',),
     'test_early_exit': ('test_frozen_token_keeps_its_exit_pass_state', 'test_gate_inference_exits_where_the_cumulative_probability_passes_the_threshold', 'test_gate_training_gradient_reaches_the_gate_and_the_model', 'test_gate_training_loss_matches_slow_reference', 'test_gate_training_run_trains_the_gate', 'test_threshold_that_never_fires_is_the_no_exit_model'),
     'test_export': ('test_export_of_a_trained_workdir_verifies_in_both_formats',),

@@ -9,8 +9,8 @@
 - attention.decode_attend (what Attention._cached calls) == the XLA path, output and
   cache; a looped model decoding with run.attention_impl='splash' (the kernels, interpreted)
   gives the XLA decode's logits, cache and batched greedy tokens, on a mesh (rows over
-  `data`, head groups over `tensor`) its logits, and the loop-draft plain greedy's tokens
-  (slow).
+  `data`, head groups over `tensor`) its logits, the loop-draft plain greedy's tokens, and
+  early exit and the shared layouts the XLA decode's logits (slow).
 """
 import flax.linen as nn
 import jax
@@ -174,3 +174,23 @@ def test_on_a_mesh_the_kernels_run_per_shard_and_equal_the_xla_decode(looped):
     out, _ = jax.jit(lambda p, c, t: decode_step(cfg, p, c, t, runtime=rt(
         attention_impl='splash')))(params, init_cache(cfg, 4, 16), toks)
   np.testing.assert_allclose(out, ref, atol=2e-5)
+
+
+@pytest.mark.parametrize('kw', [dict(exit='kl', exit_threshold=1e-3), dict(kv_cache='last_pass'),
+                                dict(kv_cache='first_pass')], ids=['early exit', 'last', 'first'])
+def test_early_exit_and_shared_layouts_with_the_kernels_are_the_xla_decode(kw):
+  """Early exit's stacked scan (one pass's cache a call) and the shared layouts (the shared
+  slot copied to every pass) around the kernels: the XLA decode's logits, prefill and step."""
+  cfg = make_cfg(head_dim=128, num_kv_heads=2, injection='add', core_layers=1, num_loops=3,
+                 **kw)
+  params = nn.unbox(for_init(LoopedMoE(cfg)).init(jax.random.key(0),
+                                                   jnp.zeros((1, 4), jnp.int32)))['params']
+  toks = jnp.asarray([[3, 5, 7, 9, 11], [2, 4, 6, 8, 10]], jnp.int32)
+  out = {}
+  for name in ('splash', 'xla'):
+    cache = init_cache(cfg, 2, 128)
+    first, cache = decode_step(cfg, params, cache, toks, runtime=rt(attention_impl=name))
+    out[name] = (first, decode_step(cfg, params, cache, toks[:, :2],
+                                    runtime=rt(attention_impl=name))[0])
+  for kernels, xla in zip(out['splash'], out['xla']):
+    np.testing.assert_allclose(kernels, xla, atol=2e-5)
