@@ -252,7 +252,7 @@ def decode_nll(cfg: ModelConfig, params, inputs_BT, targets_BT, num_loops: int |
   batch, length = inputs_BT.shape
   if not 1 <= prefill <= length:
     raise ValueError(f'prefill={prefill}: must lie in [1, {length}] (the tokens given)')
-  cache = init_cache(cfg, batch, length, num_loops)
+  cache = init_cache(cfg, batch, slots_for(cfg, runtime, length), num_loops)
   first_BPV, cache = decode_step(cfg, params, cache, inputs_BT[:, :prefill], num_loops,
                                  router_bias, runtime)
 
