@@ -6,6 +6,8 @@ stacks along a leading `loops` axis (untied, "Foil").
 """
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -111,7 +113,7 @@ class Attention(nn.Module):
       return attend_cached(q_BTHK, heads_major(k_BTGK), heads_major(v_BTGK), positions_BT,
                            positions_BT)
     start_B = positions_BT[:, 0]
-    if decode_kernel_runs(self.runtime, self.cfg, cache_k.value):  # the slots where they lie
+    if decode_kernel_runs(self.runtime, self.cfg, cache_k.value, t):  # slots where they lie
       out_BTHK, cache_k.value, cache_v.value = decode_attend(
           q_BTHK, k_BTGK, v_BTGK, cache_k.value, cache_v.value, start_B, pass_index,
           runtime=self.runtime)
@@ -195,11 +197,26 @@ def decode_kernels(runtime: Runtime, mc) -> bool:
                  mc.resolved_head_dim) == 'splash'
 
 
-def decode_kernel_runs(runtime: Runtime, mc, cache) -> bool:
-  """Whether a decode step's attention over `cache` ([B, G, S, K] or [L, B, G, S, K]) runs
-  in the Pallas decode kernels (`decode_kernels` and a cache they serve)."""
+def decode_kernel_runs(runtime: Runtime, mc, cache, tokens: int) -> bool:
+  """Whether a decode step feeding `tokens` a row, attending over `cache` ([B, G, S, K] or
+  [L, B, G, S, K]), runs in the Pallas decode kernels (`decode_kernels`, and a cache and a
+  chunk they serve: a long prefill takes XLA's products)."""
   return decode_kernels(runtime, mc) and decode_kernel.supports(
-      cache.shape[-2], cache.shape[-1], cache.dtype.itemsize)
+      cache.shape[-2], cache.shape[-1], cache.dtype.itemsize, tokens,
+      mc.num_heads // mc.kv_heads)
+
+
+def _kernel_shards(mesh, batch: int, groups: int, lead: int):
+  """(rows, cache) PartitionSpecs of decode_attend's shard_map: the rows over the batch axes
+  whose product divides the batch (the rest copied), head groups over `tensor` when it
+  divides them; `lead` leading axes (the pass axis) whole."""
+  rows = [a for a in sharding.batch_axes(mesh) if mesh.shape[a] > 1]
+  while rows and batch % math.prod(mesh.shape[a] for a in rows):
+    rows.pop()
+  tensor = mesh.shape.get('tensor', 1)
+  heads = 'tensor' if tensor > 1 and groups % tensor == 0 else None
+  rows = tuple(rows) or None
+  return P(rows, heads, None, None), P(*(None,) * lead, rows, heads, None, None), P(rows)
 
 
 def decode_attend(q_BTHK, k_BTGK, v_BTGK, k_cache, v_cache, start_B, pass_index, *,
@@ -207,13 +224,11 @@ def decode_attend(q_BTHK, k_BTGK, v_BTGK, k_cache, v_cache, start_B, pass_index,
   """A decode step's attention in the Pallas decode kernels: the new K/V [B, T, G, K] written
   into the cache (pass `pass_index`'s slot of a [L, B, G, S, K] one) at positions
   start_B[b] + t, then the queries [B, T, H, K] over it; (out [B, T, H, K], k_cache, v_cache).
-  Per batch shard (heads over `tensor` when it divides them) inside `jax.shard_map` when the
-  mesh splits work."""
+  Per batch shard inside `jax.shard_map` when the mesh splits work (`_kernel_shards`)."""
   b, t, h, k = q_BTHK.shape
   g = k_cache.shape[-3]
   interpret = pallas_kernels.ops.resolve_interpret('tpu', runtime.interpret,
                                                    runtime.target_platform)
-
   minor = decode_kernel.slots_minor(k)
 
   def step(q_BGQK, k_new, v_new, kc, vc, start, p):
@@ -227,15 +242,12 @@ def decode_attend(q_BTHK, k_BTGK, v_BTGK, k_cache, v_cache, start_B, pass_index,
   pass_index = jnp.zeros((), jnp.int32) if pass_index is None else pass_index
   runtime = runtime.resolved()
   if runtime.sharded:
-    mesh, lead = runtime.mesh, (None,) * (k_cache.ndim - 4)
-    heads = 'tensor' if g % mesh.shape['tensor'] == 0 and mesh.shape['tensor'] > 1 else None
-    rows = sharding.batch_axes(mesh)
-    rows4, cache = P(rows, heads, None, None), P(*lead, rows, heads, None, None)
-    step = jax.shard_map(step, in_specs=(rows4, rows4, rows4, cache, cache, P(rows), P()),
+    rows4, cache, rows = _kernel_shards(runtime.mesh, b, g, k_cache.ndim - 4)
+    step = jax.shard_map(step, in_specs=(rows4, rows4, rows4, cache, cache, rows, P()),
                          out_specs=(rows4, cache, cache), check_vma=False)
   q_BGQK = q_BTHK.reshape(b, t, g, h // g, k).transpose(0, 2, 1, 3, 4).reshape(b, g, -1, k)
-  heads_major = lambda x: x.transpose(0, 2, 1, 3)
-  out, k_cache, v_cache = step(q_BGQK, heads_major(k_BTGK), heads_major(v_BTGK), k_cache,
+  groups_first = lambda x: x.transpose(0, 2, 1, 3)  # [B, T, G, K] -> [B, G, T, K]
+  out, k_cache, v_cache = step(q_BGQK, groups_first(k_BTGK), groups_first(v_BTGK), k_cache,
                                v_cache, start_B, pass_index)
   out = out.reshape(b, g, t, h // g, k).transpose(0, 2, 1, 3, 4).reshape(b, t, h, k)
   return out, k_cache, v_cache

@@ -38,14 +38,14 @@ from jax.experimental.pallas import tpu as pltpu
 
 MASKED = float(jnp.finfo(jnp.float32).min)  # a masked score, as attention._masked_softmax
 LANES = 128  # TPU vreg lanes: the head dim's multiple; the running max and sum's width
-VMEM_BLOCKS = 8 << 20  # bytes of key and value blocks (double-buffered) a call may hold
+VMEM_BLOCKS = 8 << 20  # bytes of the blocks and scratch a call may hold (of 16 MiB scoped)
 
 
 def key_block(slots: int, block: int = 512) -> int:
   """The key block: the largest of `block`, 256, ..., 8 that divides `slots`, else `slots`
   (one block: a TPU block's second-minor dimension is a multiple of 8 or the whole axis)."""
   for size in (block, 256, 128, 64, 32, 16, 8):
-    if size <= block and slots % size == 0:
+    if size <= block and size % 8 == 0 and slots % size == 0:
       return size
   return slots
 
@@ -79,12 +79,22 @@ def window(tokens: int, slots: int, tile: int) -> int:
   return min(tile * (-(-tokens // tile) + 1), slots)
 
 
-def supports(slots: int, head_dim: int, itemsize: int, block: int = 512) -> bool:
-  """Whether the kernels serve a cache of `slots` x `head_dim`: key and value blocks within
-  VMEM_BLOCKS, and slots of whole tiles along the slot axis (`slot_tile`)."""
-  padded = -(-head_dim // LANES) * LANES
-  fits = 4 * key_block_of(slots, head_dim, block) * padded * itemsize <= VMEM_BLOCKS
-  return fits and slots % slot_tile(head_dim, itemsize) == 0
+def supports(slots: int, head_dim: int, itemsize: int, tokens: int = 1, per_group: int = 1,
+             block: int = 512) -> bool:
+  """Whether the kernels serve a cache of `slots` x `head_dim` for a step of `tokens` a row
+  (`per_group` query heads a KV head): slots of whole tiles along the slot axis
+  (`slot_tile`), and within VMEM_BLOCKS the attention's double-buffered key and value
+  blocks, its queries, float32 scores, output and running max and sum, and the write's
+  window (a long prefill does not fit: XLA's products take it)."""
+  tile = slot_tile(head_dim, itemsize)
+  if slots % tile or tokens > slots:
+    return False
+  lanes = -(-head_dim // LANES) * LANES
+  bs = key_block_of(slots, head_dim, block)
+  rows = tokens * per_group
+  attend = 4 * bs * lanes * itemsize + rows * (2 * lanes * itemsize + 4 * (bs + lanes + 2 * LANES))
+  write = 0 if tile == 1 else 4 * window(tokens, slots, tile) * lanes * max(itemsize, 4)
+  return max(attend, write) <= VMEM_BLOCKS
 
 
 def view(cache, minor: bool):
@@ -225,20 +235,24 @@ def _write_kernel(pass_ref, start_ref, k_new_ref, v_new_ref, k_in, v_in, k_out, 
       pltpu.make_async_copy(buf.at[i], at(out, first, width), sems.at[i]).wait()
 
 
-@functools.partial(jax.jit, static_argnames=('interpret',), donate_argnums=(0, 1))
+@functools.partial(jax.jit, static_argnames=('interpret',))
 def write_rows(k_view, v_view, k_new, v_new, start_B, pass_index=None, *, interpret=False):
   """The caches' `view`s ([B, G, S, K], or [L, B, G, S, K] at pass `pass_index`; slots-minor
   [.., K, S]) with row b's T new entries k_new, v_new [B, G, T, K] at slots start_B[b] ..
   start_B[b] + T - 1, written in place by DMA (module docstring): the rows themselves where
   a DMA may start at any slot, else the whole tiles (`slot_tile`) around them, read, merged
   and written back. A row whose chunk reaches past the cache is not written (decode_step's
-  logits say so)."""
+  logits say so). In place under an enclosing jit (the caches aliased to the outputs);
+  called alone, the caches given stay as they were."""
   squeeze = k_view.ndim == 4
   k_cache, v_cache, pass_index = _with_passes(k_view, v_view, pass_index)
   b, g, tokens, kd = k_new.shape
   minor = slots_minor(kd)
   slots = k_cache.shape[4 if minor else 3]
   tile = slot_tile(kd, k_cache.dtype.itemsize)
+  if slots % tile or tokens > slots:
+    raise ValueError(f'write_rows: a cache of {slots} slots takes no chunk of {tokens} '
+                     f'(slots must be a multiple of {tile} and at least the chunk: supports)')
   news = [x.astype(k_cache.dtype) for x in (k_new, v_new)]
   scratch = [pltpu.SemaphoreType.DMA((2,))]
   if tile > 1:  # [B, G, K, W] or [B, G, W, K]: the new slots first, moved in the kernel

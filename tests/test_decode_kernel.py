@@ -86,17 +86,29 @@ def test_decode_attend_takes_the_layer_layouts_and_returns_the_written_cache():
   np.testing.assert_array_equal(got_v, ref_v)
 
 
+def test_shards_split_rows_over_the_batch_axes_that_divide_them():
+  mesh = make_mesh(MeshConfig(data=4, tensor=2))
+  assert attention._kernel_shards(mesh, 8, 2, 1) == (
+      jax.sharding.PartitionSpec(('data',), 'tensor', None, None),
+      jax.sharding.PartitionSpec(None, ('data',), 'tensor', None, None),
+      jax.sharding.PartitionSpec(('data',)))
+  rows4, cache, rows = attention._kernel_shards(mesh, 1, 3, 0)  # batch 1, 3 groups: copied
+  assert rows4 == jax.sharding.PartitionSpec(None, None, None, None) and rows == (
+      jax.sharding.PartitionSpec(None)) and cache == rows4
+
+
 @pytest.mark.parametrize('kd,dtype', [(16, 'float32'), (128, 'float32'), (128, 'bfloat16')],
                          ids=['slots minor', 'heads of 128', 'packed rows'])
 def test_a_chunk_past_the_cache_is_not_written(kd, dtype):
   rng = np.random.default_rng(0)
   kc, vc, _, kn, vn = _case(rng, (), 2, 1, 256, kd, 3, 2, jnp.dtype(dtype))
   start = jnp.asarray([4, 254], jnp.int32)  # row 1's slots 254, 255, 256: past 256 slots
-  before = np.asarray(kc)  # write_rows donates the caches
+  before = np.asarray(kc)
   minor = dk.slots_minor(kd)
   got_k, _ = dk.write_rows(dk.view(kc, minor), dk.view(vc, minor), kn.transpose(0, 2, 1, 3),
                            vn.transpose(0, 2, 1, 3), start, interpret=INTERPRET)
   got_k = dk.view(got_k, minor)
+  np.testing.assert_array_equal(kc, before)  # called alone, the cache given stays as it was
   np.testing.assert_array_equal(got_k[1], before[1])
   np.testing.assert_array_equal(got_k[0, :, 4:7], kn[0].transpose(1, 0, 2))
   np.testing.assert_array_equal(got_k[0, :, 7:], before[0, :, 7:])
@@ -111,6 +123,10 @@ def test_supports_blocks_within_vmem_and_slots_of_whole_tiles():
   assert dk.window(3, 128, 128) == 128 and dk.window(3, 4096, 16) == 32
   assert [dk.slot_tile(128, n) for n in (4, 2, 1)] == [1, 16, 32] and dk.slot_tile(64, 4) == 128
   assert dk.key_block(4096) == 512 and dk.key_block(1000) == 8 and dk.key_block(999) == 999
+  assert dk.key_block(1000, block=100) == 8  # a block size not of whole sublanes is not used
+  assert dk.supports(4096, 128, 4, tokens=512, per_group=2)  # a prefill that fits VMEM
+  assert not dk.supports(4096, 128, 4, tokens=4096, per_group=4)  # one that does not: XLA
+  assert not dk.supports(128, 128, 4, tokens=200)
   assert dk.key_block_of(384, 64, block=16) == 128 and dk.key_block_of(384, 128, 16) == 16
 
 
@@ -133,7 +149,7 @@ def test_decode_with_the_kernels_is_the_xla_decode(head_dim):
   slots = 128  # slots-minor: whole lane tiles (the write's window the whole cache)
   cache = init_cache(cfg, 2, slots)
   assert attention.decode_kernel_runs(kernels, cfg, cache['core']['body']['layer_0'][
-      'attention']['k'])
+      'attention']['k'], 5)
   toks = jnp.asarray([[3, 5, 7, 9, 11], [2, 4, 6, 8, 10]], jnp.int32)
   caches = {name: init_cache(cfg, 2, slots) for name in ('kernels', 'xla')}
   for chunk in (toks, toks[:, 1:3]):  # a prefill, then two tokens
