@@ -149,20 +149,34 @@ def write_rows(cache, new_BTGK, start_B, pass_index=None):
   return cache.at[pass_index, rows_B1, :, slots_BT].set(new_BTGK, unique_indices=True)
 
 
+def group_queries(q_BTHK, groups: int):
+  """[B, T, H, K] -> [B, G, Q, K]: a head group's T x H/G queries as Q rows, query
+  (t, head j of the group) at row t * H/G + j."""
+  b, t, h, k = q_BTHK.shape
+  return q_BTHK.reshape(b, t, groups, h // groups, k).transpose(0, 2, 1, 3, 4).reshape(
+      b, groups, -1, k)
+
+
+def ungroup_queries(out_BGQK, tokens: int):
+  """group_queries' inverse: [B, G, Q, K] -> [B, T, H, K]."""
+  b, g, q, k = out_BGQK.shape
+  return out_BGQK.reshape(b, g, tokens, q // tokens, k).transpose(0, 2, 1, 3, 4).reshape(
+      b, tokens, -1, k)
+
+
 def attend_cached(q_BTHK, k_BGSK, v_BGSK, q_pos_BT, k_pos_BS):
   """`attend` over heads-major keys and values (the decode cache's layout): the same
   products, the T queries of a head group's H/G heads as one [T * H/G, S] block, batched
   over rows and groups."""
-  b, t, h, k = q_BTHK.shape
+  _, t, h, k = q_BTHK.shape
   g = k_BGSK.shape[1]
-  q_BGQK = q_BTHK.reshape(b, t, g, h // g, k).transpose(0, 2, 1, 3, 4).reshape(b, g, -1, k)
+  q_BGQK = group_queries(q_BTHK, g)
   q_pos_BQ = jnp.repeat(q_pos_BT, h // g, axis=1)  # query (t, head) at t's position
   mask_BGQS = (q_pos_BQ[:, :, None] >= k_pos_BS[:, None, :])[:, None]
   scores = jnp.einsum('bgqk,bgsk->bgqs', q_BGQK, k_BGSK,
                       preferred_element_type=jnp.float32) / jnp.sqrt(k).astype(jnp.float32)
   probs = _masked_softmax(scores, mask_BGQS).astype(v_BGSK.dtype)
-  out = jnp.einsum('bgqs,bgsk->bgqk', probs, v_BGSK)
-  return out.reshape(b, g, t, h // g, k).transpose(0, 2, 1, 3, 4).reshape(b, t, h, k)
+  return ungroup_queries(jnp.einsum('bgqs,bgsk->bgqk', probs, v_BGSK), t)
 
 
 def _masked_softmax(scores, mask):
@@ -225,7 +239,7 @@ def decode_attend(q_BTHK, k_BTGK, v_BTGK, k_cache, v_cache, start_B, pass_index,
   into the cache (pass `pass_index`'s slot of a [L, B, G, S, K] one) at positions
   start_B[b] + t, then the queries [B, T, H, K] over it; (out [B, T, H, K], k_cache, v_cache).
   Per batch shard inside `jax.shard_map` when the mesh splits work (`_kernel_shards`)."""
-  b, t, h, k = q_BTHK.shape
+  b, t, _, k = q_BTHK.shape
   g = k_cache.shape[-3]
   interpret = pallas_kernels.ops.resolve_interpret('tpu', runtime.interpret,
                                                    runtime.target_platform)
@@ -245,9 +259,6 @@ def decode_attend(q_BTHK, k_BTGK, v_BTGK, k_cache, v_cache, start_B, pass_index,
     rows4, cache, rows = _kernel_shards(runtime.mesh, b, g, k_cache.ndim - 4)
     step = jax.shard_map(step, in_specs=(rows4, rows4, rows4, cache, cache, rows, P()),
                          out_specs=(rows4, cache, cache), check_vma=False)
-  q_BGQK = q_BTHK.reshape(b, t, g, h // g, k).transpose(0, 2, 1, 3, 4).reshape(b, g, -1, k)
-  groups_first = lambda x: x.transpose(0, 2, 1, 3)  # [B, T, G, K] -> [B, G, T, K]
-  out, k_cache, v_cache = step(q_BGQK, groups_first(k_BTGK), groups_first(v_BTGK), k_cache,
-                               v_cache, start_B, pass_index)
-  out = out.reshape(b, g, t, h // g, k).transpose(0, 2, 1, 3, 4).reshape(b, t, h, k)
-  return out, k_cache, v_cache
+  out, k_cache, v_cache = step(group_queries(q_BTHK, g), heads_major(k_BTGK),
+                               heads_major(v_BTGK), k_cache, v_cache, start_B, pass_index)
+  return ungroup_queries(out, t), k_cache, v_cache

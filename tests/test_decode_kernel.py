@@ -61,10 +61,9 @@ def test_kernels_write_and_attend_as_the_xla_path(tokens, passes, kd, dtype):
   pos = start[:, None] + jnp.arange(tokens)
   ref = attend_cached(q, slot(ref_k), slot(ref_v), pos, jnp.broadcast_to(jnp.arange(slots),
                                                                           (b, slots)))
-  q_bgqk = q.reshape(b, tokens, g, heads // g, kd).transpose(0, 2, 1, 3, 4).reshape(b, g, -1, kd)
-  out = dk.decode_attention(q_bgqk, got_k, got_v, start, p, tokens=tokens,
-                            block=128 if minor else 16, interpret=INTERPRET)
-  out = out.reshape(b, g, tokens, heads // g, kd).transpose(0, 2, 1, 3, 4).reshape(q.shape)
+  out = dk.decode_attention(attention.group_queries(q, g), got_k, got_v, start, p,
+                            tokens=tokens, block=128 if minor else 16, interpret=INTERPRET)
+  out = attention.ungroup_queries(out, tokens)
   tol = 1e-5 if dtype == 'float32' else 2e-2
   np.testing.assert_allclose(out.astype(jnp.float32), ref.astype(jnp.float32),
                              atol=tol * float(jnp.abs(ref.astype(jnp.float32)).max()))
