@@ -21,6 +21,7 @@ from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.layers import DTYPES, fan_in_init, param, rope
 from loopmoe_jax.runtime import HERE, Runtime
 from pallas_kernels import decode_attention as decode_kernel
+from pallas_kernels import decode_attention_gpu as gpu_kernel
 
 
 class AttentionWeights(nn.Module):
@@ -63,8 +64,10 @@ class Attention(nn.Module):
   1..T-1. Otherwise nothing is sown and the traced program is unchanged.
 
   `run.attention_impl` picks the implementation (attention_impls.py); decoding (the cache
-  path, `pass_index` the core's pass) runs the Pallas decode kernel where it resolves to
-  splash (`decode_attend`), else `attend_cached` over the heads-major cache;
+  path, `pass_index` the core's pass) runs Pallas decode kernels (`decode_kernels`): the
+  TPU's where it resolves to splash (`decode_attend`), the GPU's where programs are built for
+  a GPU and it is not xla (`decode_attend_gpu`), else `attend_cached` over the heads-major
+  cache;
   the probes (they read the attention weights) take their own products whatever it says.
   q, k and v carry the checkpoint name 'attn_qkv', the attention output 'attention'.
   """
@@ -113,13 +116,17 @@ class Attention(nn.Module):
       return attend_cached(q_BTHK, heads_major(k_BTGK), heads_major(v_BTGK), positions_BT,
                            positions_BT)
     start_B = positions_BT[:, 0]
-    if decode_kernel_runs(self.runtime, self.cfg, cache_k.value, t):  # slots where they lie
+    kernels = decode_kernel_runs(self.runtime, self.cfg, cache_k.value, t)
+    if kernels == 'tpu':  # written and read where the slots lie
       out_BTHK, cache_k.value, cache_v.value = decode_attend(
           q_BTHK, k_BTGK, v_BTGK, cache_k.value, cache_v.value, start_B, pass_index,
           runtime=self.runtime)
       return out_BTHK
     cache_k.value = write_rows(cache_k.value, k_BTGK, start_B, pass_index)
     cache_v.value = write_rows(cache_v.value, v_BTGK, start_B, pass_index)
+    if kernels == 'gpu':  # the filled slots read where they lie
+      return decode_attend_gpu(q_BTHK, cache_k.value, cache_v.value, start_B, pass_index,
+                               runtime=self.runtime)
     slot = ((lambda x: x) if pass_index is None else
             (lambda x: jax.lax.dynamic_index_in_dim(x, pass_index, 0, keepdims=False)))
     k_BGSK, v_BGSK = slot(cache_k.value), slot(cache_v.value)
@@ -204,20 +211,29 @@ def attend(q_BTHK, k_BSGK, v_BSGK, q_pos_BT, k_pos_BS, sink: bool = False):
   return out.reshape(b, t, h, k)
 
 
-def decode_kernels(runtime: Runtime, mc) -> bool:
-  """Whether decode steps run the Pallas decode kernels: `run.attention_impl` resolves to
-  splash (a TPU; on the CPU named, interpreted)."""
-  return resolve(runtime.run.attention_impl, mc.dtype, runtime.target_platform,
-                 mc.resolved_head_dim) == 'splash'
+def decode_kernels(runtime: Runtime, mc) -> str | None:
+  """The Pallas decode kernels decode steps run: 'tpu' where `run.attention_impl` resolves to
+  splash (a TPU; on the CPU named, interpreted: pallas_kernels.decode_attention), 'gpu' where
+  programs are built for a GPU and it resolves to anything but xla
+  (pallas_kernels.decode_attention_gpu; interpreted under Runtime(platform='gpu',
+  interpret=True)), else None: XLA's products."""
+  impl = resolve(runtime.run.attention_impl, mc.dtype, runtime.target_platform,
+                 mc.resolved_head_dim)
+  if impl == 'splash':
+    return 'tpu'
+  return 'gpu' if runtime.target_platform == 'gpu' and impl != 'xla' else None
 
 
-def decode_kernel_runs(runtime: Runtime, mc, cache, tokens: int) -> bool:
-  """Whether a decode step feeding `tokens` a row, attending over `cache` ([B, G, S, K] or
-  [L, B, G, S, K]), runs in the Pallas decode kernels (`decode_kernels`, and a cache and a
-  chunk they serve: a long prefill takes XLA's products)."""
-  return decode_kernels(runtime, mc) and decode_kernel.supports(
-      cache.shape[-2], cache.shape[-1], cache.dtype.itemsize, tokens,
-      mc.num_heads // mc.kv_heads)
+def decode_kernel_runs(runtime: Runtime, mc, cache, tokens: int) -> str | None:
+  """The kernels (`decode_kernels`) a decode step feeding `tokens` a row, attending over
+  `cache` ([B, G, S, K] or [L, B, G, S, K]), runs in, where they serve that cache and chunk
+  (a long prefill takes XLA's products); else None."""
+  kernels = decode_kernels(runtime, mc)
+  slots, head_dim, per_group = cache.shape[-2], cache.shape[-1], mc.num_heads // mc.kv_heads
+  serves = {'tpu': lambda: decode_kernel.supports(slots, head_dim, cache.dtype.itemsize,
+                                                  tokens, per_group),
+            'gpu': lambda: gpu_kernel.supports(slots, head_dim, tokens, per_group)}
+  return kernels if kernels and serves[kernels]() else None
 
 
 def _kernel_shards(mesh, batch: int, groups: int, lead: int):
@@ -262,3 +278,24 @@ def decode_attend(q_BTHK, k_BTGK, v_BTGK, k_cache, v_cache, start_B, pass_index,
   out, k_cache, v_cache = step(group_queries(q_BTHK, g), heads_major(k_BTGK),
                                heads_major(v_BTGK), k_cache, v_cache, start_B, pass_index)
   return ungroup_queries(out, t), k_cache, v_cache
+
+
+def decode_attend_gpu(q_BTHK, k_cache, v_cache, start_B, pass_index, *, runtime: Runtime):
+  """A decode step's attention in the GPU decode kernel (its K/V already written): the
+  queries [B, T, H, K] over the filled slots of the cache ([B, G, S, K], or pass
+  `pass_index`'s slot of a [L, B, G, S, K] one); out [B, T, H, K]. Per batch shard inside
+  `jax.shard_map` when the mesh splits work (`_kernel_shards`)."""
+  b, t = q_BTHK.shape[:2]
+  g = k_cache.shape[-3]
+  interpret = pallas_kernels.ops.resolve_interpret('gpu', runtime.interpret,
+                                                   runtime.target_platform)
+  step = lambda q, kc, vc, start, p: gpu_kernel.decode_attention(q, kc, vc, start, p, tokens=t,
+                                                                 interpret=interpret)
+  pass_index = jnp.zeros((), jnp.int32) if pass_index is None else pass_index
+  runtime = runtime.resolved()
+  if runtime.sharded:
+    rows4, cache, rows = _kernel_shards(runtime.mesh, b, g, k_cache.ndim - 4)
+    step = jax.shard_map(step, in_specs=(rows4, cache, cache, rows, P()), out_specs=rows4,
+                         check_vma=False)
+  return ungroup_queries(step(group_queries(q_BTHK, g), k_cache, v_cache, start_B, pass_index),
+                         t)

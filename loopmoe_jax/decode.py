@@ -125,8 +125,8 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, num_loops: int | Non
 def slots_for(cfg: ModelConfig, runtime: Runtime, length: int) -> int:
   """The slots a decoding program allocates for `length` positions: `length`, rounded up to
   whole 128-slot lane tiles where the Pallas decode kernels run (attention.decode_kernels:
-  they serve a slots-minor cache of whole tiles); the slots past `length` are never written
-  and the causal mask hides them."""
+  the TPU's serve a slots-minor cache of whole tiles, the GPU's whole key blocks); the slots
+  past `length` are never written and the causal mask hides them."""
   if not decode_kernels(runtime.resolved(), cfg):
     return length
   return -(-length // decode_kernel.LANES) * decode_kernel.LANES

@@ -420,6 +420,29 @@ def test_a_tpu_decode_step_reads_its_cache_once_in_the_pallas_kernels(head_dim, 
   assert accessed(compiled) + cache_bytes < accessed(xla)
 
 
+@needs('cuda')
+@pytest.mark.parametrize('name,head_dim,dtype', [('h100x1', 128, 'float32'),
+                                                 ('a100x1', 64, 'bfloat16'),
+                                                 ('rtx4090x1', 32, 'bfloat16')])
+def test_a_gpu_decode_step_reads_its_cache_in_the_pallas_kernel(name, head_dim, dtype):
+  """On a GPU a decode step's products run in the Triton decode kernel, which reads the
+  filled slots where they lie: the only cache-sized ops XLA:GPU keeps are the in-place
+  writes (scatters), and its temporaries are a sliver of the cache; XLA's products copy
+  the pass's slot out, convert and multiply it whole (a read of every slot, filled or not)."""
+  from loopmoe_jax.experiment import build
+  cfg = build(tiny()).model.replace(num_loops=3, head_dim=head_dim, num_heads=4,
+                                    num_kv_heads=2, d_model=64, dtype=dtype)
+  size = dict(batch=8, slots=4096)
+  reads = lambda big: [line for line in big if 'scatter' not in line.split('=')[0]]
+  compiled, cache_bytes, big = _decode_step(cfg, name, **size)
+  assert not reads(big), big
+  assert compiled.as_text().count('__triton') >= 2 * 3  # the layers' kernels (and the MoE's)
+  assert compiled.memory_analysis().temp_size_in_bytes < cache_bytes / 32
+  xla, _, xla_big = _decode_step(cfg, name, **size, attention_impl='xla')
+  assert reads(xla_big)
+  assert xla.memory_analysis().temp_size_in_bytes > cache_bytes / 32
+
+
 @pytest.mark.slow
 @needs('cuda')
 @pytest.mark.parametrize('name', ['a100x1', 'rtx4090x1'])
