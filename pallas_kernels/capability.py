@@ -69,29 +69,36 @@ def family_refusal(family: str, cc: tuple[int, int], where: str = '') -> str | N
           f'{describe(gpu_families(cc))}')
 
 
-def _stages_within(op: str, family: str, smem: int) -> dict:
-  """{'num_stages': n} for Triton tiles whose n pipelined 16-bit operand tiles fit `smem`
-  bytes (at least 2), {} where the default fits."""
+def _stages_within(op: str, family: str, smem: int, itemsize: int = 2) -> dict:
+  """{'num_stages': n} for Triton tiles whose n pipelined operand tiles of `itemsize`-byte
+  elements fit `smem` bytes (at least 2), and where even 2 do not (float32 on Ada's 99 KiB)
+  the contraction tile halved until they do; {} where the defaults fit."""
   if family != 'gpu':
     return {}
   t = TILES['gpu'][op]
   rows = t['tile_m'] + t['tile_n'] if op == 'gmm' else t['tile_k'] + t['tile_n']
-  per_stage = 2 * rows * (t['tile_k'] if op == 'gmm' else t['tile_m'])
-  stages = max(2, min(t['num_stages'], smem // per_stage))
-  return {} if stages == t['num_stages'] else {'num_stages': stages}
+  depth_key = 'tile_k' if op == 'gmm' else 'tile_m'
+  depth = t[depth_key]
+  while depth > 16 and 2 * itemsize * rows * depth > smem:
+    depth //= 2
+  stages = max(2, min(t['num_stages'], smem // (itemsize * rows * depth)))
+  out = {} if stages == t['num_stages'] else {'num_stages': stages}
+  return out if depth == t[depth_key] else {**out, depth_key: depth}
 
 
-def gpu_tiles(cc: tuple[int, int] | None, family: str | None = None) -> dict | None:
+def gpu_tiles(cc: tuple[int, int] | None, family: str | None = None,
+              itemsize: int = 2) -> dict | None:
   """`tiles` for pallas_kernels.gmm on compute capability `cc`: per op its family (`family`
   for both when given, else `gpu_families`), the capability itself ('cc': a program built
   for `cc` on a machine with another GPU is `cc`'s, pallas_kernels.ops.tiling) and fewer
-  Triton pipeline stages where the defaults outgrow the shared memory a block may opt into.
-  None where cc is unknown or no Pallas GPU family runs."""
+  Triton pipeline stages (operands of `itemsize` bytes) where the defaults outgrow the shared
+  memory a block may opt into. None where cc is unknown or no Pallas GPU family runs."""
   runs = {op: family for op in OPS} if family else gpu_families(cc)
   if cc is None or runs is None:
     return None
   smem = smem_optin_bytes(cc)
-  return {op: dict(family=runs[op], cc=tuple(cc), **_stages_within(op, runs[op], smem))
+  return {op: dict(family=runs[op], cc=tuple(cc),
+                  **_stages_within(op, runs[op], smem, itemsize))
           for op in OPS}
 
 

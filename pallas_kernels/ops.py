@@ -78,12 +78,13 @@ def resolve_interpret(target: str, interpret, platform: str | None = None):
 
 
 def tiling(target: str | None, tile_m=None, tile_n=None, overrides=None,
-           platform: str | None = None):
+           platform: str | None = None, itemsize: int = 2):
   """Per op, its family and tiles as a hashable tuple: the family from `overrides`
   ({'gmm': {'family': ..., 'tile_m': ...}, 'tgmm': {...}}), else `families(target,
   platform)`; the tiles TILES[family][op], then the overrides, then tile_m / tile_n. An
   override's 'cc' is the compute capability the program is built for (a named GPU target,
-  loopmoe_jax.aot), checked and tiled for in place of this machine's GPU (`_here`)."""
+  loopmoe_jax.aot), checked and tiled for in place of this machine's GPU (`_here`), for
+  operands of `itemsize` bytes."""
   default = families(target, platform)
   unknown = set(overrides or {}) - set(OPS)
   if unknown:
@@ -95,17 +96,19 @@ def tiling(target: str | None, tile_m=None, tile_n=None, overrides=None,
     family = cfg.pop('family', default[op])
     if family not in KERNELS:
       raise ValueError(f'family={family!r} for {op}: must be one of {sorted(KERNELS)}')
-    cfg = {**TILES[family][op], **_here(family, op, platform, cc), **cfg, 'family': family}
+    cfg = {**TILES[family][op], **_here(family, op, platform, cc, itemsize), **cfg,
+           'family': family}
     cfg.update({k: v for k, v in (('tile_m', tile_m), ('tile_n', tile_n)) if v})
     ops.append(tuple(sorted(cfg.items())))
   return tuple(ops)
 
 
-def _here(family: str, op: str, platform: str | None, cc=None) -> dict:
+def _here(family: str, op: str, platform: str | None, cc=None, itemsize: int = 2) -> dict:
   """For a program built for a GPU of compute capability `cc` (a named target's), or else for
   this machine's GPU: a family that capability cannot run refused (naming it), else the tiles
-  it changes ({'num_stages': 2} for Triton on Ada's 99 KiB of shared memory;
-  capability.gpu_tiles); {} elsewhere."""
+  it changes for operands of `itemsize` bytes ({'num_stages': 2} for Triton on Ada's 99 KiB of
+  shared memory, and float32 a shorter contraction tile; capability.gpu_tiles); {}
+  elsewhere."""
   if platform_of(platform) != 'gpu':
     return {}
   if cc is None:
@@ -113,7 +116,7 @@ def _here(family: str, op: str, platform: str | None, cc=None) -> dict:
   why = cc and capability.family_refusal(family, cc, f' ({op})')
   if why:
     raise ValueError(f'pallas_kernels: {why}')
-  tiles = (capability.gpu_tiles(cc, family) or {}).get(op, {})
+  tiles = (capability.gpu_tiles(cc, family, itemsize) or {}).get(op, {})
   return {k: v for k, v in tiles.items() if k not in ('family', 'cc')}
 
 
@@ -276,7 +279,8 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, target: str | None = None, interpret=
   with jax.named_scope('gmm'):
     return _gmm(lhs_MK, rhs_GKN, clip_sizes(group_sizes_G, lhs_MK.shape[0]),
                 (interpret_flag(interpret, platform),) +
-                tiling(target, tile_m, tile_n, tiles, platform), bool(zero_tail))
+                tiling(target, tile_m, tile_n, tiles, platform, jnp.dtype(dtype).itemsize),
+                bool(zero_tail))
 
 
 def tgmm(lhs_MK, grad_MN, group_sizes_G, *, target: str | None = None, interpret=None,
@@ -292,7 +296,8 @@ def tgmm(lhs_MK, grad_MN, group_sizes_G, *, target: str | None = None, interpret
   with jax.named_scope('tgmm'):
     return _tgmm_impl(lhs_MK, grad_MN, clip_sizes(group_sizes_G, lhs_MK.shape[0]),
                       (interpret_flag(interpret, platform),) +
-                      tiling(target, tile_m, tile_n, tiles, platform))
+                      tiling(target, tile_m, tile_n, tiles, platform,
+                             jnp.dtype(dtype).itemsize))
 
 
 def gmm_swiglu(x_MD, gate_GDF, up_GDF, group_sizes_G, **kw):
