@@ -232,7 +232,8 @@ def decode_kernel_runs(runtime: Runtime, mc, cache, tokens: int) -> str | None:
   slots, head_dim, per_group = cache.shape[-2], cache.shape[-1], mc.num_heads // mc.kv_heads
   serves = {'tpu': lambda: decode_kernel.supports(slots, head_dim, cache.dtype.itemsize,
                                                   tokens, per_group),
-            'gpu': lambda: gpu_kernel.supports(slots, head_dim, tokens, per_group)}
+            'gpu': lambda: gpu_kernel.supports(slots, head_dim, cache.dtype.itemsize, tokens,
+                                               per_group)}
   return kernels if kernels and serves[kernels]() else None
 
 

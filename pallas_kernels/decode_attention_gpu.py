@@ -24,6 +24,8 @@ BLOCK = 64        # key slots a loop step reads
 CHUNK = 512       # slots one program covers (BLOCK x 8)
 MAX_ROWS = 128    # query rows a head group (T x H/G, padded): a longer prefill takes XLA's
 NEG = -1e30       # a masked score: finite, so a block with no key for a row adds exactly 0
+STAGES = 2        # the loop's software pipeline: key and value tiles in flight
+SMEM_BUDGET = 64 * 1024  # bytes of them, under every GPU's opt-in (Ada's 99 KiB the least)
 
 
 def _pow2(n: int) -> bool:
@@ -35,18 +37,20 @@ def padded_rows(rows: int) -> int:
   return max(16, 1 << (rows - 1).bit_length())
 
 
-def key_block(slots: int) -> int:
-  """The key block: BLOCK, or the largest power of two from 32 down to 16 dividing `slots`;
-  0 when none does."""
-  return next((b for b in (BLOCK, 32, 16) if slots % b == 0), 0)
+def key_block(slots: int, head_dim: int, itemsize: int) -> int:
+  """The key block: the largest of BLOCK, 32 and 16 slots that divides `slots` and whose
+  pipelined key and value tiles (STAGES deep) fit SMEM_BUDGET; 0 when none does."""
+  fits = lambda b: STAGES * 2 * b * head_dim * itemsize <= SMEM_BUDGET
+  return next((b for b in (BLOCK, 32, 16) if slots % b == 0 and fits(b)), 0)
 
 
-def supports(slots: int, head_dim: int, tokens: int = 1, per_group: int = 1) -> bool:
-  """Whether the kernel serves a cache of `slots` x `head_dim` for a step of `tokens` a row
-  (`per_group` query heads a KV head): heads of a power of two from 16 to 256 lanes, slots in
-  whole key blocks, and at most MAX_ROWS query rows a group (a long prefill takes XLA's
-  products)."""
-  return (_pow2(head_dim) and 16 <= head_dim <= 256 and key_block(slots) > 0
+def supports(slots: int, head_dim: int, itemsize: int, tokens: int = 1,
+             per_group: int = 1) -> bool:
+  """Whether the kernel serves a cache of `slots` x `head_dim` of `itemsize`-byte elements
+  for a step of `tokens` a row (`per_group` query heads a KV head): heads of a power of two
+  from 16 to 256 lanes, slots in whole key blocks (`key_block`), and at most MAX_ROWS query
+  rows a group (a long prefill takes XLA's products)."""
+  return (_pow2(head_dim) and 16 <= head_dim <= 256 and key_block(slots, head_dim, itemsize) > 0
           and tokens <= slots and padded_rows(tokens * per_group) <= MAX_ROWS)
 
 
@@ -97,7 +101,7 @@ def _merge(o_BGCRK, m_BGCR1, l_BGCR1):
 
 
 def decode_attention(q_BGQK, k_cache, v_cache, start_B, pass_index=None, *, tokens: int,
-                     num_warps: int = 4, num_stages: int = 2, interpret=False):
+                     num_warps: int = 4, interpret=False):
   """Causal attention of a decode step's queries over the cache (module docstring):
   q_BGQK [B, G, Q, K] with Q = tokens x H/G (attention.group_queries); k_cache, v_cache
   [B, G, S, K] or [L, B, G, S, K] read at pass `pass_index` (an int32 scalar); start_B [B]
@@ -108,11 +112,12 @@ def decode_attention(q_BGQK, k_cache, v_cache, start_B, pass_index=None, *, toke
     pass_index = 0
   b, g, q, kd = q_BGQK.shape
   slots = k_cache.shape[3]
-  if q % tokens or not supports(slots, kd, tokens, q // tokens):
+  itemsize = k_cache.dtype.itemsize
+  if q % tokens or not supports(slots, kd, itemsize, tokens, q // tokens):
     raise ValueError(f'decode_attention (GPU): {q} query rows a group over {tokens} tokens, '
                      f'{slots} slots, heads of {kd}: not served (supports)')
-  rows, block = padded_rows(q), key_block(slots)
-  blocks = CHUNK // BLOCK
+  rows, block = padded_rows(q), key_block(slots, kd, itemsize)
+  blocks = CHUNK // block
   chunks = -(-slots // (blocks * block))
   q_pad = jnp.pad(q_BGQK, ((0, 0), (0, 0), (0, rows - q), (0, 0)))
   pass_1 = jnp.reshape(jnp.asarray(pass_index, jnp.int32), (1,))
@@ -130,6 +135,6 @@ def decode_attention(q_BGQK, k_cache, v_cache, start_B, pass_index=None, *, toke
                 whole(k_cache), whole(v_cache)],
       out_specs=[out_spec(kd), out_spec(1), out_spec(1)],
       out_shape=[part(kd), part(1), part(1)],
-      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=STAGES),
       interpret=interpret)(pass_1, start_B.astype(jnp.int32), q_pad, k_cache, v_cache)
   return _merge(o, m, l)[:, :, :q].astype(q_BGQK.dtype)

@@ -13,8 +13,8 @@ passes per token), in the input order; without --out the prompt and its text are
 Prompts of different lengths share a batch, each row what it would be alone (batched.py).
 --speculative drafts --lookahead tokens with the first --draft_loops passes of the core and
 verifies them with the rest (speculative.py; batch 1, model.kv_cache='per_pass').
-On a TPU the KV cache is written and read in Pallas kernels (pallas_kernels/decode_attention.py);
---attention_impl=xla keeps XLA's products.
+On a TPU or a GPU the KV cache is read in Pallas kernels (pallas_kernels/decode_attention.py,
+decode_attention_gpu.py); --attention_impl=xla keeps XLA's products.
 """
 import math
 
@@ -45,8 +45,8 @@ _SPEC = flags.DEFINE_bool('speculative', False, 'Loop-draft speculative decoding
 _DRAFT = flags.DEFINE_integer('draft_loops', 1, 'Core passes of the draft (< the pass count).')
 _LOOKAHEAD = flags.DEFINE_integer('lookahead', 4, 'Tokens drafted per round.')
 _ATTENTION = flags.DEFINE_string('attention_impl', None, "The run's run.attention_impl replaced "
-                                 "(on a TPU, 'xla': XLA's decode products instead of the Pallas "
-                                 'decode kernels).')
+                                 "(on a TPU or a GPU, 'xla': XLA's decode products instead of "
+                                 'the Pallas decode kernels).')
 _DISTRIBUTED = distributed_flags()
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for pallas_kernels, in one call on a machine with a CUDA device:
-#   1. the GPU-marked tests of tests/test_*kernels*.py and tests/test_attention_impls.py (compiled
-#      kernels and cuDNN attention vs references; H100/H200, A100, L4, RTX 4090), run without
+#   1. the GPU-marked tests of tests/test_*kernel*.py and tests/test_attention_impls.py (compiled
+#      kernels, the decode kernel and cuDNN attention vs references; H100/H200, A100, L4, RTX 4090), run without
 #      tests/conftest.py (it pins jax_platforms=cpu);
 #   2. `scripts/benchmark.py kernels`, which adds the gpu_* keys (tile tuning, Pallas vs
 #      ragged_dot vs dense TFLOP/s at E 8/64, the MoE layer vs a dense SwiGLU, the Pallas
@@ -32,7 +32,7 @@ if [ -n "$NO_MGPU" ]; then
   SELECT=(-k "not mgpu"); echo "compute capability $NO_MGPU: Mosaic GPU tests deselected"
 fi
 
-timeout "${TEST_TIMEOUT:-150}" "$PY" -m pytest -q --noconftest -m gpu "${SELECT[@]}" tests/test_*kernels*.py tests/test_attention_impls.py -rs -p no:cacheprovider \
+timeout "${TEST_TIMEOUT:-150}" "$PY" -m pytest -q --noconftest -m gpu "${SELECT[@]}" tests/test_*kernel*.py tests/test_attention_impls.py -rs -p no:cacheprovider \
   --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 

@@ -8,7 +8,9 @@
 - A looped model built for a GPU (Runtime(platform='gpu', interpret=True): the kernel runs
   in every decode step) gives the XLA decode's logits and cache, and its batched, plain and
   loop-draft greedy tokens, and on a data x tensor mesh its logits (slow).
-The compiled GPU program: tests/test_targets.py::test_a_gpu_decode_step_reads_its_cache_in_the_pallas_kernel.
+On a CUDA device (scripts/gpu_check.sh, marked gpu): the compiled kernel and a model's decode
+with it against XLA's. The compiled GPU program (compile-only, here):
+tests/test_targets.py::test_a_gpu_decode_step_reads_its_cache_in_the_pallas_kernel.
 """
 import flax.linen as nn
 import jax
@@ -17,6 +19,7 @@ import numpy as np
 import pytest
 
 from helpers import make_cfg, rt
+from reference import cuda_devices, requires_gpu
 from loopmoe_jax import attention
 from loopmoe_jax.attention import attend_cached
 from loopmoe_jax.batched import generate_batch
@@ -61,14 +64,18 @@ def test_kernel_attends_as_the_xla_products_and_reads_no_slot_past_a_row(tokens,
 
 
 def test_supports_heads_of_powers_of_two_slots_of_whole_blocks_and_short_chunks():
-  assert gk.supports(4096, 128) and gk.supports(4096, 16) and gk.supports(96, 64)
-  assert not gk.supports(4096, 88)          # SMELT's looped width: XLA's products
-  assert not gk.supports(4096, 8) and not gk.supports(4096, 512)
-  assert not gk.supports(100, 64)           # no block of 16 or more divides 100 slots
-  assert gk.supports(4096, 64, tokens=16, per_group=8)       # 128 query rows a group
-  assert not gk.supports(4096, 64, tokens=17, per_group=8)   # a prefill: XLA's
+  assert gk.supports(4096, 128, 4) and gk.supports(4096, 16, 4) and gk.supports(96, 64, 2)
+  assert not gk.supports(4096, 88, 4)          # SMELT's looped width: XLA's products
+  assert not gk.supports(4096, 8, 4) and not gk.supports(4096, 512, 2)
+  assert not gk.supports(100, 64, 4)           # no block of 16 or more divides 100 slots
+  assert gk.supports(4096, 64, 2, tokens=16, per_group=8)       # 128 query rows a group
+  assert not gk.supports(4096, 64, 2, tokens=17, per_group=8)   # a prefill: XLA's
   assert [gk.padded_rows(n) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
-  assert [gk.key_block(n) for n in (4096, 96, 48, 100)] == [64, 32, 16, 0]
+  assert [gk.key_block(n, 64, 2) for n in (4096, 96, 48, 100)] == [64, 32, 16, 0]
+  # two stages of key and value tiles within the budget (float32 heads of 128 on an RTX
+  # 4090 asked 110,592 bytes of its 101,376 at 64 slots a block)
+  assert [gk.key_block(4096, 128, n) for n in (2, 4)] == [64, 32]
+  assert gk.key_block(4096, 256, 4) == 16 and gk.key_block(48, 256, 4) == 16
 
 
 def _looped(head_dim=16, loops=2):
@@ -126,3 +133,39 @@ def test_on_a_mesh_the_gpu_kernel_runs_per_shard_and_equals_the_xla_decode():
     out, _ = jax.jit(lambda p, c, t: decode_step(cfg, p, c, t, runtime=GPU))(
         params, init_cache(cfg, 4, 128), toks)
   np.testing.assert_allclose(out, ref, atol=2e-5)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_on_a_gpu_the_compiled_kernel_attends_as_the_xla_products(dtype):
+  """On an NVIDIA GPU (scripts/gpu_check.sh): the compiled Triton kernel against the XLA
+  products, 3 tokens over a per-pass cache of 4,096 slots (tolerance: the GPU's float32 dots
+  may run in TF32), and a model's decode steps with the GPU's default runtime (the kernel)
+  against run.attention_impl='xla'."""
+  with jax.default_device(cuda_devices()[0]):
+    b, g, heads, slots, kd, tokens = 4, 2, 8, 4096, 64, 3
+    rng = np.random.default_rng(7)
+    normal = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.dtype(dtype))
+    kc, vc, q = normal(2, b, g, slots, kd), normal(2, b, g, slots, kd), normal(b, tokens, heads,
+                                                                               kd)
+    start = jnp.asarray([0, 511, 2000, slots - tokens], jnp.int32)
+    ref = attend_cached(q, kc[1], vc[1], start[:, None] + jnp.arange(tokens),
+                        jnp.broadcast_to(jnp.arange(slots), (b, slots))).astype(jnp.float32)
+    out = jax.jit(lambda *a: gk.decode_attention(*a, tokens=tokens))(
+        attention.group_queries(q, g), kc, vc, start, jnp.int32(1))
+    out = attention.ungroup_queries(out, tokens).astype(jnp.float32)
+    np.testing.assert_allclose(out, ref, atol=2e-2 * float(jnp.abs(ref).max()))
+    cfg, params = _looped(head_dim=64)
+    cfg = cfg.replace(dtype=dtype)
+    toks = jnp.asarray([[3, 5, 7, 9, 11], [2, 4, 6, 8, 10]], jnp.int32)
+    here = Runtime().with_run(dispatch='tiled')  # the MoE in XLA: the attention is tested
+    runs = {'kernel': here, 'xla': here.with_run(attention_impl='xla')}
+    assert attention.decode_kernels(runs['kernel'], cfg) == 'gpu'
+    logits = {}
+    for name, runtime in runs.items():
+      step = jax.jit(lambda p, c, t, r=runtime: decode_step(cfg, p, c, t, runtime=r))
+      first, cache = step(params, init_cache(cfg, 2, 256), toks)
+      logits[name] = step(params, cache, toks[:, :1])[0].astype(jnp.float32)
+    np.testing.assert_allclose(logits['kernel'], logits['xla'],
+                               atol=2e-2 * float(jnp.abs(logits['xla']).max()))
