@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from loopmoe_jax import sharding
-from loopmoe_jax.attention_impls import attend_with, resolve
+from loopmoe_jax.attention_impls import attend_with, chunked_attend, resolve
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.layers import DTYPES, fan_in_init, param, rope
 from loopmoe_jax.runtime import HERE, Runtime
@@ -127,6 +127,8 @@ class Attention(nn.Module):
     if kernels == 'gpu':  # the filled slots read where they lie
       return decode_attend_gpu(q_BTHK, cache_k.value, cache_v.value, start_B, pass_index,
                                runtime=self.runtime)
+    if self.runtime.empty_cache:  # nothing before the chunk: it attends to itself alone
+      return prefill_attend(q_BTHK, k_BTGK, v_BTGK, positions_BT, self.runtime, self.cfg)
     slot = ((lambda x: x) if pass_index is None else
             (lambda x: jax.lax.dynamic_index_in_dim(x, pass_index, 0, keepdims=False)))
     k_BGSK, v_BGSK = slot(cache_k.value), slot(cache_v.value)
@@ -135,6 +137,18 @@ class Attention(nn.Module):
     slots = k_BGSK.shape[2]
     k_pos_BS = jnp.broadcast_to(jnp.arange(slots), (q_BTHK.shape[0], slots))
     return attend_cached(q_BTHK, k_BGSK, v_BGSK, positions_BT, k_pos_BS)
+
+
+def prefill_attend(q_BTHK, k_BTGK, v_BTGK, positions_BT, runtime: Runtime, mc):
+  """A prefill's attention into an empty cache: the chunk over its own K/V (nothing
+  precedes it), [T, T] products where the cache's would be [T, S]: `attend` under
+  run.attention_impl='xla', else flash attention's recurrence in blocks of
+  run.attention_block (any length on every platform: [T, block] scores at a time)."""
+  if resolve(runtime.run.attention_impl, mc.dtype, runtime.target_platform,
+             mc.resolved_head_dim) == 'xla':
+    return attend(q_BTHK, k_BTGK, v_BTGK, positions_BT, positions_BT)
+  return chunked_attend(q_BTHK, k_BTGK, v_BTGK, positions_BT, positions_BT,
+                        runtime.run.attention_block)
 
 
 def heads_major(x_BTGK):

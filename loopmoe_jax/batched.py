@@ -98,7 +98,7 @@ def _program(cfg: ModelConfig, params, prompts_BN, lengths_B, keys_B, max_new: i
   batch, width = prompts_BN.shape
   caches, step = _stepper(cfg, params, batch, slots_for(cfg, runtime, width + max_new),
                           num_loops, router_bias, runtime)
-  logits_BNV, caches = step(caches, prompts_BN)
+  logits_BNV, caches = step(caches, prompts_BN, True)  # the prefill: an empty cache
   last_BV = jnp.take_along_axis(logits_BNV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
   caches = {**caches, 'position': lengths_B.reshape(caches['position'].shape)}
   draw = jax.vmap(lambda logits_V, key, j: sampling.sample(logits_V, jax.random.fold_in(key, j)),
@@ -120,19 +120,20 @@ def _program(cfg: ModelConfig, params, prompts_BN, lengths_B, keys_B, max_new: i
 
 def _stepper(cfg: ModelConfig, params, batch: int, max_len: int, num_loops, router_bias,
              runtime: Runtime):
-  """(caches, step): step(caches, tokens_BT) -> (logits_BTV, caches) feeds every row at its
-  own position. Natively batched: one cache with a position per row. Under
+  """(caches, step): step(caches, tokens_BT, empty=False) -> (logits_BTV, caches) feeds every
+  row at its own position (`empty`: the prefill, decode_step's empty_cache). Natively batched: one cache with a position per row. Under
   model.capacity_factor the MoE's capacity counts the batch's tokens, so each row runs as
   its own batch instead (decode_step vmapped over per-row caches of batch 1)."""
   if not cfg.capacity_factor:
     cache = {**init_cache(cfg, batch, max_len, num_loops),
              'position': jnp.zeros((batch,), jnp.int32)}
-    return cache, lambda c, t: decode_step(cfg, params, c, t, num_loops, router_bias, runtime)
+    return cache, lambda c, t, empty=False: decode_step(cfg, params, c, t, num_loops,
+                                                        router_bias, runtime, empty)
   one = init_cache(cfg, 1, max_len, num_loops)
   caches = jax.tree.map(lambda x: jnp.broadcast_to(x, (batch,) + x.shape), one)
 
-  def row(cache, tokens_T):  # one row as a batch of one: logits [T, V]
+  def row(cache, tokens_T, empty):  # one row as a batch of one: logits [T, V]
     logits_1TV, cache = decode_step(cfg, params, cache, tokens_T[None], num_loops,
-                                    router_bias, runtime)
+                                    router_bias, runtime, empty)
     return logits_1TV[0], cache
-  return caches, jax.vmap(row)
+  return caches, lambda c, t, empty=False: jax.vmap(functools.partial(row, empty=empty))(c, t)

@@ -144,16 +144,19 @@ def cache_length(cache) -> int:
 
 
 def decode_step(cfg: ModelConfig, params, cache, tokens_BT, num_loops: int | None = None,
-                router_bias=None, runtime: Runtime = HERE):
+                router_bias=None, runtime: Runtime = HERE, empty_cache: bool = False):
   """Feeds a chunk of tokens (a prompt, or one token) and returns (logits_BTV, new cache).
   The cache's 'position' is one for every row (a scalar, init_cache's) or one per row ([B]:
   row b's chunk sits at its own positions, batched.py). `router_bias`: the trained router
   bias (model.router_bias other than 'none'); `runtime`: the model's (its run settings: the
   dispatch backend, ...; runtime.py). The cache is
   in model.kv_cache's layout (init_cache's; what each pass attends to: the module docstring).
+  `empty_cache`: the cache holds nothing yet (init_cache's, every position 0: a prompt's
+  prefill), so the chunk attends to itself alone (Runtime.empty_cache), not to every slot.
 
-  Writing past the cache's length raises when the position is concrete; under jit the
-  logits of such a step are NaN instead of silently wrong."""
+  Writing past the cache's length, or a position other than 0 with `empty_cache`, raises when
+  the position is concrete; under jit the logits of such a step are NaN instead of silently
+  wrong."""
   early_exit_lib.check_params(cfg, params)
   max_len, pos = cache_length(cache), cache['position']
   end = jnp.max(pos + tokens_BT.shape[1])
@@ -164,6 +167,13 @@ def decode_step(cfg: ModelConfig, params, cache, tokens_BT, num_loops: int | Non
   if concrete_end is not None and concrete_end > max_len:
     raise ValueError(f'decode_step: position {concrete_end - tokens_BT.shape[1]} + '
                      f'{tokens_BT.shape[1]} tokens exceeds the cache length max_len={max_len}')
+  bad = end > max_len
+  if empty_cache:
+    bad = bad | jnp.any(pos != 0)
+    if concrete_end is not None and int(jnp.max(jnp.abs(pos))):
+      raise ValueError(f'decode_step: empty_cache=True but the cache holds positions up to '
+                       f'{int(jnp.max(pos))}: feed a cache from init_cache, or empty_cache=False')
+    runtime = runtime.replace(empty_cache=True)
   shared, passes = shares_passes(cfg), check_loops(cfg, num_loops)
   _check_layout(cfg, cache, shared, passes)
   if shared:  # the scan's per-pass layout, each pass's slot a copy of the shared one
@@ -182,7 +192,7 @@ def decode_step(cfg: ModelConfig, params, cache, tokens_BT, num_loops: int | Non
                      'tokens': counts['tokens'] + jnp.float32(passes_BT.size)}
   if shared:  # pass p's slot is the shared one with this step's positions holding p's K/V
     cache = _with_core(cache, lambda x: x[_shared_pass(cfg)])
-  return jnp.where(end > max_len, jnp.nan, logits), cache
+  return jnp.where(bad, jnp.nan, logits), cache
 
 
 def _check_layout(cfg: ModelConfig, cache, shared: bool, passes: int) -> None:
@@ -225,7 +235,8 @@ def generate(cfg: ModelConfig, params, prompt_BT, steps: int, key, temperature: 
     raise ValueError('prompt tokens must be integer ids')
   batch, plen = prompt_BT.shape
   cache = init_cache(cfg, batch, slots_for(cfg, runtime, plen + steps), num_loops)
-  logits, cache = decode_step(cfg, params, cache, prompt_BT, num_loops, router_bias, runtime)
+  logits, cache = decode_step(cfg, params, cache, prompt_BT, num_loops, router_bias, runtime,
+                              empty_cache=True)
   sampling = Sampling(temperature, top_k, top_p)
   first = sampling.sample(logits[:, -1], jax.random.fold_in(key, 0))
 
@@ -254,7 +265,7 @@ def decode_nll(cfg: ModelConfig, params, inputs_BT, targets_BT, num_loops: int |
     raise ValueError(f'prefill={prefill}: must lie in [1, {length}] (the tokens given)')
   cache = init_cache(cfg, batch, slots_for(cfg, runtime, length), num_loops)
   first_BPV, cache = decode_step(cfg, params, cache, inputs_BT[:, :prefill], num_loops,
-                                 router_bias, runtime)
+                                 router_bias, runtime, empty_cache=True)
 
   def body(cache, tok_B):
     logits_B1V, cache = decode_step(cfg, params, cache, tok_B[:, None], num_loops, router_bias,

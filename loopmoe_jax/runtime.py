@@ -88,6 +88,9 @@ class Runtime:
     model.exchange_buffer_factor says (the replay of an overflowing step, train/step.dropless).
   pallas_check: the Pallas self-check's verdict on this machine, settled once
     (dispatch.settle): '' passed, else why it failed; None: not checked.
+  empty_cache: a decode step into an empty cache (a prompt's prefill from position 0,
+    decode.decode_step's `empty_cache`): where no decode kernel serves the chunk, its
+    attention reads the chunk alone (attention.prefill_attend), not every slot of the cache.
   """
   platform: str | None = None
   interpret: bool | None = None
@@ -98,6 +101,7 @@ class Runtime:
   run: RunConfig = RunConfig()
   exchange_dropless: bool = False
   pallas_check: str | None = None
+  empty_cache: bool = False
 
   def __post_init__(self):
     if self.platform is not None:

@@ -189,7 +189,8 @@ def _program(cfg: ModelConfig, params, prompt_1T, steps: int, key, draft_loops, 
   loops = check_loops(cfg, num_loops)
   plen = prompt_1T.shape[1]
   cache = init_cache(cfg, 1, slots_for(cfg, runtime, plen + steps + lookahead + 1), loops)
-  logits, cache = decode_step(cfg, params, cache, prompt_1T, loops, router_bias, runtime)
+  logits, cache = decode_step(cfg, params, cache, prompt_1T, loops, router_bias, runtime,
+                              empty_cache=True)
   first = sampling.sample(logits[0, -1], jax.random.fold_in(key, 0))
   pf = PassForward.of(cfg, params, router_bias, runtime, loops)
   zero = jnp.zeros((), jnp.int32)
