@@ -6,6 +6,7 @@ stacks along a leading `loops` axis (untied, "Foil").
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -107,7 +108,12 @@ class Attention(nn.Module):
     over every filled slot; at init the chunk's own K/V only. With `pass_index` p (the
     looped core's decode, core.Core) the cache holds every pass's slots, [L, B, G, S, K],
     carried through the passes: the chunk is written into pass p's slot in place and that
-    slot read, so no pass copies its slot out and back."""
+    slot read, so no pass copies its slot out and back. Under a shared layout
+    (model.kv_cache 'last_pass' / 'first_pass') the carried cache is the one slot,
+    [B, G, S, K]: under 'last_pass' pass p writes its chunk there and reads the slot
+    (earlier positions the shared K/V, the chunk its own; the last pass's rows stay), under
+    'first_pass' pass 0 alone writes and every pass reads the slot's earlier positions and
+    its own chunk (`attend_split`): no per-pass copy of the slot."""
     initialized = self.has_variable('cache', 'k')
     b, t, g, k = k_BTGK.shape
     cache_k = self.variable('cache', 'k', jnp.zeros, (b, g, t, k), k_BTGK.dtype)
@@ -116,7 +122,26 @@ class Attention(nn.Module):
       return attend_cached(q_BTHK, heads_major(k_BTGK), heads_major(v_BTGK), positions_BT,
                            positions_BT)
     start_B = positions_BT[:, 0]
+    if pass_index is not None and cache_k.value.ndim == 4 and self.cfg.kv_cache == 'first_pass':
+      # the one slot keeps pass 0's rows: a later pass's write lands past the cache (dropped)
+      # and every pass reads the slot before its chunk and its own K/V (`attend_split`)
+      at_B = jnp.where(pass_index == 0, start_B, cache_k.value.shape[2])
+      cache_k.value = write_rows(cache_k.value, k_BTGK, at_B)
+      cache_v.value = write_rows(cache_v.value, v_BTGK, at_B)
+      if self.runtime.empty_cache:
+        return prefill_attend(q_BTHK, k_BTGK, v_BTGK, positions_BT, self.runtime, self.cfg)
+      return attend_split(q_BTHK, cache_k.value, cache_v.value, k_BTGK, v_BTGK, positions_BT)
     kernels = decode_kernel_runs(self.runtime, self.cfg, cache_k.value, t)
+    shared = pass_index is not None and cache_k.value.ndim == 4  # 'last_pass': one slot
+    return self._over_cache(kernels, q_BTHK, k_BTGK, v_BTGK, cache_k, cache_v, positions_BT,
+                            None if shared else pass_index)
+
+  def _over_cache(self, kernels, q_BTHK, k_BTGK, v_BTGK, cache_k, cache_v, positions_BT,
+                  pass_index):
+    """The chunk written into the cache (pass `pass_index`'s slot, or the one slot) and its
+    queries over the filled slots: in the TPU or GPU decode kernels (`kernels`), over the
+    chunk alone for a prefill into an empty cache, else XLA's products over every slot."""
+    start_B = positions_BT[:, 0]
     if kernels == 'tpu':  # written and read where the slots lie
       out_BTHK, cache_k.value, cache_v.value = decode_attend(
           q_BTHK, k_BTGK, v_BTGK, cache_k.value, cache_v.value, start_B, pass_index,
@@ -198,6 +223,28 @@ def attend_cached(q_BTHK, k_BGSK, v_BGSK, q_pos_BT, k_pos_BS):
                       preferred_element_type=jnp.float32) / jnp.sqrt(k).astype(jnp.float32)
   probs = _masked_softmax(scores, mask_BGQS).astype(v_BGSK.dtype)
   return ungroup_queries(jnp.einsum('bgqs,bgsk->bgqk', probs, v_BGSK), t)
+
+
+def attend_split(q_BTHK, k_BGSK, v_BGSK, k_BTGK, v_BTGK, positions_BT):
+  """One softmax over two key sets without joining them: each row's cache slots before its
+  chunk (heads-major [B, G, S, K]) and the chunk's own K/V [B, T, G, K], causally; a shared
+  slot's earlier positions and a pass's own rows ('first_pass', where only pass 0 writes)."""
+  _, t, h, k = q_BTHK.shape
+  g = k_BGSK.shape[1]
+  q_BGQK = group_queries(q_BTHK, g)
+  scale = 1.0 / jnp.sqrt(k).astype(jnp.float32)
+  own_k, own_v = heads_major(k_BTGK), heads_major(v_BTGK)
+  dots = lambda keys: jnp.einsum('bgqk,bgsk->bgqs', q_BGQK, keys,
+                                 preferred_element_type=jnp.float32) * scale
+  before = (jnp.arange(k_BGSK.shape[2])[None, :] < positions_BT[:, :1])[:, None, None]
+  causal = (jnp.arange(t)[None, :] <= jnp.arange(q_BGQK.shape[2])[:, None] // (h // g))
+  parts = [(dots(k_BGSK), before, v_BGSK), (dots(own_k), causal[None, None], own_v)]
+  top = functools.reduce(jnp.maximum, [jnp.max(jnp.where(m, sc, -jnp.inf), -1, keepdims=True)
+                                       for sc, m, _ in parts])
+  probs = [(jnp.where(m, jnp.exp(sc - top), 0.0), v) for sc, m, v in parts]
+  total = sum(jnp.sum(pr, -1, keepdims=True) for pr, _ in probs)
+  out = sum(jnp.einsum('bgqs,bgsk->bgqk', (pr / total).astype(v.dtype), v) for pr, v in probs)
+  return ungroup_queries(out, t)
 
 
 def _masked_softmax(scores, mask):

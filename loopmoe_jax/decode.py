@@ -35,10 +35,11 @@ a model trained under one decodes under any):
   `last_pass` every pass sees earlier tokens through the deepest pass's K/V (Huginn).
   Sharing needs one K/V projection for every pass: untied attention (model.tie_attention=
   False) is refused by the config.
-  Memory: the cache between steps is the shared one; inside a step the core's scan
-  (core.Core, carrying an [L, ...] cache that each pass writes its own slot of in place)
-  runs on L copies that decode_step broadcasts from it and reads the named pass's slot back
-  from, so a step's peak holds L copies of the core's slots (as 'per_pass' does throughout).
+  Memory: the cache is the shared one throughout: the core's decode scan (core.Core) carries
+  the one slot, pass p writes this step's positions there in place and reads it, and under
+  'first_pass' the later passes write pass 0's rows back (attention.Attention._cached), so no
+  step copies the slot. Under early exit (its stacked scan) a step runs on L copies that
+  decode_step broadcasts from the slot and reads the named pass's back from.
 
 `accounting.count(cfg)['kv_per_token']` and `cache_bytes` follow the layout.
 
@@ -176,7 +177,8 @@ def decode_step(cfg: ModelConfig, params, cache, tokens_BT, num_loops: int | Non
     runtime = runtime.replace(empty_cache=True)
   shared, passes = shares_passes(cfg), check_loops(cfg, num_loops)
   _check_layout(cfg, cache, shared, passes)
-  if shared:  # the scan's per-pass layout, each pass's slot a copy of the shared one
+  stacked = shared and cfg.exit != 'none'  # early exit's stacked scan: a slot per pass
+  if stacked:  # each pass's slot a copy of the shared one
     cache = _with_core(cache, lambda x: jnp.broadcast_to(x, (passes,) + x.shape))
   cache = dict(cache)
   counts = cache.pop(EXIT, None)
@@ -190,7 +192,7 @@ def decode_step(cfg: ModelConfig, params, cache, tokens_BT, num_loops: int | Non
     if counts is not None:
       cache[EXIT] = {'passes': counts['passes'] + jnp.sum(passes_BT).astype(jnp.float32),
                      'tokens': counts['tokens'] + jnp.float32(passes_BT.size)}
-  if shared:  # pass p's slot is the shared one with this step's positions holding p's K/V
+  if stacked:  # pass p's slot is the shared one with this step's positions holding p's K/V
     cache = _with_core(cache, lambda x: x[_shared_pass(cfg)])
   return jnp.where(bad, jnp.nan, logits), cache
 
