@@ -21,6 +21,7 @@ from loopmoe_jax.attention_impls import attend_with, chunked_attend, resolve
 from loopmoe_jax.config import ModelConfig
 from loopmoe_jax.layers import DTYPES, fan_in_init, param, rope
 from loopmoe_jax.runtime import HERE, Runtime
+from pallas_kernels import capability
 from pallas_kernels import decode_attention as decode_kernel
 from pallas_kernels import decode_attention_gpu as gpu_kernel
 
@@ -55,9 +56,9 @@ class Attention(nn.Module):
   batched.py) and attends to every filled slot before it.
   The write comes before the read, so the chunk's own positions are always read as this call's
   fresh K/V: with the core's cache shared by the passes (model.kv_cache 'last_pass' or
-  'first_pass'), each pass gets a copy of the shared slot (decode.py), so it attends to the
-  shared K/V of earlier steps and its own K/V of this step, and decode.py keeps the named
-  pass's copy.
+  'first_pass'), each pass attends to the shared K/V of earlier steps and its own K/V of this
+  step, in the one slot the decode scan carries (`_cached`; under early exit a copy per
+  pass, decode.py).
 
   Probes (opt-in, analysis/probes.py): only with `probe` (LoopedMoE(cfg, probe=True)), applied
   with mutable=['intermediates'] (outside decode), it sows float32 'q' [B,T,H,K], 'k' and 'v'
@@ -282,7 +283,19 @@ def decode_kernels(runtime: Runtime, mc) -> str | None:
                  mc.resolved_head_dim)
   if impl == 'splash':
     return 'tpu'
-  return 'gpu' if runtime.target_platform == 'gpu' and impl != 'xla' else None
+  return 'gpu' if runtime.target_platform == 'gpu' and impl != 'xla' and _triton_runs(
+      runtime) else None
+
+
+def _triton_runs(runtime: Runtime) -> bool:
+  """Whether the GPU programs are built for runs Pallas Triton: no failed Pallas check or
+  refused target (`runtime.pallas_check`), and a compute capability of at least sm_80 (a
+  named target's, aot.kernel_runtime, else this machine's GPU; unknown: assumed)."""
+  if runtime.pallas_check:
+    return False
+  named = [dict(t).get('cc') for _, t in runtime.kernel_tiles]
+  cc = next((c for c in named if c), None) or capability.local_cc()
+  return cc is None or tuple(cc) >= capability.MIN_CC['gpu']
 
 
 def decode_kernel_runs(runtime: Runtime, mc, cache, tokens: int) -> str | None:

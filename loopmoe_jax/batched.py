@@ -121,7 +121,8 @@ def _program(cfg: ModelConfig, params, prompts_BN, lengths_B, keys_B, max_new: i
 def _stepper(cfg: ModelConfig, params, batch: int, max_len: int, num_loops, router_bias,
              runtime: Runtime):
   """(caches, step): step(caches, tokens_BT, empty=False) -> (logits_BTV, caches) feeds every
-  row at its own position (`empty`: the prefill, decode_step's empty_cache). Natively batched: one cache with a position per row. Under
+  row at its own position (`empty`: the prefill, decode_step's empty_cache). Natively
+  batched: one cache with a position per row. Under
   model.capacity_factor the MoE's capacity counts the batch's tokens, so each row runs as
   its own batch instead (decode_step vmapped over per-row caches of batch 1)."""
   if not cfg.capacity_factor:

@@ -32,7 +32,8 @@ ACTIVATION = ('batch', 'length', 'act_embed')  # the residual stream's logical a
 # Variable collections the core's scan shares across passes (the weights, and read-only
 # per-layer inputs such as the expert masks of analysis/masking.py) and those it stacks
 # per pass (the KV cache at init, and values sown for probes under 'intermediates'; a
-# decode scan carries the stacked cache instead: CorePlan.carry_cache).
+# decode scan carries the cache instead, the stacked slots or a shared layout's one slot:
+# CorePlan.carry_cache).
 BROADCAST = ('params', 'routing_mask')
 PER_PASS = {'cache': 0, 'intermediates': 0}
 

@@ -36,9 +36,10 @@ a model trained under one decodes under any):
   Sharing needs one K/V projection for every pass: untied attention (model.tie_attention=
   False) is refused by the config.
   Memory: the cache is the shared one throughout: the core's decode scan (core.Core) carries
-  the one slot, pass p writes this step's positions there in place and reads it, and under
-  'first_pass' the later passes write pass 0's rows back (attention.Attention._cached), so no
-  step copies the slot. Under early exit (its stacked scan) a step runs on L copies that
+  the one slot; under 'last_pass' pass p writes this step's positions there in place and
+  reads it, under 'first_pass' only pass 0 writes (the later passes' writes land past the
+  cache and are dropped) and each pass reads the slot's earlier positions and its own K/V
+  (attention.Attention._cached), so no step copies the slot. Under early exit (its stacked scan) a step runs on L copies that
   decode_step broadcasts from the slot and reads the named pass's back from.
 
 `accounting.count(cfg)['kv_per_token']` and `cache_bytes` follow the layout.

@@ -89,8 +89,9 @@ class Runtime:
   pallas_check: the Pallas self-check's verdict on this machine, settled once
     (dispatch.settle): '' passed, else why it failed; None: not checked.
   empty_cache: a decode step into an empty cache (a prompt's prefill from position 0,
-    decode.decode_step's `empty_cache`): where no decode kernel serves the chunk, its
-    attention reads the chunk alone (attention.prefill_attend), not every slot of the cache.
+    decode.decode_step's `empty_cache`): where XLA's products would serve the chunk (no
+    decode kernel does; a 'first_pass' core), its attention reads the chunk alone
+    (attention.prefill_attend), not every slot of the cache.
   """
   platform: str | None = None
   interpret: bool | None = None

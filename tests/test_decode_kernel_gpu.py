@@ -78,6 +78,16 @@ def test_supports_heads_of_powers_of_two_slots_of_whole_blocks_and_short_chunks(
   assert gk.key_block(4096, 256, 4) == 16 and gk.key_block(48, 256, 4) == 16
 
 
+def test_a_gpu_that_runs_no_triton_keeps_the_xla_products():
+  """Below sm_80 (a named target's capability) or where the Pallas check failed, a decode
+  step built for a GPU takes XLA's products, as the MoE takes XLA's dispatch."""
+  cfg = make_cfg(head_dim=16, num_kv_heads=2)
+  assert attention.decode_kernels(GPU, cfg) == 'gpu'
+  assert attention.decode_kernels(GPU.with_tiles({'gmm': {'cc': (8, 0)}}), cfg) == 'gpu'
+  assert attention.decode_kernels(GPU.with_tiles({'gmm': {'cc': (7, 5)}}), cfg) is None
+  assert attention.decode_kernels(GPU.replace(pallas_check='Triton needs 8.0+'), cfg) is None
+
+
 def _looped(head_dim=16, loops=2):
   cfg = make_cfg(head_dim=head_dim, num_kv_heads=2, injection='add', core_layers=1,
                  num_loops=loops)
