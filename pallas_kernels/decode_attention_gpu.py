@@ -25,7 +25,8 @@ CHUNK = 512       # slots one program covers (BLOCK x 8)
 MAX_ROWS = 128    # query rows a head group (T x H/G, padded): a longer prefill takes XLA's
 NEG = -1e30       # a masked score: finite, so a block with no key for a row adds exactly 0
 STAGES = 2        # the loop's software pipeline: key and value tiles in flight
-SMEM_BUDGET = 64 * 1024  # bytes of them, under every GPU's opt-in (Ada's 99 KiB the least)
+SMEM_BUDGET = 96 * 1024  # shared memory a program may take: under every GPU's opt-in
+                         # (Ada's 99 KiB the least)
 
 
 def _pow2(n: int) -> bool:
@@ -37,21 +38,23 @@ def padded_rows(rows: int) -> int:
   return max(16, 1 << (rows - 1).bit_length())
 
 
-def key_block(slots: int, head_dim: int, itemsize: int) -> int:
+def key_block(slots: int, head_dim: int, itemsize: int, rows: int = 16) -> int:
   """The key block: the largest of BLOCK, 32 and 16 slots that divides `slots` and whose
-  pipelined key and value tiles (STAGES deep) fit SMEM_BUDGET; 0 when none does."""
-  fits = lambda b: STAGES * 2 * b * head_dim * itemsize <= SMEM_BUDGET
-  return next((b for b in (BLOCK, 32, 16) if slots % b == 0 and fits(b)), 0)
+  shared memory fits SMEM_BUDGET (the padded queries, STAGES pipelined key and value tiles
+  and the probabilities fed to the second product); 0 when none does."""
+  need = lambda b: (rows * head_dim + STAGES * 2 * b * head_dim + rows * b) * itemsize
+  return next((b for b in (BLOCK, 32, 16) if slots % b == 0 and need(b) <= SMEM_BUDGET), 0)
 
 
 def supports(slots: int, head_dim: int, itemsize: int, tokens: int = 1,
              per_group: int = 1) -> bool:
   """Whether the kernel serves a cache of `slots` x `head_dim` of `itemsize`-byte elements
   for a step of `tokens` a row (`per_group` query heads a KV head): heads of a power of two
-  from 16 to 256 lanes, slots in whole key blocks (`key_block`), and at most MAX_ROWS query
-  rows a group (a long prefill takes XLA's products)."""
-  return (_pow2(head_dim) and 16 <= head_dim <= 256 and key_block(slots, head_dim, itemsize) > 0
-          and tokens <= slots and padded_rows(tokens * per_group) <= MAX_ROWS)
+  from 16 to 256 lanes, at most MAX_ROWS query rows a group, and slots in whole key blocks
+  that fit shared memory with them (`key_block`; a long prefill takes XLA's products)."""
+  rows = padded_rows(tokens * per_group)
+  return (_pow2(head_dim) and 16 <= head_dim <= 256 and tokens <= slots and rows <= MAX_ROWS
+          and key_block(slots, head_dim, itemsize, rows) > 0)
 
 
 def _kernel(pass_ref, start_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, rows: int,
@@ -116,7 +119,8 @@ def decode_attention(q_BGQK, k_cache, v_cache, start_B, pass_index=None, *, toke
   if q % tokens or not supports(slots, kd, itemsize, tokens, q // tokens):
     raise ValueError(f'decode_attention (GPU): {q} query rows a group over {tokens} tokens, '
                      f'{slots} slots, heads of {kd}: not served (supports)')
-  rows, block = padded_rows(q), key_block(slots, kd, itemsize)
+  rows = padded_rows(q)
+  block = key_block(slots, kd, itemsize, rows)
   blocks = CHUNK // block
   chunks = -(-slots // (blocks * block))
   q_pad = jnp.pad(q_BGQK, ((0, 0), (0, 0), (0, rows - q), (0, 0)))

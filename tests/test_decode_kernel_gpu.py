@@ -72,10 +72,14 @@ def test_supports_heads_of_powers_of_two_slots_of_whole_blocks_and_short_chunks(
   assert not gk.supports(4096, 64, 2, tokens=17, per_group=8)   # a prefill: XLA's
   assert [gk.padded_rows(n) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
   assert [gk.key_block(n, 64, 2) for n in (4096, 96, 48, 100)] == [64, 32, 16, 0]
-  # two stages of key and value tiles within the budget (float32 heads of 128 on an RTX
-  # 4090 asked 110,592 bytes of its 101,376 at 64 slots a block)
+  # the queries and two stages of key and value tiles within shared memory (float32 heads of
+  # 128 on an RTX 4090 asked 110,592 bytes of its 101,376 at 64 slots a block; 128 query rows
+  # of heads of 256 asked 122,880 in bf16, 188,416 of an A100's 166,912 in float32)
   assert [gk.key_block(4096, 128, n) for n in (2, 4)] == [64, 32]
   assert gk.key_block(4096, 256, 4) == 16 and gk.key_block(48, 256, 4) == 16
+  assert gk.supports(4096, 256, 2, tokens=8, per_group=4)
+  assert not gk.supports(4096, 256, 2, tokens=16, per_group=8)
+  assert not gk.supports(4096, 256, 4, tokens=16, per_group=8)
 
 
 def test_a_gpu_that_runs_no_triton_keeps_the_xla_products():
