@@ -123,7 +123,8 @@ class Attention(nn.Module):
       return attend_cached(q_BTHK, heads_major(k_BTGK), heads_major(v_BTGK), positions_BT,
                            positions_BT)
     start_B = positions_BT[:, 0]
-    if pass_index is not None and cache_k.value.ndim == 4 and self.cfg.kv_cache == 'first_pass':
+    shared = pass_index is not None and cache_k.value.ndim == 4  # one slot for every pass
+    if shared and self.cfg.kv_cache == 'first_pass':
       # the one slot keeps pass 0's rows: a later pass's write lands past the cache (dropped)
       # and every pass reads the slot before its chunk and its own K/V (`attend_split`)
       at_B = jnp.where(pass_index == 0, start_B, cache_k.value.shape[2])
@@ -133,7 +134,6 @@ class Attention(nn.Module):
         return prefill_attend(q_BTHK, k_BTGK, v_BTGK, positions_BT, self.runtime, self.cfg)
       return attend_split(q_BTHK, cache_k.value, cache_v.value, k_BTGK, v_BTGK, positions_BT)
     kernels = decode_kernel_runs(self.runtime, self.cfg, cache_k.value, t)
-    shared = pass_index is not None and cache_k.value.ndim == 4  # 'last_pass': one slot
     return self._over_cache(kernels, q_BTHK, k_BTGK, v_BTGK, cache_k, cache_v, positions_BT,
                             None if shared else pass_index)
 
@@ -295,7 +295,7 @@ def _triton_runs(runtime: Runtime) -> bool:
     return False
   named = [dict(t).get('cc') for _, t in runtime.kernel_tiles]
   cc = next((c for c in named if c), None) or capability.local_cc()
-  return cc is None or tuple(cc) >= capability.MIN_CC['gpu']
+  return cc is None or capability.family_refusal('gpu', cc) is None
 
 
 def decode_kernel_runs(runtime: Runtime, mc, cache, tokens: int) -> str | None:

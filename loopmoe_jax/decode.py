@@ -39,8 +39,9 @@ a model trained under one decodes under any):
   the one slot; under 'last_pass' pass p writes this step's positions there in place and
   reads it, under 'first_pass' only pass 0 writes (the later passes' writes land past the
   cache and are dropped) and each pass reads the slot's earlier positions and its own K/V
-  (attention.Attention._cached), so no step copies the slot. Under early exit (its stacked scan) a step runs on L copies that
-  decode_step broadcasts from the slot and reads the named pass's back from.
+  (attention.Attention._cached), so no step copies the slot. Under early exit (its stacked
+  scan) a step runs on L copies that decode_step broadcasts from the slot and reads the named
+  pass's back from.
 
 `accounting.count(cfg)['kv_per_token']` and `cache_bytes` follow the layout.
 
@@ -172,7 +173,7 @@ def decode_step(cfg: ModelConfig, params, cache, tokens_BT, num_loops: int | Non
   bad = end > max_len
   if empty_cache:
     bad = bad | jnp.any(pos != 0)
-    if concrete_end is not None and int(jnp.max(jnp.abs(pos))):
+    if concrete_end is not None and concrete_end != tokens_BT.shape[1]:
       raise ValueError(f'decode_step: empty_cache=True but the cache holds positions up to '
                        f'{int(jnp.max(pos))}: feed a cache from init_cache, or empty_cache=False')
     runtime = runtime.replace(empty_cache=True)
