@@ -211,7 +211,7 @@ class Core(nn.Module):
                         positions_BT, bias)
     passes = lambda fn, length=num_loops: scan_passes(fn, length, per_pass, plan.carry_cache)
     if plan.path == Path.EARLY_EXIT:
-      return early_exit_lib.scan_core(passes, stack, inputs, request.readout)
+      return early_exit_lib.scan_core(passes, stack, inputs, request.readout, plan)
     if plan.path == Path.PASS_STATES:
       return _with_pass_states(passes, stack, inputs)
     if plan.path == Path.UNROLL:
@@ -242,8 +242,7 @@ class Core(nn.Module):
     else:
       path = rt.core_path(batch, decode=self.decode, record=self.record, probe=self.probe,
                           initializing=self.is_initializing())
-    # init makes the stacked slots; early exit's per-pass cond would copy a carried cache
-    carry = self.decode and not self.is_initializing() and path != Path.EARLY_EXIT
+    carry = self.decode and not self.is_initializing()  # init makes the stacked slots
     return CorePlan(path, num_loops, split, per_pass, carry_cache=carry)
 
 

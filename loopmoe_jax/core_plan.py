@@ -37,8 +37,8 @@ class CorePlan:
   """One forward's passes: the path, how many, the first with gradient (`split`, 0: all:
   truncated backprop runs passes [0, split) without gradient), whether the router bias
   is per pass (scanned with them), and whether the KV cache is carried through the passes
-  whole (`carry_cache`: decoding without early exit; each pass writes its own slot in place,
-  attention.py) rather than stacked per pass."""
+  whole (`carry_cache`: decoding; each pass writes its own slot in place, attention.py)
+  rather than stacked per pass."""
   path: Path
   num_loops: int
   split: int = 0

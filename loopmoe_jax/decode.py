@@ -39,9 +39,9 @@ a model trained under one decodes under any):
   the one slot; under 'last_pass' pass p writes this step's positions there in place and
   reads it, under 'first_pass' only pass 0 writes (the later passes' writes land past the
   cache and are dropped) and each pass reads the slot's earlier positions and its own K/V
-  (attention.Attention._cached), so no step copies the slot. Under early exit (its stacked
-  scan) a step runs on L copies that decode_step broadcasts from the slot and reads the named
-  pass's back from.
+  (attention.Attention._cached), so no step copies the slot. Under early exit a step runs on
+  L copies that decode_step broadcasts from the slot and reads the named pass's back from
+  (early_exit.fill_skipped fills a skipped pass's slot from the exit pass's).
 
 `accounting.count(cfg)['kv_per_token']` and `cache_bytes` follow the layout.
 
@@ -179,7 +179,7 @@ def decode_step(cfg: ModelConfig, params, cache, tokens_BT, num_loops: int | Non
     runtime = runtime.replace(empty_cache=True)
   shared, passes = shares_passes(cfg), check_loops(cfg, num_loops)
   _check_layout(cfg, cache, shared, passes)
-  stacked = shared and cfg.exit != 'none'  # early exit's stacked scan: a slot per pass
+  stacked = shared and cfg.exit != 'none'  # fill_skipped reads a slot per pass
   if stacked:  # each pass's slot a copy of the shared one
     cache = _with_core(cache, lambda x: jnp.broadcast_to(x, (passes,) + x.shape))
   cache = dict(cache)
@@ -190,13 +190,25 @@ def decode_step(cfg: ModelConfig, params, cache, tokens_BT, num_loops: int | Non
   cache = dict(mutated['cache'])
   if 'exit' in extras:
     passes_BT = extras['exit']['passes_BT']
-    cache[CORE] = early_exit_lib.fill_skipped(cache[CORE], passes_BT, pos)
+    cache[CORE] = early_exit_lib.fill_skipped(cache[CORE], passes_BT, pos,
+                                              *_fill_tiles(cfg, runtime, cache[CORE]))
     if counts is not None:
       cache[EXIT] = {'passes': counts['passes'] + jnp.sum(passes_BT).astype(jnp.float32),
                      'tokens': counts['tokens'] + jnp.float32(passes_BT.size)}
   if stacked:  # pass p's slot is the shared one with this step's positions holding p's K/V
     cache = _with_core(cache, lambda x: x[_shared_pass(cfg)])
   return jnp.where(bad, jnp.nan, logits), cache
+
+
+def _fill_tiles(cfg: ModelConfig, runtime: Runtime, core_cache) -> tuple[int, bool]:
+  """(tile, slots-minor) of the core's cache where the TPU decode kernels keep it (tiles of
+  128 lanes slots-minor under heads of under 128, else of 8 sublanes of 32-bit words), for
+  early_exit.fill_skipped's window; (0, False) elsewhere."""
+  if decode_kernels(runtime.resolved(), cfg) != 'tpu':
+    return 0, False
+  if decode_kernel.slots_minor(cfg.resolved_head_dim):
+    return decode_kernel.LANES, True
+  return 32 // jax.tree.leaves(core_cache)[0].dtype.itemsize, False
 
 
 def _check_layout(cfg: ModelConfig, cache, shared: bool, passes: int) -> None:

@@ -3,7 +3,8 @@
 A token stops looping once its exit rule fires after a pass; its state is frozen from then on
 (later passes' updates are masked out for it, `jnp.where`), so the coda, the final norm and the
 head read the state of its exit pass. When every token of the batch has exited, the remaining
-passes are skipped (`nn.cond` inside the core's scan): at batch 1 (decoding one token) the time
+passes are skipped (`nn.cond` inside the core's scan; a decode step runs its passes in a loop
+that stops there, carrying the KV cache in place): at batch 1 (decoding one token) the time
 of a step follows the passes that token actually runs.
 
 What a pass "outputs" (`Readout`): the head applied to the final RMSNorm of the core's state
@@ -44,7 +45,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from loopmoe_jax.core_plan import CoreInputs, CoreOutputs
+from loopmoe_jax.core_plan import CoreInputs, CoreOutputs, CorePlan
 from loopmoe_jax.layers import rms_norm
 
 GATE_PARAMS = ('exit_gate_w', 'exit_gate_b')
@@ -139,12 +140,15 @@ def update(r: Readout, aux: dict, y_BTD) -> dict:
   return out
 
 
-def scan_core(scan_passes, stack: nn.Module, inputs: CoreInputs,
-              readout: Readout) -> CoreOutputs:
+def scan_core(scan_passes, stack: nn.Module, inputs: CoreInputs, readout: Readout,
+              plan: CorePlan) -> CoreOutputs:
   """The core's passes with early exit: the state and the passes each token ran. `stack` is
-  the core's Stack named 'body', run through `scan_passes` (core.Core's, a function of the
-  step) as the plain forward runs it (same params and per-pass cache, stacked per pass even
-  while decoding: this scan's per-pass cond would copy a carried cache whole)."""
+  the core's Stack named 'body', run as the plain forward runs it (same params and per-pass
+  cache): through `scan_passes` (core.Core's, a function of the step), each pass under a
+  cond that skips it once every token has exited; or, decoding (`plan.carry_cache`), in a
+  loop that stops there (`_decode_passes`)."""
+  if plan.carry_cache:
+    return _decode_passes(stack, inputs, readout, plan)
   x_BTD, *rest = inputs
 
   def step(mdl, carry, attn_l, e, positions, bias_l):
@@ -158,15 +162,46 @@ def scan_core(scan_passes, stack: nn.Module, inputs: CoreInputs,
   return CoreOutputs(x_BTD, {}, exit_passes_BT=aux['passes'])
 
 
+def _decode_passes(stack: nn.Module, inputs: CoreInputs, readout: Readout,
+                   plan: CorePlan) -> CoreOutputs:
+  """Early exit while decoding: the passes in a loop that carries the KV cache whole, each
+  pass writing its own slot in place (CorePlan.carry_cache), and stops once every token has
+  exited; a cond per pass would copy the carried cache at each pass."""
+  at = lambda t, p: None if t is None else jax.tree.map(
+      lambda a: jax.lax.dynamic_index_in_dim(a, p, 0, keepdims=False), t)
+
+  def body(mdl, carry):
+    p, x, aux = carry
+    bias = at(inputs.bias, p) if plan.per_pass else inputs.bias
+    y = mdl(x, at(inputs.pass_attn, p), inputs.e_BTD, inputs.positions_BT, bias, p)[0]
+    y = jnp.where(aux['exited'][..., None], x, y)  # exited tokens keep their state
+    return p + 1, y, update(readout, aux, y)
+
+  def more(mdl, carry):
+    return (carry[0] < plan.num_loops) & ~jnp.all(carry[2]['exited'])
+
+  x_BTD = inputs.x_BTD
+  _, x_BTD, aux = nn.while_loop(more, body, stack,
+                                (jnp.zeros((), jnp.int32), x_BTD, init_aux(readout, x_BTD)),
+                                carry_variables='cache')
+  return CoreOutputs(x_BTD, {}, exit_passes_BT=aux['passes'])
+
+
 def extras(passes_BT) -> dict:
   return {'passes_BT': passes_BT, 'mean_passes': jnp.mean(passes_BT.astype(jnp.float32))}
 
 
-def fill_skipped(core_cache, passes_BT, start):
+def fill_skipped(core_cache, passes_BT, start, tile: int = 0, minor: bool = False):
   """The core's per-pass cache (leaves [L, B, G, S, K]) with the slots of every pass a token
   skipped (pass index >= its passes run), at the step's positions [start, start + T), holding
-  its last computed pass's K/V. `start`: one position for every row, or one per row ([B])."""
+  its last computed pass's K/V. `start`: one position for every row (the step's window read
+  and written back in place, pass by pass with selects), or one per row ([B]). `tile`: the
+  cache lies in tiles of this many slots (`minor`: slots-minor, [.., K, S]; the TPU decode
+  kernels' layouts), so the window is whole tiles around the step's slots, read and written
+  where they lie (XLA:TPU copied the whole cache to another layout to read one slot)."""
   t = passes_BT.shape[1]
+  if jnp.ndim(start) == 0:
+    return jax.tree.map(lambda x: _fill_window(x, passes_BT, start, tile, minor), core_cache)
   start_B = jnp.broadcast_to(start, passes_BT.shape[:1])
 
   def fill_row(x_LGSK, passes_T, s):
@@ -174,8 +209,31 @@ def fill_skipped(core_cache, passes_BT, start):
     idx_LT = jnp.minimum(jnp.arange(x_LGSK.shape[0])[:, None], passes_T[None] - 1)
     win = jnp.take_along_axis(win, idx_LT[:, None, :, None], axis=0)
     return jax.lax.dynamic_update_slice_in_dim(x_LGSK, win, s, axis=2)
-  fill = jax.vmap(fill_row, in_axes=(1, 0, 0), out_axes=1)
-  return jax.tree.map(lambda x: fill(x, passes_BT, start_B), core_cache)
+  fill_rows = jax.vmap(fill_row, in_axes=(1, 0, 0), out_axes=1)
+  return jax.tree.map(lambda x: fill_rows(x, passes_BT, start_B), core_cache)
+
+
+def _fill_window(x_LBGSK, passes_BT, start, tile: int, minor: bool):
+  """fill_skipped of one leaf at one start for every row: its window of slots, pass q's
+  rows where skipped replaced by pass q - 1's (already filled), written back in place."""
+  loops, _, _, slots, _ = x_LBGSK.shape
+  t = passes_BT.shape[1]
+  x, axis = (jnp.swapaxes(x_LBGSK, 3, 4), 4) if minor else (x_LBGSK, 3)  # slots at `axis`
+  if tile:  # whole tiles of slots, the step's among them
+    width = min(tile * (-(-t // tile) + 1), slots)
+    at = jnp.minimum(start // tile * tile, slots - width)
+  else:
+    width, at = t, start
+  token_W = at + jnp.arange(width) - start  # the step's token at each slot, or out of range
+  in_step_W = (token_W >= 0) & (token_W < t)
+  passes_BW = jnp.take(passes_BT, jnp.clip(token_W, 0, t - 1), axis=1)
+  skipped = lambda q: jnp.expand_dims(in_step_W & (q >= passes_BW), (1, 2) if minor else (1, 3))
+  win = jax.lax.dynamic_slice_in_dim(x, at, width, axis=axis)
+  rows = [win[0]]
+  for q in range(1, loops):
+    rows.append(jnp.where(skipped(q), rows[-1], win[q]))
+  x = jax.lax.dynamic_update_slice_in_dim(x, jnp.stack(rows), at, axis=axis)
+  return jnp.swapaxes(x, 3, 4) if minor else x
 
 
 # The gate's training objective -----------------------------------------------------------------

@@ -194,8 +194,8 @@ def test_on_a_mesh_the_kernels_run_per_shard_and_equal_the_xla_decode(looped):
 @pytest.mark.parametrize('kw', [dict(exit='kl', exit_threshold=1e-3), dict(kv_cache='last_pass'),
                                 dict(kv_cache='first_pass')], ids=['early exit', 'last', 'first'])
 def test_early_exit_and_shared_layouts_with_the_kernels_are_the_xla_decode(kw):
-  """Early exit's stacked scan (one pass's cache a call) and the shared layouts (the shared
-  slot copied to every pass) around the kernels: the XLA decode's logits, prefill and step."""
+  """Early exit's pass loop (pass p's slot of the carried cache a call) and the shared
+  layouts (the one slot carried) around the kernels: the XLA decode's logits, prefill and step."""
   cfg = make_cfg(head_dim=128, num_kv_heads=2, injection='add', core_layers=1, num_loops=3,
                  **kw)
   params = nn.unbox(for_init(LoopedMoE(cfg)).init(jax.random.key(0),

@@ -25,10 +25,11 @@ import pytest
 from loopmoe_jax import dry_run, sharding
 from loopmoe_jax import early_exit
 from loopmoe_jax.config import ModelConfig
-from loopmoe_jax.decode import decode_step, mean_passes
+from loopmoe_jax.decode import decode_step, init_cache, mean_passes
 from loopmoe_jax.experiment import build
-from loopmoe_jax.model import LoopedMoE
+from loopmoe_jax.model import LoopedMoE, head_matrix
 from loopmoe_jax.objective import loss_fn
+from loopmoe_jax.pass_range import PassForward, run_front, run_passes, run_readout
 from loopmoe_jax.train import depth, depth_eval
 from loopmoe_jax.train.evaluation import evaluate_checkpoint
 from loopmoe_jax.train.run import RunDir
@@ -158,6 +159,50 @@ def test_decode_batch_one_skipping_equals_masked_batch_and_fills_skipped_slots()
     cache_passes.append(1 + next((i for i, s in enumerate(same) if all(same[i:])), len(same)))
   assert min(cache_passes) < cfg.num_loops
   assert math.isclose(np.mean(cache_passes), float(mean_passes(cache1)), rel_tol=1e-6)
+
+
+def slow_exit_decode(cfg, params, toks):
+  """Early-exit decoding of one row, one token a step, as a Python loop over the passes
+  (pass_range's halves of the forward): a token runs passes until its rule fires, the slots
+  of the passes it skipped take its last pass's K/V, the coda and head read its state.
+  (logits [1, T, V], final cache, passes run per token)."""
+  plain = cfg.replace(exit='none', exit_threshold=0.0)
+  pf = PassForward.of(plain, params, runtime=REF)
+  gain = params['final_norm']['scale'] if cfg.norm_gain else None
+  r = early_exit.Readout(cfg.exit, cfg.exit_threshold, cfg.norm_eps, gain,
+                         head_matrix(cfg, params, jnp.float32, runtime=REF),
+                         params.get('exit_gate_w'), params.get('exit_gate_b'))
+  loops, out, ran = cfg.num_loops, [], []
+  cache = init_cache(plain, 1, toks.shape[1])
+  for t in range(toks.shape[1]):
+    front = run_front(pf, cache, toks[:, t:t + 1], t, 0)
+    x, cache, aux, p = front.h_BTD, front.cache, early_exit.init_aux(r, front.h_BTD), 0
+    while p < loops and not bool(aux['exited'].all()):
+      x, cache = run_passes(pf, cache, x, front.e_BTD, t, p, p + 1)
+      aux, p = early_exit.update(r, aux, x), p + 1
+    cache['core'] = jax.tree.map(lambda a: a.at[p:, :, :, t].set(a[p - 1, :, :, t]),
+                                 cache['core'])
+    logits, cache = run_readout(pf, cache, x, t)
+    out.append(logits)
+    ran.append(p)
+  return jnp.concatenate(out, axis=1), cache, ran
+
+
+@pytest.mark.parametrize('rule', ['kl', 'gate'])
+def test_decoding_with_exits_is_the_slow_pass_loop(rule):
+  """decode_step's early exit (a loop over the passes carrying the cache in place, stopping
+  once every token exited) gives the logits, the cache and the pass counts of the Python
+  loop over the passes, token by token, with tokens exiting at different passes."""
+  cfg = base_cfg(num_loops=4).replace(exit=rule, exit_threshold=0.05 if rule == 'kl' else 0.5)
+  p = params_for(cfg)
+  toks = tokens(cfg, batch=1, length=8, seed=5)
+  want, want_cache, ran = slow_exit_decode(cfg, p, toks)
+  assert 1 <= min(ran) < max(ran)  # tokens exit at different passes
+  got, cache = decode_all(cfg, p, toks, runtime=REF)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  for a, b in zip(jax.tree.leaves(cache['core']), jax.tree.leaves(want_cache['core'])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+  assert math.isclose(float(mean_passes(cache)), np.mean(ran), rel_tol=1e-6)
 
 
 def slow_objective(nll_LBT, lam_LBT, coef):
@@ -373,21 +418,27 @@ def test_gate_training_flops_are_counted_by_the_dry_run():
   assert compiled > 0 and abs(compiled / analytic - 1) < 0.05, (compiled, analytic)
 
 
-@pytest.mark.parametrize('per_row', [False, True], ids=['one_start', 'start_per_row'])
-def test_fill_skipped_matches_a_loop(per_row):
+@pytest.mark.parametrize('tile,minor,slots,start', [
+    (0, False, 12, 4), (0, False, 12, (0, 5, 9)), (4, True, 12, 4), (4, True, 12, 3),
+    (4, True, 12, 10), (8, True, 12, 6), (4, False, 12, 3), (4, False, 12, 9)],
+    ids=['one_start', 'start_per_row', 'tiles', 'tiles_across', 'tiles_at_end', 'wide_tile',
+         'row_tiles', 'row_tiles_at_end'])
+def test_fill_skipped_matches_a_loop(tile, minor, slots, start):
   """Slots of the passes a token skipped hold its last computed pass's K/V, at each row's own
-  positions; every other slot is untouched (a plain loop over rows, tokens and passes)."""
+  positions; every other slot is untouched (a plain loop over rows, tokens and passes). With
+  `tile` (the TPU kernels' layouts, slots-minor or not) the window is whole tiles around the
+  step's slots: within a tile, across two, clamped at the cache's end, wider than the cache."""
   rng = np.random.default_rng(0)
-  L, B, S, T = 4, 3, 12, 2
-  x = rng.normal(size=(L, B, 2, S, 3)).astype(np.float32)  # [L, B, G, S, K]
+  L, B, T = 4, 3, 2
+  x = rng.normal(size=(L, B, 2, slots, 3)).astype(np.float32)  # [L, B, G, S, K]
   passes_BT = rng.integers(1, L + 1, (B, T))
-  start = np.asarray([0, 5, 9]) if per_row else np.asarray(4)
   got = early_exit.fill_skipped({'k': jnp.asarray(x)}, jnp.asarray(passes_BT),
-                                jnp.asarray(start))['k']
+                                jnp.asarray(start), tile, minor)['k']
   want = x.copy()
   for b in range(B):
     s = int(np.broadcast_to(start, (B,))[b])
     for t in range(T):
       n = passes_BT[b, t]
       want[n:, b, :, s + t] = x[n - 1, b, :, s + t]
+  assert not np.array_equal(want, x)  # something was filled
   np.testing.assert_array_equal(np.asarray(got), want)
