@@ -8,7 +8,8 @@ KV cache is scanned per pass (PER_PASS), so there is one slot per executed (pass
 decoding carries it through the passes whole, each pass writing its slot in place
 (CorePlan.carry_cache).
 Every scan of the passes (the plain forward, truncated backprop's two parts, early exit's and
-gate training's, early_exit.py) is made by `scan_passes`.
+gate training's, early_exit.py) is made by `scan_passes`; a decode step under early exit
+runs its passes in a loop of its own (early_exit._decode_passes).
 """
 from __future__ import annotations
 
@@ -229,7 +230,7 @@ class Core(nn.Module):
     if split and (self.decode or self.probe):
       raise ValueError(f'backprop_loops={k} is a training setting: decoding and probes run '
                        'every pass with gradient (backprop_loops=0)')
-    if request.readout is not None:  # early exit: always the scan (an inference setting)
+    if request.readout is not None:  # early exit (an inference setting): early_exit.scan_core
       if split:
         raise ValueError(f'backprop_loops={k}: early exit (model.exit) is an inference '
                          'setting; use backprop_loops=0')

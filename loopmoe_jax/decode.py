@@ -202,8 +202,8 @@ def decode_step(cfg: ModelConfig, params, cache, tokens_BT, num_loops: int | Non
 
 def _fill_tiles(cfg: ModelConfig, runtime: Runtime, core_cache) -> tuple[int, bool]:
   """(tile, slots-minor) of the core's cache where the TPU decode kernels keep it (tiles of
-  128 lanes slots-minor under heads of under 128, else of 8 sublanes of 32-bit words), for
-  early_exit.fill_skipped's window; (0, False) elsewhere."""
+  128 lanes slots-minor where the head dim is not a multiple of 128, else of 8 sublanes of
+  32-bit words), for early_exit.fill_skipped's window; (0, False) elsewhere."""
   if decode_kernels(runtime.resolved(), cfg) != 'tpu':
     return 0, False
   if decode_kernel.slots_minor(cfg.resolved_head_dim):

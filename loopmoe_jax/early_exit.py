@@ -197,8 +197,10 @@ def fill_skipped(core_cache, passes_BT, start, tile: int = 0, minor: bool = Fals
   its last computed pass's K/V. `start`: one position for every row (the step's window read
   and written back in place, pass by pass with selects), or one per row ([B]). `tile`: the
   cache lies in tiles of this many slots (`minor`: slots-minor, [.., K, S]; the TPU decode
-  kernels' layouts), so the window is whole tiles around the step's slots, read and written
-  where they lie (XLA:TPU copied the whole cache to another layout to read one slot)."""
+  kernels' layouts), so the window is the whole tiles around the step's slots (clamped at the
+  cache's end; the whole cache where it is narrower), read and written where they lie
+  (XLA:TPU copied the whole cache to another layout to read one slot). A start per row
+  gathers each row's window (on a TPU, through a copy of the cache's layout)."""
   t = passes_BT.shape[1]
   if jnp.ndim(start) == 0:
     return jax.tree.map(lambda x: _fill_window(x, passes_BT, start, tile, minor), core_cache)

@@ -161,48 +161,70 @@ def test_decode_batch_one_skipping_equals_masked_batch_and_fills_skipped_slots()
   assert math.isclose(np.mean(cache_passes), float(mean_passes(cache1)), rel_tol=1e-6)
 
 
-def slow_exit_decode(cfg, params, toks):
-  """Early-exit decoding of one row, one token a step, as a Python loop over the passes
-  (pass_range's halves of the forward): a token runs passes until its rule fires, the slots
-  of the passes it skipped take its last pass's K/V, the coda and head read its state.
-  (logits [1, T, V], final cache, passes run per token)."""
+def slow_exit_decode(cfg, params, bias, toks):
+  """Early-exit decoding, one token a step, as a Python loop over the passes (pass_range's
+  halves of the forward): each row's token runs passes until its rule fires (masked while
+  another row runs on), the slots of the passes it skipped take its last pass's K/V, the
+  coda and head read its state. (logits [B, T, V], final cache, passes run [B, T])."""
   plain = cfg.replace(exit='none', exit_threshold=0.0)
-  pf = PassForward.of(plain, params, runtime=REF)
+  pf = PassForward.of(plain, params, bias, REF)
   gain = params['final_norm']['scale'] if cfg.norm_gain else None
   r = early_exit.Readout(cfg.exit, cfg.exit_threshold, cfg.norm_eps, gain,
                          head_matrix(cfg, params, jnp.float32, runtime=REF),
                          params.get('exit_gate_w'), params.get('exit_gate_b'))
-  loops, out, ran = cfg.num_loops, [], []
-  cache = init_cache(plain, 1, toks.shape[1])
-  for t in range(toks.shape[1]):
+  (b, length), loops, out, ran = toks.shape, cfg.num_loops, [], []
+  cache = init_cache(plain, b, length)
+  for t in range(length):
     front = run_front(pf, cache, toks[:, t:t + 1], t, 0)
     x, cache, aux, p = front.h_BTD, front.cache, early_exit.init_aux(r, front.h_BTD), 0
     while p < loops and not bool(aux['exited'].all()):
-      x, cache = run_passes(pf, cache, x, front.e_BTD, t, p, p + 1)
+      y, cache = run_passes(pf, cache, x, front.e_BTD, t, p, p + 1)
+      x = jnp.where(aux['exited'][..., None], x, y)
       aux, p = early_exit.update(r, aux, x), p + 1
-    cache['core'] = jax.tree.map(lambda a: a.at[p:, :, :, t].set(a[p - 1, :, :, t]),
-                                 cache['core'])
+    n_B = np.asarray(aux['passes'][:, 0])
+    for row, n in enumerate(n_B):
+      cache['core'] = jax.tree.map(lambda a: a.at[n:, row, :, t].set(a[n - 1, row, :, t]),
+                                   cache['core'])
     logits, cache = run_readout(pf, cache, x, t)
     out.append(logits)
-    ran.append(p)
-  return jnp.concatenate(out, axis=1), cache, ran
+    ran.append(n_B)
+  return jnp.concatenate(out, axis=1), cache, np.stack(ran, axis=1)
 
 
-@pytest.mark.parametrize('rule', ['kl', 'gate'])
-def test_decoding_with_exits_is_the_slow_pass_loop(rule):
+@pytest.mark.parametrize('rule,layout', [('kl', {}), ('gate', {}),
+                                         ('kl', dict(tie_attention=False, router_bias='per_pass'))],
+                         ids=['kl', 'gate', 'untied_per_pass_bias'])
+def test_decoding_with_exits_is_the_slow_pass_loop(rule, layout):
   """decode_step's early exit (a loop over the passes carrying the cache in place, stopping
   once every token exited) gives the logits, the cache and the pass counts of the Python
-  loop over the passes, token by token, with tokens exiting at different passes."""
-  cfg = base_cfg(num_loops=4).replace(exit=rule, exit_threshold=0.05 if rule == 'kl' else 0.5)
-  p = params_for(cfg)
-  toks = tokens(cfg, batch=1, length=8, seed=5)
-  want, want_cache, ran = slow_exit_decode(cfg, p, toks)
-  assert 1 <= min(ran) < max(ran)  # tokens exit at different passes
-  got, cache = decode_all(cfg, p, toks, runtime=REF)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  loop over the passes, token by token, in a batch of 2 whose rows exit at different passes
+  (the exited row masked while the other runs on); with untied attention and a per-pass
+  router bias, each pass reads its own."""
+  cfg = base_cfg(num_loops=4, **layout).replace(
+      exit=rule, exit_threshold=0.05 if rule == 'kl' else 0.5)
+  p = params_for(cfg) if not layout else make_params(base_cfg(num_loops=4, **layout))
+  bias = None
+  if cfg.router_bias != 'none':
+    rng = np.random.default_rng(7)
+    shapes = {'prelude': (cfg.prelude_layers, cfg.prelude_experts),
+              'core': (cfg.num_loops, cfg.core_layers, cfg.core_experts),
+              'coda': (cfg.coda_layers, cfg.coda_experts)}
+    bias = {'bias': {k: jnp.asarray(rng.normal(size=v), jnp.float32)
+                     for k, v in shapes.items()}}
+  toks = tokens(cfg, batch=2, length=8, seed=5)
+  want, want_cache, ran = slow_exit_decode(cfg, p, bias, toks)
+  assert 1 <= ran.min() < ran.max()  # tokens exit at different passes
+  assert (ran[0] != ran[1]).any()  # and rows within a step
+  step = jax.jit(functools.partial(decode_step, cfg, runtime=REF))
+  cache, got = init_cache(cfg, 2, toks.shape[1]), []
+  for t in range(toks.shape[1]):
+    logits, cache = step(p, cache, toks[:, t:t + 1], router_bias=bias)
+    got.append(logits)
+  np.testing.assert_allclose(np.asarray(jnp.concatenate(got, 1)), np.asarray(want),
+                             rtol=1e-5, atol=1e-5)
   for a, b in zip(jax.tree.leaves(cache['core']), jax.tree.leaves(want_cache['core'])):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
-  assert math.isclose(float(mean_passes(cache)), np.mean(ran), rel_tol=1e-6)
+  assert math.isclose(float(mean_passes(cache)), ran.mean(), rel_tol=1e-6)
 
 
 def slow_objective(nll_LBT, lam_LBT, coef):

@@ -434,8 +434,8 @@ def test_a_tpu_decode_step_with_early_exit_keeps_its_cache_in_place(head_dim):
   cond per pass copied it) and the skipped passes' slots are filled in a window of the step's
   slots (whole lane tiles where XLA keeps the cache slots-minor: it copied the whole cache to
   another layout to read one slot); the only cache-sized ops left are the fill's in-place
-  updates, and the temporaries a sliver of the cache (bf16, heads of 64, batch 8, 4,096
-  slots: 163.6 MiB of temporaries over a 64 MiB cache and 21 cache-sized ops before)."""
+  updates, and the temporaries a sliver of the cache (before, a bf16 step with heads of 64
+  held 163.6 MiB of temporaries over its 64 MiB cache, docs/results.md, stop 65)."""
   from loopmoe_jax.experiment import build
   cfg = build(tiny()).model.replace(num_loops=3, head_dim=head_dim, num_heads=4,
                                     num_kv_heads=2, d_model=64, exit='kl', exit_threshold=0.01)
