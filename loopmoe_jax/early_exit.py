@@ -194,33 +194,32 @@ def extras(passes_BT) -> dict:
 def fill_skipped(core_cache, passes_BT, start, tile: int = 0, minor: bool = False):
   """The core's per-pass cache (leaves [L, B, G, S, K]) with the slots of every pass a token
   skipped (pass index >= its passes run), at the step's positions [start, start + T), holding
-  its last computed pass's K/V. `start`: one position for every row (the step's window read
-  and written back in place, pass by pass with selects), or one per row ([B]). `tile`: the
-  cache lies in tiles of this many slots (`minor`: slots-minor, [.., K, S]; the TPU decode
-  kernels' layouts), so the window is the whole tiles around the step's slots (clamped at the
-  cache's end; the whole cache where it is narrower), read and written where they lie
-  (XLA:TPU copied the whole cache to another layout to read one slot). A start per row
-  gathers each row's window (on a TPU, through a copy of the cache's layout)."""
+  its last computed pass's K/V: the step's window of each leaf read and written back in place,
+  pass by pass with selects. `start`: one position for every row, or one per row ([B]: row by
+  row, in a loop). `tile`: the cache lies in tiles of this many slots (`minor`:
+  slots-minor, [.., K, S]; the TPU decode kernels' layouts), so the window is the whole tiles
+  around the step's slots (clamped at the cache's end; the whole cache where it is
+  narrower), read and written where they lie (XLA:TPU copied the whole cache to another
+  layout to read one slot, and to gather a row's)."""
+  def leaf(x_LBGSK):
+    x = jnp.swapaxes(x_LBGSK, 3, 4) if minor else x_LBGSK  # slots at axis 4 or 3
+    if jnp.ndim(start) == 0:
+      x = _fill_window(x, passes_BT, start, tile, minor)
+    else:  # the loop carries the view: its layout is the cache's
+      row = lambda b, x: _fill_window(x, passes_BT[b][None], start[b], tile, minor, b)
+      x = jax.lax.fori_loop(0, x.shape[1], row, x)
+    return jnp.swapaxes(x, 3, 4) if minor else x
+  return jax.tree.map(leaf, core_cache)
+
+
+def _fill_window(x, passes_BT, start, tile: int, minor: bool, row=None):
+  """fill_skipped of one leaf `x` ([L, B, G, S, K], or `minor` [L, B, G, K, S]) at one start,
+  for every row or for row `row` alone (passes_BT then its [1, T]): the window of slots,
+  pass q's rows where skipped replaced by pass q - 1's (already filled), written back in
+  place."""
+  loops, b, g = x.shape[:3]
+  slots, k = (x.shape[4], x.shape[3]) if minor else (x.shape[3], x.shape[4])
   t = passes_BT.shape[1]
-  if jnp.ndim(start) == 0:
-    return jax.tree.map(lambda x: _fill_window(x, passes_BT, start, tile, minor), core_cache)
-  start_B = jnp.broadcast_to(start, passes_BT.shape[:1])
-
-  def fill_row(x_LGSK, passes_T, s):
-    win = jax.lax.dynamic_slice_in_dim(x_LGSK, s, t, axis=2)   # [L, G, T, K]
-    idx_LT = jnp.minimum(jnp.arange(x_LGSK.shape[0])[:, None], passes_T[None] - 1)
-    win = jnp.take_along_axis(win, idx_LT[:, None, :, None], axis=0)
-    return jax.lax.dynamic_update_slice_in_dim(x_LGSK, win, s, axis=2)
-  fill_rows = jax.vmap(fill_row, in_axes=(1, 0, 0), out_axes=1)
-  return jax.tree.map(lambda x: fill_rows(x, passes_BT, start_B), core_cache)
-
-
-def _fill_window(x_LBGSK, passes_BT, start, tile: int, minor: bool):
-  """fill_skipped of one leaf at one start for every row: its window of slots, pass q's
-  rows where skipped replaced by pass q - 1's (already filled), written back in place."""
-  loops, _, _, slots, _ = x_LBGSK.shape
-  t = passes_BT.shape[1]
-  x, axis = (jnp.swapaxes(x_LBGSK, 3, 4), 4) if minor else (x_LBGSK, 3)  # slots at `axis`
   if tile:  # whole tiles of slots, the step's among them
     width = min(tile * (-(-t // tile) + 1), slots)
     at = jnp.minimum(start // tile * tile, slots - width)
@@ -230,12 +229,14 @@ def _fill_window(x_LBGSK, passes_BT, start, tile: int, minor: bool):
   in_step_W = (token_W >= 0) & (token_W < t)
   passes_BW = jnp.take(passes_BT, jnp.clip(token_W, 0, t - 1), axis=1)
   skipped = lambda q: jnp.expand_dims(in_step_W & (q >= passes_BW), (1, 2) if minor else (1, 3))
-  win = jax.lax.dynamic_slice_in_dim(x, at, width, axis=axis)
-  rows = [win[0]]
+  rows = (0, b) if row is None else (row, 1)
+  starts = (0, rows[0], 0) + ((0, at) if minor else (at, 0))
+  win = jax.lax.dynamic_slice(x, starts, (loops, rows[1], g) + ((k, width) if minor
+                                                                 else (width, k)))
+  filled = [win[0]]
   for q in range(1, loops):
-    rows.append(jnp.where(skipped(q), rows[-1], win[q]))
-  x = jax.lax.dynamic_update_slice_in_dim(x, jnp.stack(rows), at, axis=axis)
-  return jnp.swapaxes(x, 3, 4) if minor else x
+    filled.append(jnp.where(skipped(q), filled[-1], win[q]))
+  return jax.lax.dynamic_update_slice(x, jnp.stack(filled), starts)
 
 
 # The gate's training objective -----------------------------------------------------------------

@@ -442,14 +442,16 @@ def test_gate_training_flops_are_counted_by_the_dry_run():
 
 @pytest.mark.parametrize('tile,minor,slots,start', [
     (0, False, 12, 4), (0, False, 12, (0, 5, 9)), (4, True, 12, 4), (4, True, 12, 3),
-    (4, True, 12, 10), (8, True, 12, 6), (4, False, 12, 3), (4, False, 12, 9)],
+    (4, True, 12, 10), (8, True, 12, 6), (4, False, 12, 3), (4, False, 12, 9),
+    (4, True, 12, (0, 5, 9)), (4, False, 12, (3, 10, 6))],
     ids=['one_start', 'start_per_row', 'tiles', 'tiles_across', 'tiles_at_end', 'wide_tile',
-         'row_tiles', 'row_tiles_at_end'])
+         'row_tiles', 'row_tiles_at_end', 'tiles_per_row', 'row_tiles_per_row'])
 def test_fill_skipped_matches_a_loop(tile, minor, slots, start):
   """Slots of the passes a token skipped hold its last computed pass's K/V, at each row's own
   positions; every other slot is untouched (a plain loop over rows, tokens and passes). With
   `tile` (the TPU kernels' layouts, slots-minor or not) the window is whole tiles around the
-  step's slots: within a tile, across two, clamped at the cache's end, wider than the cache."""
+  step's slots: within a tile, across two, clamped at the cache's end, wider than the cache,
+  and a window per row."""
   rng = np.random.default_rng(0)
   L, B, T = 4, 3, 2
   x = rng.normal(size=(L, B, 2, slots, 3)).astype(np.float32)  # [L, B, G, S, K]

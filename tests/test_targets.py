@@ -355,10 +355,11 @@ def _one_gpu_cfg():
   return cfg
 
 
-def _decode_step(cfg, target_name, batch=4, slots=1024, **run):
+def _decode_step(cfg, target_name, batch=4, slots=1024, per_row=False, **run):
   """(compiled decode step of `cfg` on one device of the target with the run settings `run`,
   cache bytes, the ops of the optimized program that make an array at least one slot's size:
-  copies, transposes, slices and scatters of the cache)."""
+  copies, transposes, slices and scatters of the cache). `per_row`: a position per row (the
+  batch program's cache)."""
   from loopmoe_jax.decode import cache_shapes, decode_step
   from loopmoe_jax.model import LoopedMoE, for_init
   target = targets.get(target_name)
@@ -366,7 +367,9 @@ def _decode_step(cfg, target_name, batch=4, slots=1024, **run):
   spec = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shard)
   params = jax.eval_shape(lambda: for_init(LoopedMoE(cfg)).init(
       jax.random.key(0), jnp.zeros((1, 8), jnp.int32))['params'])
-  cache = jax.tree.map(spec, cache_shapes(cfg, batch, slots))
+  cache = dict(jax.tree.map(spec, cache_shapes(cfg, batch, slots)))
+  if per_row:
+    cache['position'] = spec(jax.ShapeDtypeStruct((batch,), jnp.int32))
   runtime = aot.kernel_runtime(target).with_run(**run)
   step = jax.jit(lambda p, c, t: decode_step(cfg, p, c, t, runtime=runtime), donate_argnums=1)
   with compile_cache.off():  # compile-only devices: nothing to load a kept program onto
@@ -428,18 +431,22 @@ def test_a_tpu_decode_step_reads_its_cache_once_in_the_pallas_kernels(head_dim, 
 
 
 @needs('tpu')
-@pytest.mark.parametrize('head_dim', [128, 32], ids=['heads of 128', 'slots minor'])
-def test_a_tpu_decode_step_with_early_exit_keeps_its_cache_in_place(head_dim):
+@pytest.mark.parametrize('head_dim,per_row', [(128, False), (32, False), (32, True)],
+                         ids=['heads of 128', 'slots minor', 'a position per row'])
+def test_a_tpu_decode_step_with_early_exit_keeps_its_cache_in_place(head_dim, per_row):
   """Early exit's decode step on a TPU: its passes run in a loop that carries the cache (a
   cond per pass copied it) and the skipped passes' slots are filled in a window of the step's
   slots (whole lane tiles where XLA keeps the cache slots-minor: it copied the whole cache to
-  another layout to read one slot); the only cache-sized ops left are the fill's in-place
-  updates, and the temporaries a sliver of the cache (before, a bf16 step with heads of 64
-  held 163.6 MiB of temporaries over its 64 MiB cache, docs/results.md, stop 65)."""
+  another layout to read one slot, and to gather each row's under a position per row, the
+  batch program's cache); the only cache-sized ops left are the fill's in-place updates, and
+  the temporaries a sliver of the cache (before, a bf16 step with heads of 64 held 163.6 MiB
+  of temporaries over its 64 MiB cache, 162.0 MiB with a position per row; docs/results.md,
+  stop 65)."""
   from loopmoe_jax.experiment import build
   cfg = build(tiny()).model.replace(num_loops=3, head_dim=head_dim, num_heads=4,
                                     num_kv_heads=2, d_model=64, exit='kl', exit_threshold=0.01)
-  compiled, cache_bytes, big = _decode_step(cfg, 'v5p:2x2x1', batch=8, slots=4096)
+  compiled, cache_bytes, big = _decode_step(cfg, 'v5p:2x2x1', batch=8, slots=4096,
+                                            per_row=per_row)
   moves = [line for line in big if not re.search(r' dynamic-update-slice\(', line)]
   assert not moves, moves
   assert compiled.memory_analysis().temp_size_in_bytes < cache_bytes / 8
