@@ -201,14 +201,13 @@ def decode_step(cfg: ModelConfig, params, cache, tokens_BT, num_loops: int | Non
 
 
 def _fill_tiles(cfg: ModelConfig, runtime: Runtime, core_cache) -> tuple[int, bool]:
-  """(tile, slots-minor) of the core's cache where the TPU decode kernels keep it (tiles of
-  128 lanes slots-minor where the head dim is not a multiple of 128, else of 8 sublanes of
-  32-bit words), for early_exit.fill_skipped's window; (0, False) elsewhere."""
+  """(tile, slots-minor) of the core's cache where the TPU decode kernels keep it
+  (decode_attention.layout_tile, slots_minor), for early_exit.fill_skipped's window;
+  (0, False) elsewhere."""
   if decode_kernels(runtime.resolved(), cfg) != 'tpu':
     return 0, False
-  if decode_kernel.slots_minor(cfg.resolved_head_dim):
-    return decode_kernel.LANES, True
-  return 32 // jax.tree.leaves(core_cache)[0].dtype.itemsize, False
+  k, itemsize = cfg.resolved_head_dim, jax.tree.leaves(core_cache)[0].dtype.itemsize
+  return decode_kernel.layout_tile(k, itemsize), decode_kernel.slots_minor(k)
 
 
 def _check_layout(cfg: ModelConfig, cache, shared: bool, passes: int) -> None:

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 
 from loopmoe_jax.core_plan import CoreInputs, CoreOutputs, CorePlan
 from loopmoe_jax.layers import rms_norm
+from pallas_kernels import decode_attention as decode_kernel
 
 GATE_PARAMS = ('exit_gate_w', 'exit_gate_b')
 
@@ -167,13 +168,10 @@ def _decode_passes(stack: nn.Module, inputs: CoreInputs, readout: Readout,
   """Early exit while decoding: the passes in a loop that carries the KV cache whole, each
   pass writing its own slot in place (CorePlan.carry_cache), and stops once every token has
   exited; a cond per pass would copy the carried cache at each pass."""
-  at = lambda t, p: None if t is None else jax.tree.map(
-      lambda a: jax.lax.dynamic_index_in_dim(a, p, 0, keepdims=False), t)
-
   def body(mdl, carry):
     p, x, aux = carry
-    bias = at(inputs.bias, p) if plan.per_pass else inputs.bias
-    y = mdl(x, at(inputs.pass_attn, p), inputs.e_BTD, inputs.positions_BT, bias, p)[0]
+    one = inputs.one_pass(p, plan.per_pass)  # pass p's attention weights and bias
+    y = mdl(x, one.pass_attn, one.e_BTD, one.positions_BT, one.bias, p)[0]
     y = jnp.where(aux['exited'][..., None], x, y)  # exited tokens keep their state
     return p + 1, y, update(readout, aux, y)
 
@@ -221,8 +219,8 @@ def _fill_window(x, passes_BT, start, tile: int, minor: bool, row=None):
   slots, k = (x.shape[4], x.shape[3]) if minor else (x.shape[3], x.shape[4])
   t = passes_BT.shape[1]
   if tile:  # whole tiles of slots, the step's among them
-    width = min(tile * (-(-t // tile) + 1), slots)
-    at = jnp.minimum(start // tile * tile, slots - width)
+    width = decode_kernel.window(t, slots, tile)
+    at = decode_kernel.window_start(start, slots, width, tile)
   else:
     width, at = t, start
   token_W = at + jnp.arange(width) - start  # the step's token at each slot, or out of range

@@ -64,19 +64,30 @@ def slots_minor(head_dim: int) -> bool:
   return head_dim % LANES != 0
 
 
+def layout_tile(head_dim: int, itemsize: int) -> int:
+  """The slots of one tile of the cache as the kernels keep it: 128 lanes read slots-minor,
+  8 sublanes of 32-bit words otherwise (16 rows of a 16-bit dtype, 32 of an 8-bit one)."""
+  return LANES if slots_minor(head_dim) else 32 // itemsize
+
+
 def slot_tile(head_dim: int, itemsize: int) -> int:
-  """The slots of one tile along the cache's slot axis, the unit a write's DMA offset must
-  be a multiple of: 128 lanes read slots-minor, 8 sublanes of 32-bit words otherwise (16
-  rows of a 16-bit dtype, 32 of an 8-bit one); 1: any offset (32-bit, [S, K])."""
-  if slots_minor(head_dim):
-    return LANES
-  return 1 if itemsize >= 4 else 32 // itemsize
+  """The unit a write's DMA offset must be a multiple of: the layout's tile (`layout_tile`),
+  or 1, any offset, where 32-bit rows lie slots-major ([S, K])."""
+  if not slots_minor(head_dim) and itemsize >= 4:
+    return 1
+  return layout_tile(head_dim, itemsize)
 
 
 def window(tokens: int, slots: int, tile: int) -> int:
   """The slots a windowed write reads and writes back: whole tiles covering any `tokens`
   consecutive slots, or the whole cache when it is narrower."""
   return min(tile * (-(-tokens // tile) + 1), slots)
+
+
+def window_start(start, slots: int, width: int, tile: int):
+  """The first slot of the `width`-slot window (`window`) around slots from `start`: the
+  start's tile, moved back where the window would pass the cache's end."""
+  return jnp.minimum(jax.lax.div(start, tile) * tile, slots - width)
 
 
 def supports(slots: int, head_dim: int, itemsize: int, tokens: int = 1, per_group: int = 1,
@@ -218,7 +229,7 @@ def _write_kernel(pass_ref, start_ref, k_new_ref, v_new_ref, k_in, v_in, k_out, 
     buf, sems = scratch
     axis = 2 if minor else 1  # the slot axis of a row's [G, K, W] or [G, W, K]
     width = buf.shape[axis + 1]
-    first = pl.multiple_of(jnp.minimum(jax.lax.div(start, tile) * tile, slots - width), tile)
+    first = pl.multiple_of(window_start(start, slots, width, tile), tile)
     offset = start - first
     for i, (_, out) in enumerate(pairs):
       pltpu.make_async_copy(at(out, first, width), buf.at[i], sems.at[i]).start()

@@ -121,6 +121,7 @@ def test_supports_blocks_within_vmem_and_slots_of_whole_tiles():
   assert dk.window(1, 4096, 128) == 256 and dk.window(200, 4096, 128) == 384
   assert dk.window(3, 128, 128) == 128 and dk.window(3, 4096, 16) == 32
   assert [dk.slot_tile(128, n) for n in (4, 2, 1)] == [1, 16, 32] and dk.slot_tile(64, 4) == 128
+  assert [dk.layout_tile(128, n) for n in (4, 2, 1)] == [8, 16, 32] and dk.layout_tile(64, 2) == 128
   assert dk.key_block(4096) == 512 and dk.key_block(1000) == 8 and dk.key_block(999) == 999
   assert dk.key_block(1000, block=100) == 8  # a block size not of whole sublanes is not used
   assert dk.supports(4096, 128, 4, tokens=512, per_group=2)  # a prefill that fits VMEM
